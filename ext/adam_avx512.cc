@@ -1,0 +1,50 @@
+// AVX-512 (F, BW, VL) Adam kernel, 16 floats a vector. Compiled with AVX-512
+// target flags and only called after a CPUID check.
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+struct V {
+  static constexpr int kWidth = 16;
+  using F = __m512;
+  static F load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_f32(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
+  // which flushes denormals: the scalar and AVX2 versions give the same bits.
+  static void store_bf16(uint16_t* p, F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i hi = _mm512_srli_epi32(bits, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_f16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+}  // namespace
+
+#include "adam_kernel_impl.h"
+
+void jzo::isa::adam_range_avx512(const AdamBuffers& b, const AdamScalars& s,
+                                 int64_t begin, int64_t end) {
+  dispatch(b, s, begin, end);
+}

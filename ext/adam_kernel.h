@@ -1,0 +1,68 @@
+// The fused Adam(W) kernel: plain pointers and sizes, no Python, no XLA.
+//
+// One pass over memory per element i:
+//   g      = float(grad[i]) * grad_scale               (unscale: loss scale, clip)
+//   m      = b1 * m + (1 - b1) * g
+//   v      = b2 * v + (1 - b2) * g * g
+//   m_hat  = m / bc1            (nesterov: b1 * m / bc1_next + (1 - b1) * g / bc1)
+//   v_hat  = v / bc2
+//   x      = m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * param
+//   update = -lr * x
+// then either param += update in place, or update is written to update_out;
+// the new param may also be written as bf16/fp16 into lowp_out.
+// All arithmetic is float32 whatever the storage types.
+#pragma once
+
+#include <cstdint>
+
+namespace jzo {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Scalars of one step, already reduced to float32 (bias corrections included)
+// so that every code path sees the same rounded values.
+struct AdamScalars {
+  float lr, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay;
+  float bc1;       // 1 - b1**t
+  float bc2;       // 1 - b2**t
+  float bc1_next;  // 1 - b1**(t + 1), used by nesterov only
+  float grad_scale;
+  bool nesterov;
+};
+
+struct AdamBuffers {
+  int64_t n = 0;                     // elements in every buffer
+  const void* grad = nullptr;        // read
+  DType grad_dtype = DType::kF32;    // f32, bf16 or f16
+  void* mu = nullptr;                // read and written
+  DType mu_dtype = DType::kF32;      // f32 or bf16
+  void* nu = nullptr;                // read and written
+  DType nu_dtype = DType::kF32;      // f32 or bf16
+  float* param = nullptr;            // f32; read for weight decay, written if update_param
+  bool update_param = false;         // param += update in place
+  float* update_out = nullptr;       // f32 update, when not applied in place
+  void* lowp_out = nullptr;          // optional low-precision copy of the new param
+  DType lowp_dtype = DType::kBF16;   // bf16 or f16
+};
+
+// Runs elements [begin, end) with the SIMD level chosen at run time.
+// Results do not depend on how [0, n) is split into ranges.
+void adam_range(const AdamBuffers& b, const AdamScalars& s, int64_t begin,
+                int64_t end);
+
+// Name of the instruction set adam_range uses: "avx512", "avx2" or "scalar".
+const char* simd_level();
+
+// Restricts the dispatch to at most `level` (for tests and benchmarks);
+// returns false if the CPU lacks it or the name is unknown.
+bool set_simd_level(const char* level);
+
+namespace isa {
+// One entry point per instruction set, each compiled in its own translation
+// unit with its own target flags.
+void adam_range_scalar(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
+void adam_range_avx2(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
+void adam_range_avx512(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
+}  // namespace isa
+
+}  // namespace jzo

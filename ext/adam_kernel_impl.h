@@ -1,0 +1,174 @@
+// Body of the Adam kernel, written once over a vector type `V` and compiled
+// once per instruction set (adam_scalar.cc, adam_avx2.cc, adam_avx512.cc).
+//
+// Each including file defines `V` first: width kWidth, vector type F, and
+// loads/stores for f32, bf16 and f16 plus add/mul/div/sqrt/fmadd/set1.
+// Everything here has internal linkage, so the per-ISA copies never merge.
+//
+// Bitwise determinism: every element goes through the same vector step; the
+// last partial vector of a range is copied into a zero-padded scratch vector
+// rather than run through a separate scalar loop. So results do not depend on
+// how the caller splits [0, n) among threads.
+
+#include <cstring>
+
+#include "adam_kernel.h"
+
+namespace {
+
+using F = V::F;
+constexpr int kW = V::kWidth;
+
+template <jzo::DType D>
+struct Storage;
+template <>
+struct Storage<jzo::DType::kF32> {
+  using T = float;
+};
+template <>
+struct Storage<jzo::DType::kBF16> {
+  using T = uint16_t;
+};
+template <>
+struct Storage<jzo::DType::kF16> {
+  using T = uint16_t;
+};
+
+template <jzo::DType D>
+inline F load(const void* base, int64_t i) {
+  const auto* p = static_cast<const typename Storage<D>::T*>(base) + i;
+  if constexpr (D == jzo::DType::kF32) return V::load_f32(p);
+  if constexpr (D == jzo::DType::kBF16) return V::load_bf16(p);
+  if constexpr (D == jzo::DType::kF16) return V::load_f16(p);
+}
+
+template <jzo::DType D>
+inline void store(void* base, int64_t i, F x) {
+  auto* p = static_cast<typename Storage<D>::T*>(base) + i;
+  if constexpr (D == jzo::DType::kF32) V::store_f32(p, x);
+  if constexpr (D == jzo::DType::kBF16) V::store_bf16(p, x);
+  if constexpr (D == jzo::DType::kF16) V::store_f16(p, x);
+}
+
+struct Consts {
+  F b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2, bc1_next, grad_scale, neg_lr;
+  bool nesterov, read_param;
+  explicit Consts(const jzo::AdamScalars& s, bool has_param)
+      : b1(V::set1(s.b1)),
+        omb1(V::set1(s.one_minus_b1)),
+        b2(V::set1(s.b2)),
+        omb2(V::set1(s.one_minus_b2)),
+        eps(V::set1(s.eps)),
+        eps_root(V::set1(s.eps_root)),
+        wd(V::set1(s.weight_decay)),
+        bc1(V::set1(s.bc1)),
+        bc2(V::set1(s.bc2)),
+        bc1_next(V::set1(s.bc1_next)),
+        grad_scale(V::set1(s.grad_scale)),
+        neg_lr(V::set1(-s.lr)),
+        nesterov(s.nesterov),
+        read_param(has_param && s.weight_decay != 0.0f) {}
+};
+
+// kNoLowp marks "no low-precision copy"; otherwise L is the copy's dtype.
+constexpr int kNoLowp = -1;
+
+template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
+inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
+  const F g = V::mul(load<G>(b.grad, i), c.grad_scale);
+  const F m = V::fmadd(c.b1, load<M>(b.mu, i), V::mul(c.omb1, g));
+  const F v = V::fmadd(c.b2, load<N>(b.nu, i), V::mul(c.omb2, V::mul(g, g)));
+  store<M>(b.mu, i, m);
+  store<N>(b.nu, i, v);
+
+  const F m_hat = c.nesterov ? V::fmadd(c.b1, V::div(m, c.bc1_next),
+                                        V::mul(c.omb1, V::div(g, c.bc1)))
+                             : V::div(m, c.bc1);
+  const F v_hat = V::div(v, c.bc2);
+  F x = V::div(m_hat, V::add(V::sqrt(V::add(v_hat, c.eps_root)), c.eps));
+  if (c.read_param) x = V::fmadd(c.wd, V::load_f32(b.param + i), x);
+  const F u = V::mul(c.neg_lr, x);
+
+  if (!b.update_param) {
+    V::store_f32(b.update_out + i, u);
+    return;
+  }
+  const F p = V::add(V::load_f32(b.param + i), u);
+  V::store_f32(b.param + i, p);
+  if constexpr (L != kNoLowp) store<static_cast<jzo::DType>(L)>(b.lowp_out, i, p);
+}
+
+inline size_t elem_size(jzo::DType d) { return d == jzo::DType::kF32 ? 4 : 2; }
+
+// Runs the last k < kW elements from index i through `step` on padded copies.
+template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
+inline void tail(const jzo::AdamBuffers& b, const Consts& c, int64_t i, int64_t k) {
+  alignas(64) float grad[kW] = {}, mu[kW] = {}, nu[kW] = {}, param[kW] = {},
+                    update[kW] = {}, lowp[kW] = {};
+  jzo::AdamBuffers t = b;
+  t.grad = grad;
+  t.mu = mu;
+  t.nu = nu;
+  t.param = b.param ? param : nullptr;
+  t.update_out = b.update_out ? update : nullptr;
+  t.lowp_out = b.lowp_out ? lowp : nullptr;
+  auto in = [&](void* dst, const void* src, jzo::DType d) {
+    std::memcpy(dst, static_cast<const char*>(src) + i * elem_size(d), k * elem_size(d));
+  };
+  auto out = [&](void* dst, const void* src, jzo::DType d) {
+    std::memcpy(static_cast<char*>(dst) + i * elem_size(d), src, k * elem_size(d));
+  };
+  in(grad, b.grad, b.grad_dtype);
+  in(mu, b.mu, b.mu_dtype);
+  in(nu, b.nu, b.nu_dtype);
+  if (b.param) in(param, b.param, jzo::DType::kF32);
+  step<G, M, N, L>(t, c, 0);
+  out(b.mu, mu, b.mu_dtype);
+  out(b.nu, nu, b.nu_dtype);
+  if (b.update_out && !b.update_param) out(b.update_out, update, jzo::DType::kF32);
+  if (b.update_param) out(b.param, param, jzo::DType::kF32);
+  if (b.lowp_out && b.update_param) out(b.lowp_out, lowp, b.lowp_dtype);
+}
+
+template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
+void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
+         int64_t end) {
+  const Consts c(s, b.param != nullptr);
+  int64_t i = begin;
+  for (; i + kW <= end; i += kW) step<G, M, N, L>(b, c, i);
+  if (i < end) tail<G, M, N, L>(b, c, i, end - i);
+}
+
+// Turns the run-time dtypes into one of the 36 compiled instantiations.
+template <jzo::DType G, jzo::DType M, jzo::DType N>
+void pick_lowp(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
+  if (!b.lowp_out || !b.update_param) return run<G, M, N, kNoLowp>(b, s, lo, hi);
+  if (b.lowp_dtype == jzo::DType::kBF16)
+    return run<G, M, N, static_cast<int>(jzo::DType::kBF16)>(b, s, lo, hi);
+  return run<G, M, N, static_cast<int>(jzo::DType::kF16)>(b, s, lo, hi);
+}
+
+template <jzo::DType G, jzo::DType M>
+void pick_nu(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
+  if (b.nu_dtype == jzo::DType::kBF16) return pick_lowp<G, M, jzo::DType::kBF16>(b, s, lo, hi);
+  return pick_lowp<G, M, jzo::DType::kF32>(b, s, lo, hi);
+}
+
+template <jzo::DType G>
+void pick_mu(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
+  if (b.mu_dtype == jzo::DType::kBF16) return pick_nu<G, jzo::DType::kBF16>(b, s, lo, hi);
+  return pick_nu<G, jzo::DType::kF32>(b, s, lo, hi);
+}
+
+void dispatch(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
+  switch (b.grad_dtype) {
+    case jzo::DType::kBF16:
+      return pick_mu<jzo::DType::kBF16>(b, s, lo, hi);
+    case jzo::DType::kF16:
+      return pick_mu<jzo::DType::kF16>(b, s, lo, hi);
+    default:
+      return pick_mu<jzo::DType::kF32>(b, s, lo, hi);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,53 @@
+// Portable Adam kernel: one element at a time, for CPUs without AVX2 and
+// for non-x86 builds. Same operation sequence as the SIMD versions
+// (fused multiply-add included), so it gives the same bits.
+#include <cstdint>
+#include <cstring>
+
+namespace {
+struct V {
+  static constexpr int kWidth = 1;
+  using F = float;
+  static F load_f32(const float* p) { return *p; }
+  static void store_f32(float* p, F x) { *p = x; }
+  static F load_bf16(const uint16_t* p) {
+    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    F x;
+    std::memcpy(&x, &bits, 4);
+    return x;
+  }
+  // Round to nearest even; NaN stays a quiet NaN of the same sign.
+  static void store_bf16(uint16_t* p, F x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if (x != x) {
+      *p = static_cast<uint16_t>((bits >> 16) | 0x40);
+      return;
+    }
+    *p = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+  // _Float16 conversions are IEEE round-to-nearest-even (GCC, Clang).
+  static F load_f16(const uint16_t* p) {
+    _Float16 h;
+    std::memcpy(&h, p, 2);
+    return static_cast<F>(h);
+  }
+  static void store_f16(uint16_t* p, F x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    std::memcpy(p, &h, 2);
+  }
+  static F set1(float x) { return x; }
+  static F add(F a, F b) { return a + b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return __builtin_sqrtf(a); }
+  static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+};
+}  // namespace
+
+#include "adam_kernel_impl.h"
+
+void jzo::isa::adam_range_scalar(const AdamBuffers& b, const AdamScalars& s,
+                                 int64_t begin, int64_t end) {
+  dispatch(b, s, begin, end);
+}

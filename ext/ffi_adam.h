@@ -1,0 +1,15 @@
+// XLA FFI handler for the CPU Adam update inside jit (see ffi_adam.cc).
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+namespace jzo {
+
+// Number of float32 scalars the handler reads, in this order:
+// lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, bc1, bc2, bc1_next, grad_scale.
+constexpr int kNumAdamScalars = 12;
+
+}  // namespace jzo
+
+// Handler symbol registered with jax.ffi.register_ffi_target (C linkage).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JzoAdamUpdateFfi);

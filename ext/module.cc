@@ -1,0 +1,142 @@
+// nanobind module jzo._ext: argument checks at the boundary, then the kernels.
+// Arrays come in as numpy views; bf16/fp16 payloads arrive as uint16 views
+// with a dtype code, since numpy has no native bf16 to exchange.
+// Every array is .noconvert(): a converted temporary would silently drop the
+// in-place update.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ffi_adam.h"
+#include "host_ops.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using ReadArray = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+using WriteArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using F32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+
+jzo::DType to_dtype(int code, const char* name) {
+  if (code < 0 || code > 2)
+    throw std::invalid_argument(std::string(name) + ": unknown dtype code " + std::to_string(code));
+  return static_cast<jzo::DType>(code);
+}
+
+// Checks that the array's storage matches the dtype code: float32 for f32,
+// uint16 views for bf16/f16.
+template <typename Array>
+void check_storage(const Array& a, jzo::DType d, const char* name) {
+  const bool ok = d == jzo::DType::kF32 ? a.dtype() == nb::dtype<float>()
+                                        : a.dtype() == nb::dtype<uint16_t>();
+  if (!ok)
+    throw nb::type_error((std::string(name) + ": storage does not match its dtype").c_str());
+}
+
+struct Span {
+  const char* name;
+  uintptr_t lo, hi;
+};
+
+void check_disjoint(const std::vector<Span>& spans) {
+  for (size_t i = 0; i < spans.size(); ++i)
+    for (size_t j = i + 1; j < spans.size(); ++j)
+      if (spans[i].lo < spans[j].hi && spans[j].lo < spans[i].hi)
+        throw std::invalid_argument(std::string(spans[i].name) + " and " + spans[j].name +
+                                    " overlap in memory");
+}
+
+template <typename Array>
+Span span_of(const char* name, const Array& a) {
+  const auto lo = reinterpret_cast<uintptr_t>(a.data());
+  return {name, lo, lo + a.nbytes()};
+}
+
+void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, int mu_dtype,
+               WriteArray nu, int nu_dtype, std::optional<WriteArray> lowp_out, int lowp_dtype,
+               nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> scalars,
+               bool nesterov, int num_threads) {
+  jzo::AdamBuffers b;
+  b.n = static_cast<int64_t>(param.size());
+  b.grad_dtype = to_dtype(grad_dtype, "grad");
+  b.mu_dtype = to_dtype(mu_dtype, "mu");
+  b.nu_dtype = to_dtype(nu_dtype, "nu");
+  if (b.mu_dtype == jzo::DType::kF16 || b.nu_dtype == jzo::DType::kF16)
+    throw nb::type_error("mu and nu must be float32 or bfloat16");
+  check_storage(grad, b.grad_dtype, "grad");
+  check_storage(mu, b.mu_dtype, "mu");
+  check_storage(nu, b.nu_dtype, "nu");
+  auto same_size = [&](size_t n, const char* name) {
+    if (static_cast<int64_t>(n) != b.n)
+      throw std::invalid_argument(std::string(name) + " has " + std::to_string(n) +
+                                  " elements, param has " + std::to_string(b.n));
+  };
+  same_size(grad.size(), "grad");
+  same_size(mu.size(), "mu");
+  same_size(nu.size(), "nu");
+  if (scalars.size() != jzo::kNumAdamScalars)
+    throw std::invalid_argument("scalars must hold " + std::to_string(jzo::kNumAdamScalars) +
+                                " values");
+  std::vector<Span> spans = {span_of("param", param), span_of("grad", grad), span_of("mu", mu),
+                             span_of("nu", nu)};
+  if (lowp_out) {
+    b.lowp_dtype = to_dtype(lowp_dtype, "lowp_out");
+    if (b.lowp_dtype == jzo::DType::kF32)
+      throw nb::type_error("lowp_out must be bfloat16 or float16");
+    check_storage(*lowp_out, b.lowp_dtype, "lowp_out");
+    same_size(lowp_out->size(), "lowp_out");
+    spans.push_back(span_of("lowp_out", *lowp_out));
+    b.lowp_out = lowp_out->data();
+  }
+  check_disjoint(spans);
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
+
+  b.grad = grad.data();
+  b.mu = mu.data();
+  b.nu = nu.data();
+  b.param = param.data();
+  b.update_param = true;
+  const float* c = scalars.data();
+  const jzo::AdamScalars s{c[0], c[1], c[2], c[3], c[4],  c[5],    c[6],
+                           c[7], c[8], c[9], c[10], c[11], nesterov};
+  nb::gil_scoped_release release;
+  jzo::adam_parallel(b, s, num_threads);
+}
+
+void parallel_copy(WriteArray dst, ReadArray src, int num_threads) {
+  if (dst.nbytes() != src.nbytes())
+    throw std::invalid_argument("dst has " + std::to_string(dst.nbytes()) + " bytes, src has " +
+                                std::to_string(src.nbytes()));
+  check_disjoint({span_of("dst", dst), span_of("src", src)});
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
+  nb::gil_scoped_release release;
+  jzo::parallel_copy(dst.data(), src.data(), dst.nbytes(), num_threads);
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "jzo's C++ host kernels (private; use jzo.kernels)";
+  m.def("adam_step", &adam_step, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
+        nb::arg("grad_dtype"), nb::arg("mu").noconvert(), nb::arg("mu_dtype"),
+        nb::arg("nu").noconvert(), nb::arg("nu_dtype"), nb::arg("lowp_out").noconvert().none(),
+        nb::arg("lowp_dtype"), nb::arg("scalars").noconvert(), nb::arg("nesterov"),
+        nb::arg("num_threads"),
+        "Fused in-place Adam(W) step over host arrays; releases the GIL.");
+  m.def("parallel_copy", &parallel_copy, nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
+        nb::arg("num_threads"), "memcpy split over threads; releases the GIL.");
+  m.def("num_threads", &jzo::num_threads);
+  m.def("set_num_threads", &jzo::set_num_threads, nb::arg("n"));
+  m.def("available_cpus", &jzo::available_cpus);
+  m.def("simd_level", &jzo::simd_level);
+  m.def("set_simd_level", &jzo::set_simd_level, nb::arg("level"));
+  m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
+  m.attr("NUM_ADAM_SCALARS") = jzo::kNumAdamScalars;
+}

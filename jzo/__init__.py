@@ -1,0 +1,12 @@
+"""jzo: ZeRO and ZeRO-Offload for JAX.
+
+Public API:
+  cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
+  kernels: the fused in-place host kernel and its thread/SIMD settings.
+"""
+
+from jzo import kernels
+from jzo.cpu_adam import CpuAdamState, cpu_adam, cpu_adamw
+
+__all__ = ["CpuAdamState", "cpu_adam", "cpu_adamw", "kernels"]
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""Host kernels of jzo: the fused C++ Adam step and multi-threaded copies.
+
+These work on numpy arrays in host memory and update them in place; the
+offload engine calls them on the fp32 master weights and moments it owns.
+`jzo.cpu_adam`/`jzo.cpu_adamw` are the optax face of the same kernel.
+
+bf16 arrays are numpy arrays of `ml_dtypes.bfloat16` (what `np.asarray` of a
+JAX bf16 array gives).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jzo import _ext
+
+ADAM_UPDATE_TARGET = "jzo_adam_update"
+jax.ffi.register_ffi_target(ADAM_UPDATE_TARGET, _ext.adam_update_ffi(), platform="cpu")
+
+# Dtype codes shared with the C++ side (DType in ext/adam_kernel.h).
+_DTYPE_CODES = {
+    np.dtype(np.float32): 0,
+    np.dtype(ml_dtypes.bfloat16): 1,
+    np.dtype(np.float16): 2,
+}
+GRAD_DTYPES = tuple(_DTYPE_CODES)
+MOMENT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+LOWP_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def simd_level() -> str:
+  """Instruction set the kernel runs with here: 'avx512', 'avx2' or 'scalar'."""
+  return _ext.simd_level()
+
+
+def set_simd_level(level: str) -> None:
+  """Caps the instruction set (tests, benchmarks); the default is the best one.
+
+  Raises:
+    ValueError: the name is unknown or this CPU lacks that instruction set.
+  """
+  if not _ext.set_simd_level(level):
+    raise ValueError(f"SIMD level {level!r} is unknown or unsupported on this CPU")
+
+
+def num_threads() -> int:
+  """Threads the host kernels use (the caller's thread included)."""
+  return _ext.num_threads()
+
+
+def set_num_threads(n: int) -> None:
+  """Sets the threads the host kernels use; the default is the CPUs this process may use."""
+  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+    raise ValueError(f"num_threads must be an integer >= 1, got {n!r}")
+  _ext.set_num_threads(int(n))
+
+
+def _check_hyperparameter(name: str, value, *, upper: float | None = None) -> None:
+  """Rejects NaN, infinite or negative concrete values (traced ones pass)."""
+  if isinstance(value, jax.core.Tracer) or callable(value):
+    return
+  try:
+    x = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a real number, got {value!r}") from None
+  if not math.isfinite(x) or x < 0:
+    raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+  if upper is not None and x >= upper:
+    raise ValueError(f"{name} must be < {upper}, got {value!r}")
+
+
+def check_adam_hyperparameters(*, learning_rate, b1, b2, eps, eps_root, weight_decay) -> None:
+  """Validates Adam's hyperparameters; schedules and traced values are not checked."""
+  _check_hyperparameter("learning_rate", learning_rate)
+  _check_hyperparameter("b1", b1, upper=1.0)
+  _check_hyperparameter("b2", b2, upper=1.0)
+  _check_hyperparameter("eps", eps)
+  _check_hyperparameter("eps_root", eps_root)
+  _check_hyperparameter("weight_decay", weight_decay)
+
+
+def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1.0) -> jax.Array:
+  """The float32[12] scalars of one Adam step, as the C++ kernel reads them.
+
+  Bias corrections follow optax: bc = 1 - b ** count, count the 1-based step.
+
+  Args:
+    lr, b1, b2, eps, eps_root, weight_decay: hyperparameters (floats or arrays).
+    count: int32 step number after increment (1 on the first step).
+    grad_scale: factor applied to gradients first (1 / loss scale * clip).
+
+  Returns:
+    float32[12]: lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, bc1, bc2,
+    bc1_next (for nesterov), grad_scale.
+  """
+  count = jnp.asarray(count, jnp.int32)
+  # `1 - b` is formed before the cast, like optax's `(1 - b1) * g`.
+  values = [lr, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight_decay,
+            1 - b1**count, 1 - b2**count, 1 - b1**(count + 1), grad_scale]
+  return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
+
+
+def _require_host_array(name: str, a, *, writable: bool) -> np.ndarray:
+  if not isinstance(a, np.ndarray):
+    raise TypeError(f"{name} must be a numpy array in host memory, got {type(a).__name__}")
+  if not a.flags.c_contiguous:
+    raise ValueError(f"{name} must be C-contiguous (got strides {a.strides})")
+  if writable and not a.flags.writeable:
+    raise ValueError(f"{name} is read-only; the kernel writes it in place")
+  return a
+
+
+def _payload(a: np.ndarray) -> np.ndarray:
+  """The array as the C++ side takes it: float32 as is, 16-bit floats as uint16."""
+  return a if a.dtype == np.float32 else a.view(np.uint16)
+
+
+def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
+               learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 0.0,
+               nesterov: bool = False, grad_scale: float = 1.0,
+               lowp_out: np.ndarray | None = None, num_threads: int | None = None) -> None:
+  """One fused Adam(W) step on host arrays, in place.
+
+  In one pass over memory: g = grad * grad_scale; Adam moments; update
+  -lr * (m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * param);
+  param += update; optionally lowp_out = bf16/fp16(param). The result equals
+  optax.adamw followed by optax.apply_updates on float32 gradients.
+
+  Args:
+    param: float32 master weights, any shape; updated in place.
+    grad: gradients of param's size, float32, bfloat16 or float16.
+    mu, nu: first and second moments of param's size, float32 or bfloat16;
+      updated in place.
+    learning_rate, b1, b2, eps, eps_root, weight_decay, nesterov: as optax.adamw.
+    count: 1-based index of this step (for the bias corrections).
+    grad_scale: multiplies the gradients first (unscale and clip factor).
+    lowp_out: optional bfloat16/float16 array of param's size that receives
+      the new weights (for the device copy).
+    num_threads: threads to use (default: `num_threads()`).
+
+  Raises:
+    TypeError, ValueError: naming the offending argument.
+  """
+  _require_host_array("param", param, writable=True)
+  _require_host_array("grad", grad, writable=False)
+  _require_host_array("mu", mu, writable=True)
+  _require_host_array("nu", nu, writable=True)
+  if param.dtype != np.float32:
+    raise TypeError(f"param must be float32 master weights, got {param.dtype}")
+  if grad.dtype not in GRAD_DTYPES:
+    raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+  for name, a in (("mu", mu), ("nu", nu)):
+    if a.dtype not in MOMENT_DTYPES:
+      raise TypeError(f"{name} must be float32 or bfloat16, got {a.dtype}")
+  for name, a in (("grad", grad), ("mu", mu), ("nu", nu)):
+    if a.shape != param.shape:
+      raise ValueError(f"{name} has shape {a.shape}, param has shape {param.shape}")
+  if lowp_out is not None:
+    _require_host_array("lowp_out", lowp_out, writable=True)
+    if lowp_out.dtype not in LOWP_DTYPES:
+      raise TypeError(f"lowp_out must be bfloat16 or float16, got {lowp_out.dtype}")
+    if lowp_out.shape != param.shape:
+      raise ValueError(f"lowp_out has shape {lowp_out.shape}, param has shape {param.shape}")
+  check_adam_hyperparameters(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                             eps_root=eps_root, weight_decay=weight_decay)
+  if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
+    raise ValueError(f"count must be an integer >= 1, got {count!r}")
+  if not math.isfinite(float(grad_scale)):
+    raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
+  if num_threads is not None and (not isinstance(num_threads, (int, np.integer)) or num_threads < 1):
+    raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
+
+  scalars = np.asarray(_host_scalars(learning_rate, b1, b2, eps, eps_root, weight_decay,
+                                     int(count), grad_scale))
+  _ext.adam_step(
+      param, _payload(grad), _DTYPE_CODES[grad.dtype], _payload(mu), _DTYPE_CODES[mu.dtype],
+      _payload(nu), _DTYPE_CODES[nu.dtype],
+      None if lowp_out is None else _payload(lowp_out),
+      _DTYPE_CODES[lowp_out.dtype] if lowp_out is not None else 1,
+      scalars, bool(nesterov), int(num_threads or 0))
+
+
+@functools.partial(jax.jit, static_argnames=("b1", "b2", "eps", "eps_root", "weight_decay"))
+def _host_scalars_jit(lr, count, grad_scale, *, b1, b2, eps, eps_root, weight_decay):
+  return adam_scalars(lr=lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                      weight_decay=weight_decay, count=count, grad_scale=grad_scale)
+
+
+def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
+  """adam_scalars computed by XLA on the CPU as cpu_adamw computes them.
+
+  The constant hyperparameters stay Python floats (static), so `1 - b1` is
+  formed in double precision exactly as in the optax path.
+  """
+  with jax.default_device(jax.devices("cpu")[0]):
+    return _host_scalars_jit(np.float32(lr), np.int32(count), np.float32(grad_scale),
+                             b1=float(b1), b2=float(b2), eps=float(eps),
+                             eps_root=float(eps_root), weight_decay=float(weight_decay))
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, *, num_threads: int | None = None) -> None:
+  """Copies src into dst (same byte size, both C-contiguous) on several threads."""
+  _require_host_array("dst", dst, writable=True)
+  _require_host_array("src", src, writable=False)
+  _ext.parallel_copy(dst, src, int(num_threads or 0))
