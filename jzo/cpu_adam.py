@@ -168,7 +168,7 @@ def cpu_adamw(
       raise TypeError(f"state must be a CpuAdamState from this transform's init, "
                       f"got {type(state).__name__}")
     if not no_decay and params is None:
-      raise ValueError(optax.NO_PARAMS_MSG)
+      raise ValueError("cpu_adamw with weight decay needs params: call update(grads, state, params)")
     if jax.tree.structure(updates) != jax.tree.structure(state.mu):
       raise ValueError("gradients and optimizer state have different tree structures: "
                        f"{jax.tree.structure(updates)} vs {jax.tree.structure(state.mu)}")
