@@ -1,0 +1,235 @@
+"""The fused host kernel (jzo.kernels.adam_step_): results, determinism, bad input."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jzo
+from jzo import _ext, kernels
+
+BF16 = ml_dtypes.bfloat16
+X86_LEVELS = [lvl for lvl in ("avx512", "avx2", "scalar")
+              if lvl == "scalar" or _ext.set_simd_level(lvl)]
+_ext.set_simd_level(kernels.simd_level())  # probing above may have lowered it
+BEST = X86_LEVELS[0]
+
+
+@contextlib.contextmanager
+def simd(level):
+  kernels.set_simd_level(level)
+  try:
+    yield
+  finally:
+    kernels.set_simd_level(BEST)
+
+
+def host_state(n, grad_dtype=np.float32, moment_dtype=np.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  p = rng.standard_normal(n, dtype=np.float32)
+  g = rng.standard_normal(n, dtype=np.float32).astype(grad_dtype)
+  m = (0.1 * rng.standard_normal(n, dtype=np.float32)).astype(moment_dtype)
+  v = (0.01 * rng.random(n, dtype=np.float32)).astype(moment_dtype)
+  return p, g, m, v
+
+
+def copies(*arrays):
+  return [a.copy() for a in arrays]
+
+
+HYPER = dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("grad_dtype", [np.float32, BF16, np.float16])
+@pytest.mark.parametrize("n", [1, 7, 15, 17, 1023, 2**20 + 3])
+def test_fused_step_matches_optax(n, grad_dtype):
+  """Several in-place steps equal optax.adamw + apply_updates on float32 grads."""
+  p, g, m, v = host_state(n, grad_dtype)
+  opt = optax.adamw(HYPER["learning_rate"], weight_decay=HYPER["weight_decay"])
+  ref_p = jnp.asarray(p)
+  ref_state = opt.init(ref_p)
+  ref_state = (ref_state[0]._replace(mu=jnp.asarray(m), nu=jnp.asarray(v)),) + ref_state[1:]
+  update = jax.jit(opt.update)
+  lowp = np.empty(n, BF16)
+  for count in range(1, 6):
+    kernels.adam_step_(p, g, m, v, count=count, lowp_out=lowp, **HYPER)
+    u, ref_state = update(jnp.asarray(g, jnp.float32), ref_state, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+  np.testing.assert_allclose(p, ref_p, rtol=1e-6, atol=1e-7)
+  # Absolute terms: float32 rounding at the operands' scale (|g| ~ 1), since
+  # fused multiply-adds round differently where b1 * m and (1 - b1) * g cancel.
+  np.testing.assert_allclose(m, ref_state[0].mu, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(v, ref_state[0].nu, rtol=1e-6, atol=1e-9)
+  np.testing.assert_array_equal(lowp, p.astype(BF16))
+
+
+def test_fused_step_matches_cpu_adamw_bitwise():
+  """The offload kernel and the optax transform compute the same bits."""
+  n = 70_001
+  p, g, m, v = host_state(n, BF16)
+  tx = jzo.cpu_adamw(3e-4, weight_decay=0.1, nesterov=True)
+  state = jzo.CpuAdamState(jnp.int32(0), jnp.asarray(m), jnp.asarray(v))
+  u, state = jax.jit(tx.update)(jnp.asarray(g), state, jnp.asarray(p))
+  kernels.adam_step_(p_k := p.copy(), g, m, v, learning_rate=3e-4, weight_decay=0.1,
+                     nesterov=True, count=1)
+  np.testing.assert_array_equal(p_k, np.asarray(optax.apply_updates(jnp.asarray(p), u)))
+  np.testing.assert_array_equal(m, np.asarray(state.mu))
+  np.testing.assert_array_equal(v, np.asarray(state.nu))
+
+
+def test_grad_scale_is_applied_first():
+  p, g, m, v = host_state(5000)
+  p2, m2, v2 = copies(p, m, v)
+  kernels.adam_step_(p, g, m, v, count=3, grad_scale=0.25, **HYPER)
+  kernels.adam_step_(p2, g * np.float32(0.25), m2, v2, count=3, **HYPER)
+  np.testing.assert_array_equal(p, p2)
+  np.testing.assert_array_equal(m, m2)
+  np.testing.assert_array_equal(v, v2)
+
+
+@pytest.mark.parametrize("moment_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("grad_dtype", [np.float32, BF16, np.float16])
+def test_same_bits_for_any_thread_count_and_simd_level(grad_dtype, moment_dtype):
+  n = 5 * kernels_chunk() + 13  # several tasks and a ragged tail
+  results = []
+  for level in X86_LEVELS:
+    for threads in (1, 2, 3):
+      p, g, m, v = host_state(n, grad_dtype, moment_dtype, seed=1)
+      out = np.empty(n, np.float16)
+      with simd(level):
+        kernels.adam_step_(p, g, m, v, count=2, lowp_out=out, num_threads=threads, **HYPER)
+      results.append((level, threads, p, m, v, out))
+  _, _, *first = results[0]
+  for level, threads, *arrays in results[1:]:
+    for a, b in zip(arrays, first):
+      assert a.tobytes() == b.tobytes(), (level, threads)
+
+
+def kernels_chunk():
+  return 1 << 16  # kAdamChunk in ext/host_ops.h
+
+
+@pytest.mark.parametrize("level", X86_LEVELS)
+@pytest.mark.parametrize("lowp_dtype", [BF16, np.float16])
+def test_low_precision_copy_rounds_like_numpy(level, lowp_dtype):
+  """With lr = 0 the copy-out is a plain conversion: check the hard values."""
+  f32 = np.finfo(np.float32)
+  special = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, f32.tiny, f32.tiny / 3,
+                      -f32.tiny / 7, f32.max, 65504.0, 65520.0, 1e-7, 6e-8, 3e-8,
+                      1.00390625, 1.01171875, 1.0 + 2**-9, 1.0 + 3 * 2**-9], np.float32)
+  rng = np.random.default_rng(3)
+  p = np.concatenate([special, rng.standard_normal(1000, dtype=np.float32) * 100])
+  n = p.size
+  g = np.zeros(n, np.float32)
+  m = np.zeros(n, np.float32)
+  v = np.zeros(n, np.float32)
+  out = np.empty(n, lowp_dtype)
+  with simd(level):
+    kernels.adam_step_(p, g, m, v, count=1, learning_rate=0.0, lowp_out=out)
+  with np.errstate(over="ignore"):  # f32 max overflows to inf in fp16, as expected
+    want = p.astype(lowp_dtype)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+  ok = ~np.isnan(want)
+  assert out[ok].view(np.uint16).tolist() == want[ok].view(np.uint16).tolist()
+
+
+def test_parallel_copy():
+  src = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)
+  dst = np.empty_like(src)
+  kernels.parallel_copy(dst, src)
+  np.testing.assert_array_equal(dst, src)
+  with pytest.raises(ValueError, match="bytes"):
+    kernels.parallel_copy(dst[:10], src)
+  with pytest.raises(ValueError, match="read-only"):
+    ro = src.copy()
+    ro.setflags(write=False)
+    kernels.parallel_copy(ro, src)
+
+
+def test_thread_and_simd_settings():
+  before = kernels.num_threads()
+  kernels.set_num_threads(1)
+  assert kernels.num_threads() == 1
+  kernels.set_num_threads(before)
+  for bad in (0, -2, 1.5, True):
+    with pytest.raises(ValueError, match="num_threads"):
+      kernels.set_num_threads(bad)
+  with pytest.raises(ValueError, match="SIMD level"):
+    kernels.set_simd_level("sse9")
+  assert kernels.simd_level() in ("avx512", "avx2", "scalar")
+
+
+def readonly(a):
+  a = a.copy()
+  a.setflags(write=False)
+  return a
+
+
+def bad_inputs():
+  """(description, argument builder, error, message) for each bad input."""
+  n = 100
+
+  def case(**changes):
+    def build():
+      p, g, m, v = host_state(n)
+      args = dict(param=p, grad=g, mu=m, nu=v, count=1, learning_rate=1e-3)
+      args.update({k: (c(args) if callable(c) else c) for k, c in changes.items()})
+      return args
+    return build
+
+  return [
+      ("grad shape", case(grad=np.zeros(n + 1, np.float32)), ValueError, "grad has shape"),
+      ("mu shape", case(mu=np.zeros((n, 1), np.float32)), ValueError, "mu has shape"),
+      ("param dtype", case(param=np.zeros(n, np.float16)), TypeError, "param must be float32"),
+      ("grad dtype", case(grad=np.zeros(n, np.int32)), TypeError, "grad must be"),
+      ("grad float64", case(grad=np.zeros(n, np.float64)), TypeError, "grad must be"),
+      ("nu dtype", case(nu=np.zeros(n, np.float16)), TypeError, "nu must be"),
+      ("strided mu", case(mu=np.zeros(2 * n, np.float32)[::2]), ValueError, "mu must be C-contiguous"),
+      ("read-only param", case(param=lambda a: readonly(a["param"])), ValueError, "param is read-only"),
+      ("read-only nu", case(nu=lambda a: readonly(a["nu"])), ValueError, "nu is read-only"),
+      ("jax array", case(mu=lambda a: jnp.asarray(a["mu"])), TypeError, "mu must be a numpy array"),
+      ("list", case(grad=[0.0] * n), TypeError, "grad must be a numpy array"),
+      ("nan lr", case(learning_rate=float("nan")), ValueError, "learning_rate"),
+      ("negative lr", case(learning_rate=-1.0), ValueError, "learning_rate"),
+      ("b1 = 1", case(b1=1.0), ValueError, "b1"),
+      ("negative b2", case(b2=-0.5), ValueError, "b2"),
+      ("nan eps", case(eps=float("nan")), ValueError, "eps"),
+      ("negative decay", case(weight_decay=-0.1), ValueError, "weight_decay"),
+      ("count 0", case(count=0), ValueError, "count"),
+      ("inf grad_scale", case(grad_scale=float("inf")), ValueError, "grad_scale"),
+      ("lowp dtype", case(lowp_out=np.zeros(n, np.float32)), TypeError, "lowp_out must be"),
+      ("lowp shape", case(lowp_out=np.zeros(n - 1, BF16)), ValueError, "lowp_out has shape"),
+      ("lowp overlaps param", case(lowp_out=lambda a: a["param"].view(BF16)[:n]),
+       ValueError, "overlap"),
+      ("mu is nu", case(nu=lambda a: a["mu"]), ValueError, "overlap"),
+      ("zero threads", case(num_threads=0), ValueError, "num_threads"),
+  ]
+
+
+@pytest.mark.parametrize("build, error, message",
+                         [c[1:] for c in bad_inputs()], ids=[c[0] for c in bad_inputs()])
+def test_bad_input_is_refused_before_any_write(build, error, message):
+  args = build()
+  before = {k: np.array(v) for k, v in args.items() if isinstance(v, np.ndarray)}
+  with pytest.raises(error, match=message):
+    kernels.adam_step_(**args)
+  for k, v in before.items():
+    np.testing.assert_array_equal(np.asarray(args[k]), v)
+
+
+def test_extension_refuses_read_only_and_converted_arrays():
+  """The C++ boundary itself never takes a temporary copy of an output."""
+  p, g, m, v = host_state(10)
+  scalars = np.zeros(_ext.NUM_ADAM_SCALARS, np.float32)
+  with pytest.raises(TypeError):  # read-only mu: no silent copy
+    _ext.adam_step(p, g, 0, readonly(m), 0, v, 0, None, 1, scalars, False, 0)
+  with pytest.raises(TypeError):  # float64 param would need a converted copy
+    _ext.adam_step(p.astype(np.float64), g, 0, m, 0, v, 0, None, 1, scalars, False, 0)
+  with pytest.raises(TypeError, match="storage"):  # f32 storage declared as bf16
+    _ext.adam_step(p, g, 1, m, 0, v, 0, None, 1, scalars, False, 0)
+  with pytest.raises(ValueError, match="scalars"):
+    _ext.adam_step(p, g, 0, m, 0, v, 0, None, 1, scalars[:3], False, 0)
