@@ -4,13 +4,16 @@
 //   g      = float(grad[i]) * grad_scale               (unscale: loss scale, clip)
 //   m      = b1 * m + (1 - b1) * g
 //   v      = b2 * v + (1 - b2) * g * g
-//   m_hat  = m / bc1            (nesterov: b1 * m / bc1_next + (1 - b1) * g / bc1)
-//   v_hat  = v / bc2
+//   m_hat  = m * inv_bc1        (nesterov: b1 * m * inv_bc1_next + (1 - b1) * g * inv_bc1)
+//   v_hat  = v * inv_bc2
 //   x      = m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * param
 //   update = -lr * x
 // then either param += update in place, or update is written to update_out;
 // the new param may also be written as bf16/fp16 into lowp_out.
-// All arithmetic is float32 whatever the storage types.
+// All arithmetic is float32 whatever the storage types. The bias corrections
+// are multiplied as reciprocals, leaving one division and one square root per
+// element: on hosts whose divider is shared by two hyperthreads, three
+// divisions would make the kernel compute-bound.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +26,9 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // so that every code path sees the same rounded values.
 struct AdamScalars {
   float lr, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay;
-  float bc1;       // 1 - b1**t
-  float bc2;       // 1 - b2**t
-  float bc1_next;  // 1 - b1**(t + 1), used by nesterov only
+  float inv_bc1;       // 1 / (1 - b1**t)
+  float inv_bc2;       // 1 / (1 - b2**t)
+  float inv_bc1_next;  // 1 / (1 - b1**(t + 1)), used by nesterov only
   float grad_scale;
   bool nesterov;
 };

@@ -51,7 +51,7 @@ inline void store(void* base, int64_t i, F x) {
 }
 
 struct Consts {
-  F b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2, bc1_next, grad_scale, neg_lr;
+  F b1, omb1, b2, omb2, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale, neg_lr;
   bool nesterov, read_param;
   explicit Consts(const jzo::AdamScalars& s, bool has_param)
       : b1(V::set1(s.b1)),
@@ -61,9 +61,9 @@ struct Consts {
         eps(V::set1(s.eps)),
         eps_root(V::set1(s.eps_root)),
         wd(V::set1(s.weight_decay)),
-        bc1(V::set1(s.bc1)),
-        bc2(V::set1(s.bc2)),
-        bc1_next(V::set1(s.bc1_next)),
+        inv_bc1(V::set1(s.inv_bc1)),
+        inv_bc2(V::set1(s.inv_bc2)),
+        inv_bc1_next(V::set1(s.inv_bc1_next)),
         grad_scale(V::set1(s.grad_scale)),
         neg_lr(V::set1(-s.lr)),
         nesterov(s.nesterov),
@@ -81,10 +81,10 @@ inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   store<M>(b.mu, i, m);
   store<N>(b.nu, i, v);
 
-  const F m_hat = c.nesterov ? V::fmadd(c.b1, V::div(m, c.bc1_next),
-                                        V::mul(c.omb1, V::div(g, c.bc1)))
-                             : V::div(m, c.bc1);
-  const F v_hat = V::div(v, c.bc2);
+  const F m_hat = c.nesterov ? V::fmadd(c.b1, V::mul(m, c.inv_bc1_next),
+                                        V::mul(c.omb1, V::mul(g, c.inv_bc1)))
+                             : V::mul(m, c.inv_bc1);
+  const F v_hat = V::mul(v, c.inv_bc2);
   F x = V::div(m_hat, V::add(V::sqrt(V::add(v_hat, c.eps_root)), c.eps));
   if (c.read_param) x = V::fmadd(c.wd, V::load_f32(b.param + i), x);
   const F u = V::mul(c.neg_lr, x);

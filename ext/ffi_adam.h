@@ -6,7 +6,8 @@
 namespace jzo {
 
 // Number of float32 scalars the handler reads, in this order:
-// lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, bc1, bc2, bc1_next, grad_scale.
+// lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, 1/bc1, 1/bc2, 1/bc1_next,
+// grad_scale, with bc = 1 - b**t.
 constexpr int kNumAdamScalars = 12;
 
 }  // namespace jzo

@@ -13,6 +13,8 @@ Differences from optax, all deliberate:
   * Moments are float32 unless `mu_dtype`/`nu_dtype` ask for bfloat16 (optax
     keeps them in the params' dtype).
   * Updates are float32 whatever the params' dtype.
+  * Bias corrections are multiplied as reciprocals (one division per element
+    instead of three); the result differs from optax by float32 rounding.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ def _moment_dtype(name: str, dtype) -> jnp.dtype:
 
 def _xla_update(g, m, v, p, scalars, *, nesterov: bool):
   """The kernel's math as plain XLA operations (accelerators, reference)."""
-  lr, b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2, bc1_next, grad_scale = scalars
+  lr, b1, omb1, b2, omb2, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale = scalars
   g = g.astype(jnp.float32) * grad_scale
   m_new = b1 * m.astype(jnp.float32) + omb1 * g
   v_new = b2 * v.astype(jnp.float32) + omb2 * (g * g)
-  m_hat = b1 * (m_new / bc1_next) + omb1 * (g / bc1) if nesterov else m_new / bc1
-  x = m_hat / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
+  m_hat = b1 * (m_new * inv_bc1_next) + omb1 * (g * inv_bc1) if nesterov else m_new * inv_bc1
+  x = m_hat / (jnp.sqrt(v_new * inv_bc2 + eps_root) + eps)
   if p is not None:
     x = x + wd * p.astype(jnp.float32)
   return -lr * x, m_new.astype(m.dtype), v_new.astype(v.dtype)

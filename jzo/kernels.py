@@ -88,7 +88,8 @@ def check_adam_hyperparameters(*, learning_rate, b1, b2, eps, eps_root, weight_d
 def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1.0) -> jax.Array:
   """The float32[12] scalars of one Adam step, as the C++ kernel reads them.
 
-  Bias corrections follow optax: bc = 1 - b ** count, count the 1-based step.
+  Bias corrections follow optax, bc = 1 - b ** count with count the 1-based
+  step, but are passed as reciprocals (the kernel multiplies by them).
 
   Args:
     lr, b1, b2, eps, eps_root, weight_decay: hyperparameters (floats or arrays).
@@ -96,13 +97,13 @@ def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1
     grad_scale: factor applied to gradients first (1 / loss scale * clip).
 
   Returns:
-    float32[12]: lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, bc1, bc2,
-    bc1_next (for nesterov), grad_scale.
+    float32[12]: lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, 1/bc1,
+    1/bc2, 1/bc1_next (for nesterov), grad_scale.
   """
   count = jnp.asarray(count, jnp.int32)
   # `1 - b` is formed before the cast, like optax's `(1 - b1) * g`.
   values = [lr, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight_decay,
-            1 - b1**count, 1 - b2**count, 1 - b1**(count + 1), grad_scale]
+            1 / (1 - b1**count), 1 / (1 - b2**count), 1 / (1 - b1**(count + 1)), grad_scale]
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
