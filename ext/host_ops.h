@@ -17,7 +17,8 @@ constexpr int64_t kAdamChunk = int64_t{1} << 16;
 // (0: the pool's size). Bitwise identical for any thread count.
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads = 0);
 
-// memcpy of `bytes` bytes split over up to max_threads threads.
+// memcpy of `bytes` bytes split over up to max_threads threads; copies over
+// 4 MiB use non-temporal stores.
 void parallel_copy(void* dst, const void* src, size_t bytes, int max_threads = 0);
 
 }  // namespace jzo

@@ -142,6 +142,12 @@ def test_parallel_copy():
   dst = np.empty_like(src)
   kernels.parallel_copy(dst, src)
   np.testing.assert_array_equal(dst, src)
+  # Misaligned ends and a ragged last chunk go through the streaming path too.
+  raw_src = np.random.default_rng(1).integers(0, 255, 9 << 20, np.uint8)
+  raw_dst = np.zeros_like(raw_src)
+  kernels.parallel_copy(raw_dst[3:-5], raw_src[1:-7])
+  np.testing.assert_array_equal(raw_dst[3:-5], raw_src[1:-7])
+  assert not raw_dst[:3].any() and not raw_dst[-5:].any()
   with pytest.raises(ValueError, match="bytes"):
     kernels.parallel_copy(dst[:10], src)
   with pytest.raises(ValueError, match="read-only"):

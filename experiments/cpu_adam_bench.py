@@ -1,0 +1,328 @@
+"""Throughput of host (CPU) AdamW steps: jzo against torch, optax/XLA and DeepSpeed.
+
+For N fp32 parameters, each system performs one AdamW step per call
+(lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) in host memory:
+
+  * jzo fp32:       jzo.kernels.adam_step_ on numpy arrays, fp32 gradients;
+  * jzo bf16:       the same with bf16 gradients and a bf16 copy of the new
+                    weights written out (lowp_out);
+  * torch fused:    torch.optim.AdamW(fused=True) on CPU tensors;
+  * torch foreach:  torch.optim.AdamW(foreach=True);
+  * optax (XLA):    optax.adamw + apply_updates, jitted for the XLA CPU backend
+                    with params and state donated;
+  * DeepSpeed:      DeepSpeedCPUAdam(adamw_mode=True), skipped if unavailable;
+                    its op is JIT-compiled on first use (a minute or two).
+
+Reported: parameters updated per second (Gparam/s, 1e9 params/s) and memory
+traffic in GB/s (1e9 bytes/s) counting 28 bytes per parameter, the minimum a
+fused step moves:
+
+  * fp32 gradients: read param, grad, mu, nu (4 x 4 B), write param, mu, nu (3 x 4 B);
+  * bf16 gradients: read param (4), grad (2), mu (4), nu (4), write param, mu,
+    nu (12) and the bf16 weights (2).
+
+Each is the median over `--repeats` timed steps after WARMUP untimed ones.
+Params and grads are random and non-zero; jzo's moments start random, the
+others' are created (zero) by their optimizer on the first step, so every
+buffer is touched and non-zero before timing.
+
+The ceiling is the multi-threaded host copy bandwidth measured in the same
+run: jzo.kernels.parallel_copy (4 MiB chunks, non-temporal stores, so the
+destination is not read first) of a `--copy-gib` buffer, counting bytes read
+plus bytes written.
+
+jzo fp32 is timed twice, first and last of each size: the spread between the
+two is the noise floor of the comparison.
+
+The process is restricted to `--threads` CPUs (its affinity mask), and jzo and
+torch are set to that many threads (DeepSpeed's op runs on torch's OpenMP
+threads); XLA sizes its CPU thread pool from the mask.
+
+  python experiments/cpu_adam_bench.py --sizes 24 28 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from importlib import metadata
+from typing import Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import torch
+
+from jzo import kernels
+
+BYTES_PER_PARAM = 28
+WARMUP = 3
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+JZO_FP32 = "jzo fp32"  # the reference row
+
+
+@dataclasses.dataclass
+class Result:
+  system: str
+  n: int | None  # parameters per step; None for the copy row
+  times: list[float]  # seconds of each timed step (or copy)
+  bytes_moved: int  # per step: BYTES_PER_PARAM * n, or read + written for the copy
+
+  @property
+  def seconds(self) -> float:
+    return statistics.median(self.times)
+
+  @property
+  def gparams(self) -> float | None:
+    return None if self.n is None else self.n / self.seconds / 1e9
+
+  @property
+  def gbytes(self) -> float:
+    return self.bytes_moved / self.seconds / 1e9
+
+
+def step_times(step: Callable[[], object], repeats: int) -> list[float]:
+  """Wall times of `repeats` calls of `step`, after WARMUP untimed ones."""
+  for _ in range(WARMUP):
+    step()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def random_state(n: int, seed: int) -> tuple[np.ndarray, ...]:
+  """Random, non-zero fp32 param, grad, mu and nu (nu > 0), all pages written."""
+  rng = np.random.default_rng(seed)
+
+  def uniform(low, high):
+    a = rng.random(n, dtype=np.float32)
+    a *= high - low
+    a += low
+    return a
+
+  return uniform(-1, 1), uniform(-1e-2, 1e-2), uniform(-1e-3, 1e-3), uniform(1e-8, 1e-6)
+
+
+def bench_jzo(n: int, repeats: int, *, bf16_grads: bool) -> Result:
+  param, grad, mu, nu = random_state(n, seed=0)
+  lowp_out = None
+  if bf16_grads:
+    grad = grad.astype(ml_dtypes.bfloat16)
+    lowp_out = np.full(n, 1, ml_dtypes.bfloat16)  # np.zeros would leave pages untouched
+  steps = itertools.count(1)
+
+  def step():
+    kernels.adam_step_(param, grad, mu, nu, learning_rate=LR, count=next(steps),
+                       b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                       lowp_out=lowp_out)
+
+  name = "jzo bf16 grad + bf16 out" if bf16_grads else JZO_FP32
+  return Result(name, n, step_times(step, repeats), BYTES_PER_PARAM * n)
+
+
+def bench_torch(n: int, repeats: int, *, impl: str) -> Result:
+  """torch.optim.AdamW with impl 'fused' or 'foreach'; moments created on the first step."""
+  param_np, grad_np, _, _ = random_state(n, seed=0)
+  param = torch.nn.Parameter(torch.from_numpy(param_np))
+  param.grad = torch.from_numpy(grad_np)
+  opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                          **{impl: True})
+  return Result(f"torch AdamW {impl}", n, step_times(opt.step, repeats),
+                BYTES_PER_PARAM * n)
+
+
+def bench_optax(n: int, repeats: int) -> Result:
+  """optax.adamw + apply_updates, one jitted XLA CPU computation, params and state donated."""
+  tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+  cpu = jax.devices("cpu")[0]
+  param_np, grad_np, _, _ = random_state(n, seed=0)
+  carry = [jax.device_put(param_np, cpu)]
+  grads = jax.device_put(grad_np, cpu)
+  carry.append(tx.init(carry[0]))  # moments zero until the warm-up steps
+  del param_np, grad_np
+
+  def update(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  update = jax.jit(update, donate_argnums=(0, 1))
+
+  def step():
+    carry[:] = update(*carry, grads)
+    jax.block_until_ready(carry)
+
+  return Result("optax.adamw (XLA CPU jit)", n, step_times(step, repeats),
+                BYTES_PER_PARAM * n)
+
+
+def load_deepspeed_adam():
+  """DeepSpeedCPUAdam, or the reason it cannot be used here."""
+  try:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+  except Exception as e:  # ImportError, or any failure inside DeepSpeed's import
+    return None, f"import failed: {type(e).__name__}: {e}"
+  try:  # builds (or loads the cached) JIT op; small so a failure costs little
+    DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])
+  except Exception as e:
+    return None, f"op build failed: {type(e).__name__}: {e}"
+  return DeepSpeedCPUAdam, None
+
+
+def bench_deepspeed(n: int, repeats: int, optimizer_cls) -> Result:
+  param_np, grad_np, _, _ = random_state(n, seed=0)
+  param = torch.nn.Parameter(torch.from_numpy(param_np))
+  param.grad = torch.from_numpy(grad_np)
+  opt = optimizer_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                      adamw_mode=True)
+  return Result("DeepSpeedCPUAdam", n, step_times(opt.step, repeats),
+                BYTES_PER_PARAM * n)
+
+
+def bench_copy(gib: float, repeats: int) -> Result:
+  """parallel_copy of a `gib` GiB buffer; bytes read + written."""
+  src = np.full(int(gib * 2**30), 1, np.uint8)
+  dst = np.full_like(src, 2)
+  times = step_times(lambda: kernels.parallel_copy(dst, src), repeats)
+  return Result(f"parallel_copy {gib:g} GiB", None, times, 2 * src.nbytes)
+
+
+def run_freed(bench: Callable[..., Result], *args, **kwargs) -> Result:
+  """Runs one benchmark and frees its buffers before the next starts."""
+  result = bench(*args, **kwargs)
+  gc.collect()
+  print(f"  {result.system:<28} {result.seconds * 1e3:9.2f} ms/step (median; "
+        f"min {min(result.times) * 1e3:.2f}, max {max(result.times) * 1e3:.2f})", flush=True)
+  return result
+
+
+def lscpu() -> dict[str, str]:
+  """lscpu's fields by name ({} where lscpu is missing)."""
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return {}
+  return dict((k.strip(), v.strip()) for k, _, v in
+              (line.partition(":") for line in out.splitlines()))
+
+
+def package_version(name: str) -> str:
+  try:
+    return metadata.version(name)
+  except metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def machine_info(threads: int) -> dict:
+  cpu = lscpu()
+  cores = int(cpu.get("Core(s) per socket", 0)) * int(cpu.get("Socket(s)", 0))
+  return {
+      "cpu": cpu.get("Model name", platform.processor() or "unknown"),
+      "cores": cores or None,
+      "cpus": os.cpu_count(),
+      "threads": threads,
+      "simd_level": kernels.simd_level(),
+      "torch_threads": torch.get_num_threads(),
+      "python": platform.python_version(),
+      **{name: package_version(name) for name in
+         ("jzo", "jax", "jaxlib", "optax", "numpy", "torch", "deepspeed")},
+  }
+
+
+def use_threads(threads: int) -> None:
+  """Restricts the process to `threads` CPUs and sets every library to use them."""
+  allowed = sorted(os.sched_getaffinity(0))
+  if threads > len(allowed):
+    raise SystemExit(f"--threads {threads}: only {len(allowed)} CPUs are available")
+  os.sched_setaffinity(0, allowed[:threads])
+  kernels.set_num_threads(threads)
+  torch.set_num_threads(threads)  # also DeepSpeed's op, which runs on torch's OpenMP
+
+
+def print_table(results: list[Result], copy: Result) -> list[dict]:
+  """Prints the results table; returns its rows as dicts (for --json)."""
+  jzo_rate = {r.n: r.gparams for r in results if r.system == JZO_FP32}
+  header = (f"{'system':<28} {'N':>5} {'Gparam/s':>9} {'GB/s':>7} "
+            f"{'vs jzo fp32':>11} {'of copy BW':>10}")
+  print("\n" + header + "\n" + "-" * len(header))
+  rows = []
+  for r in results:
+    row = {"system": r.system, "n": r.n, "median_s": r.seconds, "times_s": r.times,
+           "gparam_per_s": r.gparams,
+           "gb_per_s": r.gbytes, "ratio_to_jzo_fp32": r.gparams / jzo_rate[r.n],
+           "fraction_of_copy_bw": r.gbytes / copy.gbytes}
+    rows.append(row)
+    print(f"{r.system:<28} {'2^%d' % (r.n.bit_length() - 1):>5} {r.gparams:9.3f} "
+          f"{r.gbytes:7.1f} {row['ratio_to_jzo_fp32']:11.2f} {row['fraction_of_copy_bw']:10.2f}")
+  print(f"{copy.system:<28} {'':>5} {'':>9} {copy.gbytes:7.1f} {'':>11} {1:10.2f}")
+  return rows
+
+
+def print_machine(info: dict) -> None:
+  print("\n" + ", ".join(f"{key}: {value}" for key, value in info.items()))
+
+
+def parse_args() -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sizes", type=int, nargs="+", default=[24, 28],
+                      help="log2 of the parameter counts (default: 24 28)")
+  parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                      help="threads (and CPUs) for every system (default: all available)")
+  parser.add_argument("--repeats", type=int, default=10, help="timed steps per system")
+  parser.add_argument("--copy-gib", type=float, default=2.0,
+                      help="size of the buffer copied for the bandwidth ceiling")
+  parser.add_argument("--json", metavar="PATH", help="also write the results here")
+  return parser.parse_args()
+
+
+def main() -> None:
+  args = parse_args()
+  use_threads(args.threads)
+  info = machine_info(args.threads)
+  print_machine(info)
+  deepspeed_adam, deepspeed_skip = load_deepspeed_adam()
+  if deepspeed_skip:
+    print(f"DeepSpeedCPUAdam skipped: {deepspeed_skip}")
+
+  print(f"\nhost copy bandwidth ({args.copy_gib:g} GiB buffer)", flush=True)
+  copy = run_freed(bench_copy, args.copy_gib, args.repeats)
+  results = []
+  for log2_n in args.sizes:
+    n = 2**log2_n
+    print(f"\nN = 2^{log2_n} ({n * 4 / 2**30:.3g} GiB per fp32 array)", flush=True)
+    results.append(run_freed(bench_jzo, n, args.repeats, bf16_grads=False))
+    results.append(run_freed(bench_jzo, n, args.repeats, bf16_grads=True))
+    results.append(run_freed(bench_torch, n, args.repeats, impl="fused"))
+    results.append(run_freed(bench_torch, n, args.repeats, impl="foreach"))
+    results.append(run_freed(bench_optax, n, args.repeats))
+    if deepspeed_adam is not None:
+      results.append(run_freed(bench_deepspeed, n, args.repeats, deepspeed_adam))
+    again = run_freed(bench_jzo, n, args.repeats, bf16_grads=False)
+    results.append(dataclasses.replace(again, system=JZO_FP32 + " (again)"))
+
+  rows = print_table(results, copy)
+  print_machine(info)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"machine": info, "bytes_per_param": BYTES_PER_PARAM, "warmup": WARMUP,
+                 "repeats": args.repeats, "deepspeed_skipped": deepspeed_skip,
+                 "copy": {"system": copy.system, "bytes": copy.bytes_moved,
+                          "median_s": copy.seconds, "times_s": copy.times,
+                          "gb_per_s": copy.gbytes},
+                 "results": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
