@@ -3,7 +3,9 @@
 //
 // Each including file defines `V` first: width kWidth, vector type F, and
 // loads/stores for f32, bf16 and f16 plus add/mul/div/sqrt/fmadd/set1.
-// Everything here has internal linkage, so the per-ISA copies never merge.
+// Everything here has internal linkage, so the per-ISA copies never merge;
+// for the same reason it calls no std:: templates, whose out-of-line copies
+// the linker could share between translation units built for different CPUs.
 //
 // Bitwise determinism: every element goes through the same vector step; the
 // last partial vector of a range is copied into a zero-padded scratch vector
@@ -135,6 +137,18 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
          int64_t end) {
   const Consts c(s, b.param != nullptr);
   int64_t i = begin;
+  // Peel a few elements so that the largest written array (param, else mu)
+  // is vector-aligned: a vector that straddles two cache lines costs two
+  // accesses, and numpy's large arrays start 16 bytes into a line.
+  const void* anchor = b.update_param ? static_cast<const void*>(b.param) : b.mu;
+  const size_t esize = b.update_param ? 4 : elem_size(b.mu_dtype);
+  const size_t misalign = (reinterpret_cast<uintptr_t>(anchor) + i * esize) % (kW * esize);
+  if (misalign && misalign % esize == 0) {
+    const int64_t to_boundary = static_cast<int64_t>((kW * esize - misalign) / esize);
+    const int64_t k = end - i < to_boundary ? end - i : to_boundary;
+    tail<G, M, N, L>(b, c, i, k);
+    i += k;
+  }
   for (; i + kW <= end; i += kW) step<G, M, N, L>(b, c, i);
   if (i < end) tail<G, M, N, L>(b, c, i, end - i);
 }

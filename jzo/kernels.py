@@ -206,6 +206,23 @@ def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
                              eps_root=float(eps_root), weight_decay=float(weight_decay))
 
 
+def aligned_empty(shape, dtype, *, alignment: int = 4096) -> np.ndarray:
+  """An uninitialized C-contiguous numpy array whose data starts on an
+  `alignment`-byte boundary (a power of two; default one page).
+
+  numpy starts large arrays 16 bytes into a cache line, so every 64-byte
+  vector access of the kernel would touch two lines; page alignment also
+  suits pinning the buffer for DMA.
+  """
+  if alignment < 1 or alignment & (alignment - 1):
+    raise ValueError(f"alignment must be a power of two, got {alignment}")
+  dtype = np.dtype(dtype)
+  count = math.prod(shape) if isinstance(shape, (tuple, list)) else int(shape)
+  raw = np.empty(count * dtype.itemsize + alignment, np.uint8)
+  start = -raw.ctypes.data % alignment
+  return raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def parallel_copy(dst: np.ndarray, src: np.ndarray, *, num_threads: int | None = None) -> None:
   """Copies src into dst (same byte size, both C-contiguous) on several threads."""
   _require_host_array("dst", dst, writable=True)

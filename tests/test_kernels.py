@@ -137,6 +137,35 @@ def test_low_precision_copy_rounds_like_numpy(level, lowp_dtype):
   assert out[ok].view(np.uint16).tolist() == want[ok].view(np.uint16).tolist()
 
 
+@pytest.mark.parametrize("level", X86_LEVELS)
+def test_alignment_does_not_change_results(level):
+  """Arrays starting at any element offset give the bits of aligned ones."""
+  n = 3000
+  p0, g0, m0, v0 = host_state(n, BF16)
+  want = None
+  with simd(level):
+    for offset in range(17):
+      arrays = []
+      for a in (p0, g0, m0, v0):
+        buf = kernels.aligned_empty(n + 16, a.dtype)[offset:offset + n]
+        buf[...] = a
+        arrays.append(buf)
+      kernels.adam_step_(*arrays, count=4, **HYPER)
+      got = [a.tobytes() for a in arrays]
+      want = want or got
+      assert got == want, offset
+
+
+def test_aligned_empty():
+  for shape, dtype in (((3, 5), np.float32), (2**20 + 1, BF16), ((), np.float16)):
+    a = kernels.aligned_empty(shape, dtype)
+    assert a.ctypes.data % 4096 == 0 and a.flags.c_contiguous and a.flags.writeable
+    assert a.shape == (shape if isinstance(shape, tuple) else (shape,)) and a.dtype == dtype
+  assert kernels.aligned_empty(10, np.float32, alignment=64).ctypes.data % 64 == 0
+  with pytest.raises(ValueError, match="power of two"):
+    kernels.aligned_empty(10, np.float32, alignment=48)
+
+
 def test_parallel_copy():
   src = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)
   dst = np.empty_like(src)
