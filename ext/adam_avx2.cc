@@ -15,7 +15,7 @@ struct V {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   // Round to nearest even in integer arithmetic, as the scalar version does.
-  static void store_bf16(uint16_t* p, F x) {
+  static __m128i to_bf16(F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(bits, 16);
     const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
@@ -26,15 +26,26 @@ struct V {
     // Values fit 16 bits, so the saturating pack is exact; then gather the
     // two 64-bit halves that hold the 8 results.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(packed);
+  }
+  static __m128i to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
   }
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store_f16(uint16_t* p, F x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(x));
   }
+  static constexpr bool kStreams = true;  // 16-byte aligned p only
+  static void stream_bf16(uint16_t* p, F x) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
+  }
+  static void stream_f16(uint16_t* p, F x) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x));
+  }
+  static void stream_fence() { _mm_sfence(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

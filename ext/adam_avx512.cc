@@ -16,7 +16,7 @@ struct V {
   }
   // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
   // which flushes denormals: the scalar and AVX2 versions give the same bits.
-  static void store_bf16(uint16_t* p, F x) {
+  static __m256i to_bf16(F x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -24,15 +24,26 @@ struct V {
         _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
+  }
+  static __m256i to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
   }
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store_f16(uint16_t* p, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(x));
   }
+  static constexpr bool kStreams = true;  // 32-byte aligned p only
+  static void stream_bf16(uint16_t* p, F x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+  }
+  static void stream_f16(uint16_t* p, F x) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(x));
+  }
+  static void stream_fence() { _mm_sfence(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }

@@ -52,9 +52,21 @@ inline void store(void* base, int64_t i, F x) {
   if constexpr (D == jzo::DType::kF16) V::store_f16(p, x);
 }
 
+// The low-precision copy is written once and read next by the DMA engine,
+// not by this CPU: a non-temporal store skips reading each line first (2 of
+// the 28 bytes an element would otherwise grow to 30). Needs an aligned address.
+template <jzo::DType D>
+inline void store_lowp(void* base, int64_t i, F x, bool stream) {
+  auto* p = static_cast<uint16_t*>(base) + i;
+  if (!stream) return store<D>(base, i, x);
+  if constexpr (D == jzo::DType::kBF16) V::stream_bf16(p, x);
+  if constexpr (D == jzo::DType::kF16) V::stream_f16(p, x);
+}
+
 struct Consts {
   F b1, omb1, b2, omb2, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale, neg_lr;
   bool nesterov, read_param;
+  bool stream_lowp = false;  // lowp_out is aligned for non-temporal stores
   explicit Consts(const jzo::AdamScalars& s, bool has_param)
       : b1(V::set1(s.b1)),
         omb1(V::set1(s.one_minus_b1)),
@@ -97,14 +109,15 @@ inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   }
   const F p = V::add(V::load_f32(b.param + i), u);
   V::store_f32(b.param + i, p);
-  if constexpr (L != kNoLowp) store<static_cast<jzo::DType>(L)>(b.lowp_out, i, p);
+  if constexpr (L != kNoLowp) store_lowp<static_cast<jzo::DType>(L)>(b.lowp_out, i, p, c.stream_lowp);
 }
 
 inline size_t elem_size(jzo::DType d) { return d == jzo::DType::kF32 ? 4 : 2; }
 
 // Runs the last k < kW elements from index i through `step` on padded copies.
 template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
-inline void tail(const jzo::AdamBuffers& b, const Consts& c, int64_t i, int64_t k) {
+inline void tail(const jzo::AdamBuffers& b, Consts c, int64_t i, int64_t k) {
+  c.stream_lowp = false;  // the scratch vector is read back right away
   alignas(64) float grad[kW] = {}, mu[kW] = {}, nu[kW] = {}, param[kW] = {},
                     update[kW] = {}, lowp[kW] = {};
   jzo::AdamBuffers t = b;
@@ -135,7 +148,7 @@ inline void tail(const jzo::AdamBuffers& b, const Consts& c, int64_t i, int64_t 
 template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
 void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
          int64_t end) {
-  const Consts c(s, b.param != nullptr);
+  Consts c(s, b.param != nullptr);
   int64_t i = begin;
   // Peel a few elements so that the largest written array (param, else mu)
   // is vector-aligned: a vector that straddles two cache lines costs two
@@ -149,7 +162,12 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     tail<G, M, N, L>(b, c, i, k);
     i += k;
   }
+  if constexpr (L != kNoLowp) {
+    c.stream_lowp = V::kStreams &&
+                    (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * i) % (2 * kW) == 0;
+  }
   for (; i + kW <= end; i += kW) step<G, M, N, L>(b, c, i);
+  if (c.stream_lowp) V::stream_fence();  // order the streamed stores before returning
   if (i < end) tail<G, M, N, L>(b, c, i, end - i);
 }
 

@@ -36,6 +36,11 @@ struct V {
     const _Float16 h = static_cast<_Float16>(x);
     std::memcpy(p, &h, 2);
   }
+  // No streaming stores here: the "stream" versions are plain stores.
+  static constexpr bool kStreams = false;
+  static void stream_bf16(uint16_t* p, F x) { store_bf16(p, x); }
+  static void stream_f16(uint16_t* p, F x) { store_f16(p, x); }
+  static void stream_fence() {}
   static F set1(float x) { return x; }
   static F add(F a, F b) { return a + b; }
   static F mul(F a, F b) { return a * b; }

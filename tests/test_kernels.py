@@ -1,6 +1,7 @@
 """The fused host kernel (jzo.kernels.adam_step_): results, determinism, bad input."""
 
 import contextlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -139,21 +140,24 @@ def test_low_precision_copy_rounds_like_numpy(level, lowp_dtype):
 
 @pytest.mark.parametrize("level", X86_LEVELS)
 def test_alignment_does_not_change_results(level):
-  """Arrays starting at any element offset give the bits of aligned ones."""
+  """Arrays starting at any element offset give the bits of aligned ones,
+  whether or not the copy-out is aligned for streaming stores."""
   n = 3000
   p0, g0, m0, v0 = host_state(n, BF16)
   want = None
   with simd(level):
-    for offset in range(17):
+    for offset, lowp_shift in itertools.product(range(17), (0, 1)):
       arrays = []
       for a in (p0, g0, m0, v0):
         buf = kernels.aligned_empty(n + 16, a.dtype)[offset:offset + n]
         buf[...] = a
         arrays.append(buf)
-      kernels.adam_step_(*arrays, count=4, **HYPER)
-      got = [a.tobytes() for a in arrays]
+      start = offset + lowp_shift
+      lowp = kernels.aligned_empty(n + 17, BF16)[start:start + n]
+      kernels.adam_step_(*arrays, count=4, lowp_out=lowp, **HYPER)
+      got = [a.tobytes() for a in arrays + [lowp]]
       want = want or got
-      assert got == want, offset
+      assert got == want, (offset, lowp_shift)
 
 
 def test_aligned_empty():
