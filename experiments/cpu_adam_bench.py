@@ -21,7 +21,11 @@ fused step moves:
   * bf16 gradients: read param (4), grad (2), mu (4), nu (4), write param, mu,
     nu (12) and the bf16 weights (2).
 
-Each is the median over `--repeats` timed steps after WARMUP untimed ones.
+Each is the median of `--rounds` x `--steps` timed steps after WARMUP untimed
+ones. All systems of one size are set up together and take turns, round after
+round, so that a drift in the host's memory bandwidth (a VM shares it with
+other tenants) hits them alike; the ratios are then side by side in time.
+Holding all of them needs about 26 GB of RAM at N = 2^28.
 Params and grads are random and non-zero; jzo's moments start random, the
 others' are created (zero) by their optimizer on the first step, so every
 buffer is touched and non-zero before timing.
@@ -30,9 +34,6 @@ The ceiling is the multi-threaded host copy bandwidth measured in the same
 run: jzo.kernels.parallel_copy (4 MiB chunks, non-temporal stores, so the
 destination is not read first) of a `--copy-gib` buffer, counting bytes read
 plus bytes written.
-
-jzo fp32 is timed twice, first and last of each size: the spread between the
-two is the noise floor of the comparison.
 
 The process is restricted to `--threads` CPUs (its affinity mask), and jzo and
 torch are set to that many threads (DeepSpeed's op runs on torch's OpenMP
@@ -90,16 +91,12 @@ class Result:
     return self.bytes_moved / self.seconds / 1e9
 
 
-def step_times(step: Callable[[], object], repeats: int) -> list[float]:
-  """Wall times of `repeats` calls of `step`, after WARMUP untimed ones."""
-  for _ in range(WARMUP):
-    step()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    step()
-    times.append(time.perf_counter() - start)
-  return times
+@dataclasses.dataclass
+class System:
+  """One optimizer set up on its own buffers: `step()` runs one update."""
+  name: str
+  step: Callable[[], object]
+  bytes_moved: int
 
 
 def random_state(n: int, seed: int) -> tuple[np.ndarray, ...]:
@@ -120,7 +117,7 @@ def random_state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   return uniform(-1, 1), uniform(-1e-2, 1e-2), uniform(-1e-3, 1e-3), uniform(1e-8, 1e-6)
 
 
-def bench_jzo(n: int, repeats: int, *, bf16_grads: bool) -> Result:
+def jzo_system(n: int, *, bf16_grads: bool) -> System:
   param, grad, mu, nu = random_state(n, seed=0)
   lowp_out = None
   if bf16_grads:
@@ -137,21 +134,20 @@ def bench_jzo(n: int, repeats: int, *, bf16_grads: bool) -> Result:
                        lowp_out=lowp_out)
 
   name = "jzo bf16 grad + bf16 out" if bf16_grads else JZO_FP32
-  return Result(name, n, step_times(step, repeats), BYTES_PER_PARAM * n)
+  return System(name, step, BYTES_PER_PARAM * n)
 
 
-def bench_torch(n: int, repeats: int, *, impl: str) -> Result:
+def torch_system(n: int, *, impl: str) -> System:
   """torch.optim.AdamW with impl 'fused' or 'foreach'; moments created on the first step."""
   param_np, grad_np, _, _ = random_state(n, seed=0)
   param = torch.nn.Parameter(torch.from_numpy(param_np))
   param.grad = torch.from_numpy(grad_np)
   opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                           **{impl: True})
-  return Result(f"torch AdamW {impl}", n, step_times(opt.step, repeats),
-                BYTES_PER_PARAM * n)
+  return System(f"torch AdamW {impl}", opt.step, BYTES_PER_PARAM * n)
 
 
-def bench_optax(n: int, repeats: int) -> Result:
+def optax_system(n: int) -> System:
   """optax.adamw + apply_updates, one jitted XLA CPU computation, params and state donated."""
   tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
   cpu = jax.devices("cpu")[0]
@@ -171,8 +167,7 @@ def bench_optax(n: int, repeats: int) -> Result:
     carry[:] = update(*carry, grads)
     jax.block_until_ready(carry)
 
-  return Result("optax.adamw (XLA CPU jit)", n, step_times(step, repeats),
-                BYTES_PER_PARAM * n)
+  return System("optax.adamw (XLA CPU jit)", step, BYTES_PER_PARAM * n)
 
 
 def load_deepspeed_adam():
@@ -188,31 +183,44 @@ def load_deepspeed_adam():
   return DeepSpeedCPUAdam, None
 
 
-def bench_deepspeed(n: int, repeats: int, optimizer_cls) -> Result:
+def deepspeed_system(n: int, optimizer_cls) -> System:
   param_np, grad_np, _, _ = random_state(n, seed=0)
   param = torch.nn.Parameter(torch.from_numpy(param_np))
   param.grad = torch.from_numpy(grad_np)
   opt = optimizer_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                       adamw_mode=True)
-  return Result("DeepSpeedCPUAdam", n, step_times(opt.step, repeats),
-                BYTES_PER_PARAM * n)
+  return System("DeepSpeedCPUAdam", opt.step, BYTES_PER_PARAM * n)
 
 
-def bench_copy(gib: float, repeats: int) -> Result:
+def copy_system(gib: float) -> System:
   """parallel_copy of a `gib` GiB buffer; bytes read + written."""
   src = np.full(int(gib * 2**30), 1, np.uint8)
   dst = np.full_like(src, 2)
-  times = step_times(lambda: kernels.parallel_copy(dst, src), repeats)
-  return Result(f"parallel_copy {gib:g} GiB", None, times, 2 * src.nbytes)
+  return System(f"parallel_copy {gib:g} GiB", lambda: kernels.parallel_copy(dst, src),
+                2 * src.nbytes)
 
 
-def run_freed(bench: Callable[..., Result], *args, **kwargs) -> Result:
-  """Runs one benchmark and frees its buffers before the next starts."""
-  result = bench(*args, **kwargs)
-  gc.collect()
-  print(f"  {result.system:<28} {result.seconds * 1e3:9.2f} ms/step (median; "
-        f"min {min(result.times) * 1e3:.2f}, max {max(result.times) * 1e3:.2f})", flush=True)
-  return result
+def measure(systems: list[System], n: int | None, rounds: int, steps: int) -> list[Result]:
+  """Times every system in `rounds` rounds of `steps` steps each, after WARMUP.
+
+  The systems take turns (in a rotated order each round), so a drift of the
+  host's memory bandwidth, shared with other tenants, hits all of them alike.
+  """
+  for system in systems:
+    for _ in range(WARMUP):
+      system.step()
+  times = {s.name: [] for s in systems}
+  for r in range(rounds):
+    for system in systems[r % len(systems):] + systems[:r % len(systems)]:
+      for _ in range(steps):
+        start = time.perf_counter()
+        system.step()
+        times[system.name].append(time.perf_counter() - start)
+  results = [Result(s.name, n, times[s.name], s.bytes_moved) for s in systems]
+  for r in results:
+    print(f"  {r.system:<28} {r.seconds * 1e3:9.2f} ms/step (median; "
+          f"min {min(r.times) * 1e3:.2f}, max {max(r.times) * 1e3:.2f})", flush=True)
+  return results
 
 
 def lscpu() -> dict[str, str]:
@@ -287,7 +295,9 @@ def parse_args() -> argparse.Namespace:
                       help="log2 of the parameter counts (default: 24 28)")
   parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                       help="threads (and CPUs) for every system (default: all available)")
-  parser.add_argument("--repeats", type=int, default=10, help="timed steps per system")
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="rounds in which every system takes its turn")
+  parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
   parser.add_argument("--copy-gib", type=float, default=2.0,
                       help="size of the buffer copied for the bandwidth ceiling")
   parser.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -303,28 +313,27 @@ def main() -> None:
   if deepspeed_skip:
     print(f"DeepSpeedCPUAdam skipped: {deepspeed_skip}")
 
-  print(f"\nhost copy bandwidth ({args.copy_gib:g} GiB buffer)", flush=True)
-  copy = run_freed(bench_copy, args.copy_gib, args.repeats)
   results = []
   for log2_n in args.sizes:
     n = 2**log2_n
     print(f"\nN = 2^{log2_n} ({n * 4 / 2**30:.3g} GiB per fp32 array)", flush=True)
-    results.append(run_freed(bench_jzo, n, args.repeats, bf16_grads=False))
-    results.append(run_freed(bench_jzo, n, args.repeats, bf16_grads=True))
-    results.append(run_freed(bench_torch, n, args.repeats, impl="fused"))
-    results.append(run_freed(bench_torch, n, args.repeats, impl="foreach"))
-    results.append(run_freed(bench_optax, n, args.repeats))
+    systems = [jzo_system(n, bf16_grads=False), jzo_system(n, bf16_grads=True),
+               torch_system(n, impl="fused"), torch_system(n, impl="foreach"), optax_system(n)]
     if deepspeed_adam is not None:
-      results.append(run_freed(bench_deepspeed, n, args.repeats, deepspeed_adam))
-    again = run_freed(bench_jzo, n, args.repeats, bf16_grads=False)
-    results.append(dataclasses.replace(again, system=JZO_FP32 + " (again)"))
+      systems.append(deepspeed_system(n, deepspeed_adam))
+    results += measure(systems, n, args.rounds, args.steps)
+    del systems
+    gc.collect()
 
+  print(f"\nhost copy bandwidth ({args.copy_gib:g} GiB buffer)", flush=True)
+  [copy] = measure([copy_system(args.copy_gib)], None, args.rounds, args.steps)
   rows = print_table(results, copy)
   print_machine(info)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"machine": info, "bytes_per_param": BYTES_PER_PARAM, "warmup": WARMUP,
-                 "repeats": args.repeats, "deepspeed_skipped": deepspeed_skip,
+                 "rounds": args.rounds, "steps_per_round": args.steps,
+                 "deepspeed_skipped": deepspeed_skip,
                  "copy": {"system": copy.system, "bytes": copy.bytes_moved,
                           "median_s": copy.seconds, "times_s": copy.times,
                           "gb_per_s": copy.gbytes},
