@@ -7,6 +7,10 @@ Public API:
 
 from jzo import kernels
 from jzo.cpu_adam import CpuAdamState, cpu_adam, cpu_adamw
+from jzo.engine import EngineState, StepMetrics, ZeroEngine
+from jzo.partition import gather_layer
+from jzo.precision import LossScale
 
-__all__ = ["CpuAdamState", "cpu_adam", "cpu_adamw", "kernels"]
+__all__ = ["CpuAdamState", "EngineState", "LossScale", "StepMetrics", "ZeroEngine", "cpu_adam",
+           "cpu_adamw", "gather_layer", "kernels"]
 __version__ = "0.1.0"

@@ -1,0 +1,374 @@
+"""The ZeRO training engine: data parallelism with partitioned optimizer
+state (stage 1), gradients (stage 2) and parameters (stage 3).
+
+One step is one jitted `shard_map` over the data axis of a mesh:
+
+  forward/backward on the local batch with low-precision params
+    -> stage 0: all-reduce the gradients (plain data parallelism)
+       stage 1: accumulate full local gradients, then reduce-scatter once
+       stage 2: reduce-scatter each micro-batch's gradients
+       stage 3: params are gathered inside the loss (per layer with
+                `gather_layer`), so autodiff reduce-scatters the gradients
+    -> global-norm clip and unscale, optimizer on this device's float32
+       master shard (skipped if any gradient is not finite)
+    -> stages 0-2: all-gather the new low-precision params; stage 3 keeps shards.
+
+Memory per device for Psi params with Adam (ZeRO paper, K = 12): stage 0
+16 Psi; stage 1 4 Psi + 12 Psi / Nd; stage 2 2 Psi + 14 Psi / Nd; stage 3
+16 Psi / Nd (`memory_per_device` measures it from the arrays).
+
+The optimizer sees each leaf as a flat shard (see jzo.partition), so it must
+be elementwise (adam, adamw, jzo.cpu_adamw, sgd, ...), and global-norm
+clipping belongs to the engine (`max_grad_norm`), not to the optax chain,
+whose clip would see one shard only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzo import partition
+from jzo.partition import LeafLayout, is_layout
+from jzo.precision import (LossScale, LossScaleState, init_loss_scale, resolve_precision,
+                           update_loss_scale)
+
+
+class EngineState(NamedTuple):
+  """Everything the engine keeps between steps (a pytree of global arrays)."""
+  params: Any  # compute-dtype params for the forward: full (stages 0-2) or flat shards (3)
+  master: Any  # float32 master weights, flat padded per leaf, sharded (stages 1-3)
+  opt_state: Any  # the optax state of the master shards
+  grads: Any  # gradient buffer: reduced full (0), local full (1), reduced shard (2, 3)
+  loss_scale: LossScaleState
+  step: jax.Array  # int32: optimizer steps applied
+  skipped: jax.Array  # int32: steps skipped for non-finite gradients
+
+
+class StepMetrics(NamedTuple):
+  """What one step reports (device scalars: reading them waits for the step)."""
+  loss: jax.Array  # mean loss over the global batch
+  grad_norm: jax.Array  # global L2 norm of the unscaled gradients, before clipping
+  loss_scale: jax.Array  # the loss scale this step used
+  skipped: jax.Array  # bool: gradients were not finite, nothing was updated
+
+
+class ZeroEngine:
+  """Trains `loss_fn(params, batch) -> scalar` with ZeRO over a data axis.
+
+  Args:
+    loss_fn: mean loss of a batch; params is the pytree given here (in the
+      compute dtype), batch the local slice of what `step` gets.
+    params: initial parameters (any float dtype; kept as float32 masters).
+    tx: an elementwise optax transformation (e.g. optax.adamw, jzo.cpu_adamw).
+    mesh: a Mesh with axis `axis`; default all devices on one axis.
+    axis: name of the data-parallel axis.
+    stage: ZeRO stage, 0 (plain data parallelism) to 3.
+    compute_dtype: dtype of the forward/backward: bfloat16, float16 or float32.
+    loss_scale: 'auto' (dynamic for float16, none otherwise), None, or LossScale.
+    grad_accum: micro-batches per step; the batch splits evenly into them.
+    max_grad_norm: clip the global gradient norm to this (None: no clipping).
+    layers: stage 3 only: dotted key path of the subtree that holds the stack
+      of layers (leading axis = layer), which the model's scan gathers one
+      layer at a time with `jzo.gather_layer`. Default: gather all at once.
+  """
+
+  def __init__(self, loss_fn: Callable, params, tx: optax.GradientTransformation, *,
+               mesh: Mesh | None = None, axis: str = "data", stage: int = 2,
+               compute_dtype=jnp.bfloat16, loss_scale="auto", grad_accum: int = 1,
+               max_grad_norm: float | None = None, layers: str | None = None):
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+      raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+      raise ValueError(f"grad_accum must be an integer >= 1, got {grad_accum!r}")
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+      raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+      raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    if layers is not None and stage != 3:
+      raise ValueError("layers= only applies to stage 3")
+    mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (axis,))
+    if axis not in mesh.axis_names:
+      raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+      raise ValueError("params has no leaves")
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+      if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"params leaf {jax.tree_util.keystr(path)} is {jnp.result_type(x)}, "
+                        "not floating point")
+
+    self.loss_fn, self.tx, self.mesh, self.axis, self.stage = loss_fn, tx, mesh, axis, stage
+    self.compute_dtype, self.loss_scale_config = resolve_precision(compute_dtype, loss_scale)
+    self.grad_accum, self.max_grad_norm = grad_accum, max_grad_norm
+    self.n_devices = mesh.shape[axis]
+    shards = 1 if stage == 0 else self.n_devices
+    self._treedef = jax.tree.structure(params)
+    self._layouts = partition.make_layouts(params, shards, layers)
+    self._layer_layouts = _subtree(self._layouts, layers) if layers else None
+    # fp32 accumulation when several micro-batches are summed; else the
+    # gradient stays in the compute dtype it was computed in.
+    self._grad_dtype = jnp.float32 if grad_accum > 1 else self.compute_dtype
+    self._state_specs = self._make_state_specs()
+    self.state = self._init_state(params)
+    self._step_fns: dict = {}
+
+  # ----------------------------------------------------------------- layout
+  def _lowp_spec(self, layout: LeafLayout) -> P:
+    return layout.spec(self.axis) if self.stage == 3 else P()
+
+  def _grad_spec(self, layout: LeafLayout) -> P:
+    if self.stage == 1:
+      return P(self.axis)  # (Nd, *shape): each device's own unreduced gradients
+    return layout.spec(self.axis)  # stage 0: replicated full; 2-3: shards
+
+  def _opt_state_specs(self):
+    """Specs of tx's state: shard-shaped leaves like the master, scalars replicated."""
+    local = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(_local_shape(lay), jnp.float32),
+                         self._layouts, is_leaf=is_layout)
+    shapes = jax.eval_shape(self.tx.init, local)
+    by_shape = {_local_shape(lay): lay.spec(self.axis)
+                for lay in jax.tree.leaves(self._layouts, is_leaf=is_layout)}
+
+    def spec(x):
+      if x.ndim == 0:
+        return P()
+      if tuple(x.shape) not in by_shape:
+        raise ValueError(f"tx keeps a state leaf of shape {x.shape} that does not mirror the "
+                         "params' shards; the ZeRO engine takes elementwise optimizers")
+      return by_shape[tuple(x.shape)]
+    return jax.tree.map(spec, shapes)
+
+  def _make_state_specs(self) -> EngineState:
+    lay = self._layouts
+    on_layout = lambda f: jax.tree.map(f, lay, is_leaf=is_layout)
+    return EngineState(
+        params=on_layout(self._lowp_spec),
+        master=on_layout(lambda l: l.spec(self.axis)),
+        opt_state=self._opt_state_specs(),
+        grads=on_layout(self._grad_spec),
+        loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
+
+  def _init_state(self, params) -> EngineState:
+    shard = lambda spec: NamedSharding(self.mesh, spec)
+    specs = self._state_specs
+
+    # One jit, so that every buffer is new: the state is donated each step and
+    # must never alias the caller's arrays.
+    def convert(params):
+      master = jax.tree.map(lambda l, x: l.flatten(x.astype(jnp.float32)), self._layouts,
+                            params, is_leaf=is_layout)
+      if self.stage == 3:
+        return jax.tree.map(lambda m: m.astype(self.compute_dtype), master), master
+      return jax.tree.map(lambda x: x.astype(self.compute_dtype), params), master
+    to_shardings = lambda tree: jax.tree.map(shard, tree)
+    lowp, master = jax.jit(convert, out_shardings=(to_shardings(specs.params),
+                                                   to_shardings(specs.master)))(params)
+    init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
+                                 out_specs=specs.opt_state))
+    opt_state = init(master)
+
+    def zero_grads(l, s):
+      shape = (self.n_devices,) + l.shape if self.stage == 1 else (
+          l.shape if self.stage == 0 else l.flat_shape)
+      return jax.device_put(jnp.zeros(shape, self._grad_dtype), shard(s))
+    grads = jax.tree.map(zero_grads, self._layouts, specs.grads, is_leaf=is_layout)
+    replicated = shard(P())
+    put = lambda x: jax.device_put(x, replicated)
+    return EngineState(lowp, master, opt_state, grads,
+                       jax.tree.map(put, init_loss_scale(self.loss_scale_config)),
+                       put(jnp.int32(0)), put(jnp.int32(0)))
+
+  # ------------------------------------------------------------------- step
+  def step(self, batch) -> StepMetrics:
+    """One optimizer step on a global batch (leading axis: examples).
+
+    The leading size must divide into devices x grad_accum micro-batches.
+    """
+    fn = self._compiled_step(batch)
+    self.state, metrics = fn(self.state, batch)
+    return metrics
+
+  def lower(self, batch) -> jax.stages.Lowered:
+    """The lowered step for `batch` (to read its HLO or compile it ahead)."""
+    return self._compiled_step(batch).lower(self.state, batch)
+
+  def _compiled_step(self, batch):
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+      raise ValueError("batch has no arrays")
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+      raise ValueError(f"every batch array needs the same leading (example) axis, got {sizes}")
+    (size,) = sizes
+    parts = self.n_devices * self.grad_accum
+    if size % parts:
+      raise ValueError(f"batch of {size} examples does not split into {self.n_devices} devices "
+                       f"x {self.grad_accum} micro-batches")
+    key = jax.tree.structure(batch)
+    if key not in self._step_fns:
+      batch_specs = jax.tree.map(lambda _: P(self.axis), batch)
+      # check_vma=False: the replicated outputs (all-gathered params, psum'd
+      # metrics) are equal on every device by construction; the spelling of
+      # the invariant all-gather that would prove it differs across JAX versions.
+      fn = jax.shard_map(self._local_step, mesh=self.mesh,
+                         in_specs=(self._state_specs, batch_specs),
+                         out_specs=(self._state_specs, StepMetrics(P(), P(), P(), P())),
+                         check_vma=False)
+      self._step_fns[key] = jax.jit(fn, donate_argnums=0)
+    return self._step_fns[key]
+
+  def _local_step(self, state: EngineState, batch):
+    axis, stage, n_dev, accum = self.axis, self.stage, self.n_devices, self.grad_accum
+    scale = state.loss_scale.scale
+    grad_fn = jax.value_and_grad(self._scaled_loss, has_aux=True)
+
+    def micro_grads(mb):
+      (_, loss), g = grad_fn(state.params, mb, scale)
+      if stage == 2:  # reduce-scatter now, keep only this device's shard
+        g = jax.tree.map(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True),
+                         self._layouts, g, is_leaf=is_layout)
+      return g, loss
+
+    if accum == 1:
+      grads, loss = micro_grads(batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape((accum, -1) + x.shape[1:]), batch)
+
+      def body(acc, mb):
+        g, loss = micro_grads(mb)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
+          lambda: micro_grads(jax.tree.map(lambda x: x[0], micro))[0]))
+      grads, losses = jax.lax.scan(body, zeros, micro)
+      loss = losses.mean()
+
+    # The gradient this device's optimizer shard needs, flat like the master.
+    if stage == 0:
+      grads = jax.tree.map(lambda x: jax.lax.psum(x, axis), grads)
+      shard = jax.tree.map(lambda l, x: l.flatten(x), self._layouts, grads, is_leaf=is_layout)
+      buffer = grads
+    elif stage == 1:
+      shard = jax.tree.map(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True),
+                           self._layouts, grads, is_leaf=is_layout)
+      buffer = jax.tree.map(lambda x: x[None], grads)
+    else:
+      shard = buffer = grads
+    buffer = jax.tree.map(lambda x: x.astype(self._grad_dtype), buffer)
+
+    sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(shard))
+    bad = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(shard)).astype(jnp.float32)
+    if stage > 0:  # shards: sum over devices (stage 0 holds the full reduced gradient)
+      sq, bad = jax.lax.psum((sq, bad), axis)
+    finite = (bad == 0) & jnp.isfinite(sq)
+    grad_norm = jnp.sqrt(sq) / scale
+    factor = 1.0 / scale
+    if self.max_grad_norm is not None:
+      factor = factor * jnp.minimum(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+    g32 = jax.tree.map(lambda x: x.astype(jnp.float32) * factor, shard)
+
+    def apply(operands):
+      master, opt_state = operands
+      updates, opt_state = self.tx.update(g32, opt_state, master)
+      return optax.apply_updates(master, updates), opt_state
+    master, opt_state = jax.lax.cond(finite, apply, lambda ops: ops,
+                                     (state.master, state.opt_state))
+
+    params = jax.tree.map(self._new_lowp, self._layouts, master, is_leaf=is_layout)
+    metrics = StepMetrics(loss=jax.lax.psum(loss, axis) / n_dev, grad_norm=grad_norm,
+                          loss_scale=scale, skipped=~finite)
+    new_state = EngineState(params, master, opt_state, buffer,
+                            update_loss_scale(state.loss_scale, finite, self.loss_scale_config),
+                            state.step + finite.astype(jnp.int32),
+                            state.skipped + (~finite).astype(jnp.int32))
+    return new_state, metrics
+
+  def _scaled_loss(self, lowp_params, batch, scale):
+    """Local loss, scaled so that summing gradients over devices and
+    micro-batches gives the gradient of the global mean loss (times scale)."""
+    gathered = [False]
+
+    def gather_one_layer(layer):
+      gathered[0] = True
+      try:
+        return jax.tree.map(lambda l, x: l.gather_inner(x, self.axis), self._layer_layouts,
+                            layer, is_leaf=is_layout)
+      except ValueError as e:
+        raise ValueError("gather_layer got a tree unlike one layer of the `layers` subtree: "
+                         f"{e}") from e
+
+    params = jax.tree.map(self._full_params, self._layouts, lowp_params, is_leaf=is_layout)
+    try:
+      if self._layer_layouts is not None:
+        with partition.layer_gathering(gather_one_layer):
+          loss = self.loss_fn(params, batch)
+      else:
+        loss = self.loss_fn(params, batch)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+      hint = ""
+      if self._layer_layouts is not None and not gathered[0]:
+        hint = (" (with stage 3 and layers=, each layer's params reach the scan as flat "
+                "shards: the model must call jzo.gather_layer on them)")
+      raise ValueError(f"loss_fn failed on the engine's params and batch: "
+                       f"{type(e).__name__}: {e}{hint}") from e
+    if jnp.shape(loss) != ():
+      raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
+    if self._layer_layouts is not None and not gathered[0]:
+      raise ValueError("stage 3 with layers= needs the model to call jzo.gather_layer on each "
+                       "layer's params inside its scan")
+    loss = loss.astype(jnp.float32)
+    return loss * scale / (self.n_devices * self.grad_accum), loss
+
+  def _full_params(self, layout: LeafLayout, lowp):
+    """What loss_fn sees: stage 3 gathers flat shards (not per-layer ones)."""
+    if self.stage != 3 or layout.per_layer:
+      return lowp
+    return layout.gather_inner(lowp, self.axis)
+
+  def _new_lowp(self, layout: LeafLayout, master):
+    lowp = master.astype(self.compute_dtype)
+    if self.stage == 3:
+      return lowp
+    if self.stage > 0:
+      lowp = jax.lax.all_gather(lowp, self.axis, tiled=True)
+    return layout.unflatten(lowp)
+
+  # ---------------------------------------------------------------- outputs
+  @property
+  def params(self):
+    """The float32 master weights, gathered to full shapes (numpy arrays)."""
+    return jax.tree.map(lambda l, m: np.asarray(l.unflatten(jax.device_get(m))),
+                        self._layouts, self.state.master, is_leaf=is_layout)
+
+  def memory_per_device(self) -> dict[str, int]:
+    """Bytes device 0 holds for params, gradients and optimizer state
+    (master weights included), read from the arrays' shards."""
+    def nbytes(tree):
+      return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    s = self.state
+    return {"params": nbytes(s.params), "grads": nbytes(s.grads),
+            "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
+
+
+def _local_shape(layout: LeafLayout) -> tuple[int, ...]:
+  """Shape of one device's shard of a flat leaf."""
+  return layout.flat_shape[:-1] + (layout.shard_size,) if layout.shards > 1 else layout.flat_shape
+
+
+def _subtree(tree, path: str):
+  """The subtree at dotted key path `path` (dict keys or attributes)."""
+  node = tree
+  for name in path.split("."):
+    if isinstance(node, dict) and name in node:
+      node = node[name]
+    elif hasattr(node, name):
+      node = getattr(node, name)
+    else:
+      raise ValueError(f"layers={path!r}: no {name!r} in the params tree")
+  return node

@@ -1,0 +1,123 @@
+"""How the engine lays parameters out over the data axis (ZeRO partitioning).
+
+Every parameter leaf is flattened and zero-padded to a multiple of the
+number of shards S, then split into S equal shards of k = ceil(size / S)
+elements; device d holds elements [d*k, (d+1)*k). Padding is at most S - 1
+elements a leaf and stays zero (its gradient is zero). Flattening per leaf,
+rather than one buffer for the whole model, keeps the optimizer state a tree
+shaped like the params, so per-leaf options such as weight-decay masks work.
+
+Stage 3 can also keep the leaves of a stack of layers (leading axis = layer)
+sharded per layer, shape (L, S*k): the model then gathers one layer at a time
+inside its scan over layers by calling `gather_layer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """Where one parameter leaf lives: its full shape and its shards."""
+  shape: tuple[int, ...]  # full shape of the parameter
+  shards: int  # S: 1 (replicated) or the data-axis size
+  per_layer: bool = False  # (L, S*k) with one flattened layer per row
+
+  @property
+  def inner_shape(self) -> tuple[int, ...]:
+    """Shape of what is flattened: a whole leaf, or one layer of it."""
+    return self.shape[1:] if self.per_layer else self.shape
+
+  @property
+  def shard_size(self) -> int:
+    """k: elements of one shard (of one layer, when per_layer)."""
+    return -(-math.prod(self.inner_shape) // self.shards)
+
+  @property
+  def flat_shape(self) -> tuple[int, ...]:
+    """Global shape of the flattened, padded leaf."""
+    flat = self.shards * self.shard_size
+    return (self.shape[0], flat) if self.per_layer else (flat,)
+
+  def spec(self, axis: str) -> P:
+    """PartitionSpec of the flat leaf over the data axis."""
+    if self.shards == 1:
+      return P()
+    return P(None, axis) if self.per_layer else P(axis)
+
+  def flatten(self, x: jax.Array) -> jax.Array:
+    """Full-shape x -> flat padded (`flat_shape`)."""
+    lead = (self.shape[0],) if self.per_layer else ()
+    x = x.reshape(lead + (-1,))
+    pad = self.flat_shape[-1] - x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
+
+  def unflatten(self, flat: jax.Array) -> jax.Array:
+    """Flat padded -> full shape (drops the padding)."""
+    size = math.prod(self.inner_shape)
+    return flat[..., :size].reshape(self.shape)
+
+  def gather_inner(self, shard: jax.Array, axis: str) -> jax.Array:
+    """Inside shard_map: one flat shard (k,) -> the full inner-shape array."""
+    full = jax.lax.all_gather(shard, axis, tiled=True) if self.shards > 1 else shard
+    return full[:math.prod(self.inner_shape)].reshape(self.inner_shape)
+
+
+def make_layouts(params, shards: int, per_layer_path: str | None) -> Any:
+  """A LeafLayout per leaf; leaves under `per_layer_path` get per-layer shards."""
+  def layout(path, x):
+    per_layer = per_layer_path is not None and _under(path, per_layer_path)
+    if per_layer and jnp.ndim(x) < 1:
+      raise ValueError(f"layers={per_layer_path!r}: leaf {jax.tree_util.keystr(path)} has no "
+                       "leading layer axis")
+    return LeafLayout(tuple(jnp.shape(x)), shards, per_layer)
+  return jax.tree_util.tree_map_with_path(layout, params)
+
+
+def _under(path, prefix: str) -> bool:
+  """True if the key path starts with the dotted `prefix` (e.g. 'blocks')."""
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  want = prefix.split(".")
+  return names[:len(want)] == want
+
+
+def is_layout(x) -> bool:
+  return isinstance(x, LeafLayout)
+
+
+# Set while the engine traces a stage-3 step with per-layer shards: maps one
+# layer's tree of flat shards to that layer's full parameters.
+_LAYER_GATHER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "jzo_layer_gather", default=None)
+
+
+def gather_layer(layer_params):
+  """Returns one layer's full parameters; call it inside a scan over layers.
+
+  Under a stage-3 engine with `layers=...`, each layer's parameters reach the
+  scan body as flat shards; this all-gathers them (and its gradient is a
+  reduce-scatter), so only one layer is ever whole on a device. Anywhere
+  else it returns its argument unchanged, so a model that calls it runs the
+  same without jzo.
+  """
+  gather = _LAYER_GATHER.get()
+  return layer_params if gather is None else gather(layer_params)
+
+
+@contextlib.contextmanager
+def layer_gathering(fn: Callable):
+  """Makes `gather_layer` call fn while tracing inside the block."""
+  token = _LAYER_GATHER.set(fn)
+  try:
+    yield
+  finally:
+    _LAYER_GATHER.reset(token)
