@@ -1,0 +1,1 @@
+"""Model definitions used by jzo's recipes and experiments."""

@@ -1,0 +1,126 @@
+"""A GPT-2 style language model as plain JAX functions over a params pytree.
+
+Pre-LayerNorm blocks, causal attention through jax.nn.dot_product_attention
+(cuDNN flash attention on GPU), tied input/output embeddings, the layer stack
+stored stacked (leading axis = layer) and run as a scan over layers with
+optional rematerialization. Each scan step passes its layer's params through
+`jzo.gather_layer`, so ZeRO stage 3 gathers one layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import jzo
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 (tensor-core tiles)
+  seq_len: int = 1024  # longest context (learned position embeddings)
+  n_layer: int = 12
+  n_head: int = 12
+  d_model: int = 768
+  remat: bool = True  # recompute each layer in the backward pass: activations O(layers)
+
+  def __post_init__(self):
+    if self.d_model % self.n_head:
+      raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+    if min(self.vocab_size, self.seq_len, self.n_layer, self.n_head) < 1:
+      raise ValueError(f"every size must be >= 1: {self}")
+
+  @property
+  def n_params(self) -> int:
+    """Parameters (embeddings tied): 12 L D^2 + 13 L D + (V + S + 2) D."""
+    L, D = self.n_layer, self.d_model
+    return 12 * L * D * D + 13 * L * D + (self.vocab_size + self.seq_len + 2) * D
+
+  def flops_per_token(self, seq_len: int | None = None) -> float:
+    """Model FLOPs of one training token, forward and backward: 6 N for the
+    matmuls plus 12 L D T for attention scores and values (Chowdhery et al.,
+    PaLM, 2022, appendix B); recomputation is not counted."""
+    return 6 * self.n_params + 12 * self.n_layer * self.d_model * (seq_len or self.seq_len)
+
+
+PRESETS = {
+    "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=128),
+    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, d_model=768),
+    "gpt2-350m": GPTConfig(n_layer=24, n_head=16, d_model=1024),
+    "gpt2-1.5b": GPTConfig(n_layer=48, n_head=25, d_model=1600),
+    "gpt2-4b": GPTConfig(n_layer=36, n_head=24, d_model=3072),
+    "gpt2-10b": GPTConfig(n_layer=50, n_head=32, d_model=4096),
+    "gpt2-13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
+}
+
+
+def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+  """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 L)."""
+  L, D, V, S = config.n_layer, config.d_model, config.vocab_size, config.seq_len
+  k = jax.random.split(key, 6)
+  normal = lambda key, shape, std=0.02: (std * jax.random.normal(key, shape)).astype(dtype)
+  resid_std = 0.02 / (2 * L) ** 0.5
+  ones = lambda *shape: jnp.ones(shape, dtype)
+  zeros = lambda *shape: jnp.zeros(shape, dtype)
+  return {
+      "wte": normal(k[0], (V, D)),
+      "wpe": normal(k[1], (S, D), 0.01),
+      "blocks": {
+          "ln1_scale": ones(L, D), "ln1_bias": zeros(L, D),
+          "qkv_w": normal(k[2], (L, D, 3 * D)), "qkv_b": zeros(L, 3 * D),
+          "proj_w": normal(k[3], (L, D, D), resid_std), "proj_b": zeros(L, D),
+          "ln2_scale": ones(L, D), "ln2_bias": zeros(L, D),
+          "fc_w": normal(k[4], (L, D, 4 * D)), "fc_b": zeros(L, 4 * D),
+          "out_w": normal(k[5], (L, 4 * D, D), resid_std), "out_b": zeros(L, D),
+      },
+      "lnf_scale": ones(D), "lnf_bias": zeros(D),
+  }
+
+
+def _layer_norm(x, scale, bias, eps=1e-5):
+  """LayerNorm with float32 statistics, result in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+  return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def _block(config: GPTConfig, x, p):
+  """One pre-LN transformer block. x: (B, T, D)."""
+  B, T, D = x.shape
+  H = config.n_head
+  h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
+  qkv = h @ p["qkv_w"] + p["qkv_b"]  # (B, T, 3D)
+  q, k, v = jnp.split(qkv.reshape(B, T, 3, H, D // H), 3, axis=2)  # each (B, T, 1, H, hs)
+  att = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+  x = x + att.reshape(B, T, D) @ p["proj_w"] + p["proj_b"]
+  h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+  h = jax.nn.gelu(h @ p["fc_w"] + p["fc_b"])  # (B, T, 4D)
+  return x + h @ p["out_w"] + p["out_b"]
+
+
+def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
+  """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
+  T = tokens.shape[1]
+  if T > config.seq_len:
+    raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
+  x = params["wte"][tokens] + params["wpe"][:T]  # (B, T, D)
+
+  def step(x, layer):
+    return _block(config, x, jzo.gather_layer(layer)), None
+  if config.remat:
+    step = jax.checkpoint(step)
+  x, _ = jax.lax.scan(step, x, params["blocks"])
+  x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
+  return x @ params["wte"].T
+
+
+def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
+  """Mean next-token cross-entropy; batch["tokens"]: int (B, T + 1)."""
+  tokens = batch["tokens"]
+  logits = forward(config, params, tokens[:, :-1]).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits)
+  target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return -target.mean()
