@@ -19,6 +19,7 @@ Differences from optax, all deliberate:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +31,22 @@ from jzo import kernels
 
 _SUPPORTED_GRADS = tuple(jnp.dtype(d) for d in kernels.GRAD_DTYPES)
 _SUPPORTED_MOMENTS = tuple(jnp.dtype(d) for d in kernels.MOMENT_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamHyperparams:
+  """cpu_adamw's arguments, kept for the offload engine, which runs the same
+  update itself on host-resident state (see jzo.offload)."""
+  learning_rate: optax.ScalarOrSchedule
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  weight_decay: optax.ScalarOrSchedule
+  mask: Any
+  nesterov: bool
+  mu_dtype: jnp.dtype
+  nu_dtype: jnp.dtype
 
 
 class CpuAdamState(NamedTuple):
@@ -209,6 +226,9 @@ def cpu_adamw(
     nu = treedef.unflatten([v for _, _, v in flat])
     return new_updates, CpuAdamState(count=count_inc, mu=mu, nu=nu)
 
+  update_fn.adam_hyperparams = AdamHyperparams(
+      learning_rate, b1, b2, eps, eps_root, 0.0 if no_decay else weight_decay, mask, nesterov,
+      mu_dtype, nu_dtype)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

@@ -25,6 +25,8 @@ whose clip would see one shard only.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -34,6 +36,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jzo import offload as offload_lib
 from jzo import partition
 from jzo.partition import LeafLayout, is_layout
 from jzo.precision import (LossScale, LossScaleState, init_loss_scale, resolve_precision,
@@ -77,12 +80,23 @@ class ZeroEngine:
     layers: stage 3 only: dotted key path of the subtree that holds the stack
       of layers (leading axis = layer), which the model's scan gathers one
       layer at a time with `jzo.gather_layer`. Default: gather all at once.
+    offload: ZeRO-Offload (stages 1-3): float32 masters and Adam moments of
+      every shard live in host RAM and `tx` (jzo.cpu_adam or jzo.cpu_adamw)
+      runs there in the C++ kernel; devices keep low-precision param shards.
+    delayed_update: with offload, the paper's one-step delayed parameter
+      update: step t's host update overlaps the device's step t + 1, whose
+      gradients are computed on weights that lack update t.
+    dpu_warmup: plain (not delayed) steps before delayed_update starts.
+    host_memory: bytes of host RAM offload may use (default: what the OS
+      reports available); the state is refused up front if it does not fit.
   """
 
   def __init__(self, loss_fn: Callable, params, tx: optax.GradientTransformation, *,
                mesh: Mesh | None = None, axis: str = "data", stage: int = 2,
                compute_dtype=jnp.bfloat16, loss_scale="auto", grad_accum: int = 1,
-               max_grad_norm: float | None = None, layers: str | None = None):
+               max_grad_norm: float | None = None, layers: str | None = None,
+               offload: bool = False, delayed_update: bool = False, dpu_warmup: int = 10,
+               host_memory: int | None = None):
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
       raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
@@ -93,6 +107,16 @@ class ZeroEngine:
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     if layers is not None and stage != 3:
       raise ValueError("layers= only applies to stage 3")
+    hyper = getattr(tx.update, "adam_hyperparams", None)
+    if offload and stage == 0:
+      raise ValueError("offload needs ZeRO stage 1, 2 or 3 (stage 0 replicates the state)")
+    if offload and hyper is None:
+      raise TypeError("offload runs the optimizer on the host: tx must be jzo.cpu_adam or "
+                      "jzo.cpu_adamw (clip with max_grad_norm, not an optax chain)")
+    if delayed_update and not offload:
+      raise ValueError("delayed_update needs offload=True")
+    if not isinstance(dpu_warmup, int) or dpu_warmup < 0:
+      raise ValueError(f"dpu_warmup must be an integer >= 0, got {dpu_warmup!r}")
     mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (axis,))
     if axis not in mesh.axis_names:
       raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
@@ -107,7 +131,10 @@ class ZeroEngine:
     self.loss_fn, self.tx, self.mesh, self.axis, self.stage = loss_fn, tx, mesh, axis, stage
     self.compute_dtype, self.loss_scale_config = resolve_precision(compute_dtype, loss_scale)
     self.grad_accum, self.max_grad_norm = grad_accum, max_grad_norm
+    self.offload, self.delayed_update, self.dpu_warmup = offload, delayed_update, dpu_warmup
     self.n_devices = mesh.shape[axis]
+    # Stage 3 devices hold low-precision param shards, gathered inside the step.
+    self._sharded_lowp = stage == 3
     shards = 1 if stage == 0 else self.n_devices
     self._treedef = jax.tree.structure(params)
     self._layouts = partition.make_layouts(params, shards, layers)
@@ -118,18 +145,30 @@ class ZeroEngine:
     self._state_specs = self._make_state_specs()
     self.state = self._init_state(params)
     self._step_fns: dict = {}
+    self.host = None
+    if offload:
+      self.host = offload_lib.HostAdam(
+          self._layouts, jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(
+              x, jnp.float32))), self._layouts, params, is_leaf=is_layout),
+          hyper, offload_lib.decay_flags(hyper.mask, params),
+          offload_lib.LOWP_NUMPY[self.compute_dtype], self._grad_dtype, host_memory)
+    self._pending = None  # delayed update in flight: a Future of new param shards
+    self._steps = 0  # steps run (offload: decides when delayed updates start)
+    self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
 
   # ----------------------------------------------------------------- layout
   def _lowp_spec(self, layout: LeafLayout) -> P:
-    return layout.spec(self.axis) if self.stage == 3 else P()
+    return layout.spec(self.axis) if self._sharded_lowp else P()
 
   def _grad_spec(self, layout: LeafLayout) -> P:
-    if self.stage == 1:
+    if self.stage == 1 and not self.offload:
       return P(self.axis)  # (Nd, *shape): each device's own unreduced gradients
     return layout.spec(self.axis)  # stage 0: replicated full; 2-3: shards
 
   def _opt_state_specs(self):
     """Specs of tx's state: shard-shaped leaves like the master, scalars replicated."""
+    if self.offload:
+      return None
     local = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(_local_shape(lay), jnp.float32),
                          self._layouts, is_leaf=is_layout)
     shapes = jax.eval_shape(self.tx.init, local)
@@ -150,7 +189,7 @@ class ZeroEngine:
     on_layout = lambda f: jax.tree.map(f, lay, is_leaf=is_layout)
     return EngineState(
         params=on_layout(self._lowp_spec),
-        master=on_layout(lambda l: l.spec(self.axis)),
+        master=None if self.offload else on_layout(lambda l: l.spec(self.axis)),
         opt_state=self._opt_state_specs(),
         grads=on_layout(self._grad_spec),
         loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
@@ -164,19 +203,25 @@ class ZeroEngine:
     def convert(params):
       master = jax.tree.map(lambda l, x: l.flatten(x.astype(jnp.float32)), self._layouts,
                             params, is_leaf=is_layout)
-      if self.stage == 3:
-        return jax.tree.map(lambda m: m.astype(self.compute_dtype), master), master
-      return jax.tree.map(lambda x: x.astype(self.compute_dtype), params), master
+      if self._sharded_lowp:
+        lowp = jax.tree.map(lambda m: m.astype(self.compute_dtype), master)
+      else:
+        lowp = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+      return lowp, None if self.offload else master
     to_shardings = lambda tree: jax.tree.map(shard, tree)
     lowp, master = jax.jit(convert, out_shardings=(to_shardings(specs.params),
                                                    to_shardings(specs.master)))(params)
-    init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
-                                 out_specs=specs.opt_state))
-    opt_state = init(master)
+    opt_state = None
+    if not self.offload:
+      init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
+                                   out_specs=specs.opt_state))
+      opt_state = init(master)
 
     def zero_grads(l, s):
-      shape = (self.n_devices,) + l.shape if self.stage == 1 else (
-          l.shape if self.stage == 0 else l.flat_shape)
+      if self.stage == 1 and not self.offload:
+        shape = (self.n_devices,) + l.shape
+      else:
+        shape = l.shape if self.stage == 0 else l.flat_shape
       return jax.device_put(jnp.zeros(shape, self._grad_dtype), shard(s))
     grads = jax.tree.map(zero_grads, self._layouts, specs.grads, is_leaf=is_layout)
     replicated = shard(P())
@@ -192,12 +237,79 @@ class ZeroEngine:
     The leading size must divide into devices x grad_accum micro-batches.
     """
     fn = self._compiled_step(batch)
-    self.state, metrics = fn(self.state, batch)
+    if not self.offload:
+      self.state, metrics, _ = fn(self.state, batch)
+      return metrics
+    delayed = self.delayed_update and self._steps >= self.dpu_warmup
+    self.state, metrics, grad_scale = fn(self.state._replace(grads=None), batch)
+    self._steps += 1
+    self._install_pending()  # update t-1: the weights of step t + 1
+    update = (self.state.grads, metrics.skipped, grad_scale)
+    if delayed:  # step t's host update overlaps the device's step t + 1
+      self._pending = self._executor.submit(self._host_update, *update)
+    else:
+      self._install(self._host_update(*update))
     return metrics
 
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead)."""
-    return self._compiled_step(batch).lower(self.state, batch)
+    state = self.state._replace(grads=None) if self.offload else self.state
+    return self._compiled_step(batch).lower(state, batch)
+
+  # ---------------------------------------------------------------- offload
+  def _host_update(self, grads, skipped, grad_scale):
+    """Runs tx on the host over every shard; returns the new device param
+    shards, or None for a skipped step. Blocks until the gradients arrive."""
+    if bool(skipped):
+      return None
+    pieces = jax.tree.map(self._host_pieces, self._layouts, grads, is_leaf=is_layout)
+    lowp = self.host.update(pieces, float(grad_scale))
+    params = jax.tree.map(self._upload, self._layouts, lowp, self._shard_specs,
+                          is_leaf=is_layout)
+    if not self._sharded_lowp:  # stages 1-2: devices all-gather the new shards
+      params = self._gather_shards(params)
+    # The staging buffers are rewritten by the next update: wait for the copies.
+    return jax.block_until_ready(params)
+
+  @functools.cached_property
+  def _shard_specs(self):
+    return jax.tree.map(lambda l: l.spec(self.axis), self._layouts, is_leaf=is_layout)
+
+  @functools.cached_property
+  def _gather_shards(self):
+    """Jitted: tree of flat param shards -> full replicated params."""
+    def gather(shards):
+      return jax.tree.map(lambda l, x: l.unflatten(jax.lax.all_gather(x, self.axis, tiled=True)),
+                          self._layouts, shards, is_leaf=is_layout)
+    return jax.jit(jax.shard_map(gather, mesh=self.mesh, in_specs=(self._shard_specs,),
+                                 out_specs=self._state_specs.params, check_vma=False))
+
+  def _host_pieces(self, layout: LeafLayout, grads: jax.Array):
+    """Device d's gradient shard as a host numpy view, in device order."""
+    pieces = [None] * layout.shards
+    for shard in grads.addressable_shards:
+      d = shard.index[-1].start // layout.shard_size if layout.shards > 1 else 0
+      pieces[d] = np.asarray(shard.data)
+    return offload_lib.Shards(pieces)
+
+  def _upload(self, layout: LeafLayout, lowp: np.ndarray, spec: P) -> jax.Array:
+    devices = list(self.mesh.devices.flat)
+    on_cpu = devices[0].platform == "cpu"
+    # A CPU "device" may alias a numpy array; the staging buffer is reused.
+    pieces = [jax.device_put(lowp[d].copy() if on_cpu else lowp[d], devices[d])
+              for d in range(layout.shards)]
+    return jax.make_array_from_single_device_arrays(
+        layout.flat_shape, NamedSharding(self.mesh, spec), pieces)
+
+  def _install(self, params) -> None:
+    if params is not None:
+      self.state = self.state._replace(params=params)
+
+  def _install_pending(self) -> None:
+    """Waits for the delayed update in flight, if any, and uses its weights."""
+    if self._pending is not None:
+      pending, self._pending = self._pending, None
+      self._install(pending.result())
 
   def _compiled_step(self, batch):
     leaves = jax.tree.leaves(batch)
@@ -214,14 +326,17 @@ class ZeroEngine:
     key = jax.tree.structure(batch)
     if key not in self._step_fns:
       batch_specs = jax.tree.map(lambda _: P(self.axis), batch)
+      in_state = self._state_specs._replace(grads=None) if self.offload else self._state_specs
       # check_vma=False: the replicated outputs (all-gathered params, psum'd
       # metrics) are equal on every device by construction; the spelling of
       # the invariant all-gather that would prove it differs across JAX versions.
       fn = jax.shard_map(self._local_step, mesh=self.mesh,
-                         in_specs=(self._state_specs, batch_specs),
-                         out_specs=(self._state_specs, StepMetrics(P(), P(), P(), P())),
+                         in_specs=(in_state, batch_specs),
+                         out_specs=(self._state_specs, StepMetrics(P(), P(), P(), P()), P()),
                          check_vma=False)
-      self._step_fns[key] = jax.jit(fn, donate_argnums=0)
+      # Offload: nothing donated, since a delayed host update still reads the
+      # previous step's gradients while the next step runs.
+      self._step_fns[key] = jax.jit(fn, donate_argnums=() if self.offload else 0)
     return self._step_fns[key]
 
   def _local_step(self, state: EngineState, batch):
@@ -257,7 +372,7 @@ class ZeroEngine:
     elif stage == 1:
       shard = jax.tree.map(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True),
                            self._layouts, grads, is_leaf=is_layout)
-      buffer = jax.tree.map(lambda x: x[None], grads)
+      buffer = shard if self.offload else jax.tree.map(lambda x: x[None], grads)
     else:
       shard = buffer = grads
     buffer = jax.tree.map(lambda x: x.astype(self._grad_dtype), buffer)
@@ -271,6 +386,14 @@ class ZeroEngine:
     factor = 1.0 / scale
     if self.max_grad_norm is not None:
       factor = factor * jnp.minimum(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+    metrics = StepMetrics(loss=jax.lax.psum(loss, axis) / n_dev, grad_norm=grad_norm,
+                          loss_scale=scale, skipped=~finite)
+    counters = dict(loss_scale=update_loss_scale(state.loss_scale, finite, self.loss_scale_config),
+                    step=state.step + finite.astype(jnp.int32),
+                    skipped=state.skipped + (~finite).astype(jnp.int32))
+    if self.offload:  # the host applies tx: ship the gradient shards and the factor
+      return EngineState(state.params, None, None, buffer, **counters), metrics, factor
+
     g32 = jax.tree.map(lambda x: x.astype(jnp.float32) * factor, shard)
 
     def apply(operands):
@@ -281,13 +404,7 @@ class ZeroEngine:
                                      (state.master, state.opt_state))
 
     params = jax.tree.map(self._new_lowp, self._layouts, master, is_leaf=is_layout)
-    metrics = StepMetrics(loss=jax.lax.psum(loss, axis) / n_dev, grad_norm=grad_norm,
-                          loss_scale=scale, skipped=~finite)
-    new_state = EngineState(params, master, opt_state, buffer,
-                            update_loss_scale(state.loss_scale, finite, self.loss_scale_config),
-                            state.step + finite.astype(jnp.int32),
-                            state.skipped + (~finite).astype(jnp.int32))
-    return new_state, metrics
+    return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
 
   def _scaled_loss(self, lowp_params, batch, scale):
     """Local loss, scaled so that summing gradients over devices and
@@ -326,8 +443,8 @@ class ZeroEngine:
     return loss * scale / (self.n_devices * self.grad_accum), loss
 
   def _full_params(self, layout: LeafLayout, lowp):
-    """What loss_fn sees: stage 3 gathers flat shards (not per-layer ones)."""
-    if self.stage != 3 or layout.per_layer:
+    """What loss_fn sees: sharded params are gathered (per-layer ones by the model)."""
+    if not self._sharded_lowp or layout.per_layer:
       return lowp
     return layout.gather_inner(lowp, self.axis)
 
@@ -343,8 +460,13 @@ class ZeroEngine:
   @property
   def params(self):
     """The float32 master weights, gathered to full shapes (numpy arrays)."""
-    return jax.tree.map(lambda l, m: np.asarray(l.unflatten(jax.device_get(m))),
-                        self._layouts, self.state.master, is_leaf=is_layout)
+    if self.offload:
+      self._install_pending()
+      flat = self.host.full_params()
+    else:
+      flat = jax.device_get(self.state.master)
+    return jax.tree.map(lambda l, m: np.asarray(l.unflatten(m)), self._layouts, flat,
+                        is_leaf=is_layout)
 
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds for params, gradients and optimizer state
@@ -354,6 +476,15 @@ class ZeroEngine:
     s = self.state
     return {"params": nbytes(s.params), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
+
+  def host_memory(self) -> int:
+    """Bytes of host RAM the offloaded state holds (0 without offload)."""
+    if self.host is None:
+      return 0
+    arrays = [self.host.master, self.host.mu, self.host.nu]
+    if self.host.lowp is not self.host.master:
+      arrays.append(self.host.lowp)
+    return sum(x.nbytes for tree in arrays for x in jax.tree.leaves(tree))
 
 
 def _local_shape(layout: LeafLayout) -> tuple[int, ...]:

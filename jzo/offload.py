@@ -1,0 +1,166 @@
+"""ZeRO-Offload: the optimizer state of every device's shard lives in host RAM.
+
+`HostAdam` owns, per parameter leaf and per device shard, the float32 master
+weights and the Adam moments as page-aligned numpy arrays, and a staging
+buffer for the low-precision weights that go back to the device. One step of
+it is one pass of the fused C++ kernel over each shard (unscale and clip,
+AdamW, low-precision copy), multi-threaded with the GIL released.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jzo import kernels
+from jzo.cpu_adam import AdamHyperparams
+from jzo.partition import LeafLayout, is_layout
+
+
+def available_host_memory() -> int:
+  """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit."""
+  available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          available = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f:
+      limit = f.read().strip()
+    with open("/sys/fs/cgroup/memory.current") as f:
+      used = int(f.read())
+    if limit != "max":
+      available = min(available, int(limit) - used)
+  except (OSError, ValueError):
+    pass
+  return available
+
+
+def host_bytes_per_param(hyper: AdamHyperparams, lowp_dtype, grad_dtype) -> int:
+  """Host bytes per (padded) parameter: master, moments, staging, gradients."""
+  size = lambda d: np.dtype(d).itemsize
+  return 4 + size(hyper.mu_dtype) + size(hyper.nu_dtype) + size(lowp_dtype) + size(grad_dtype)
+
+
+def local_shape(layout: LeafLayout) -> tuple[int, ...]:
+  """Shape of one device's shard: (k,) or, per layer, (L, k)."""
+  return layout.flat_shape[:-1] + (layout.shard_size,)
+
+
+def split_shards(layout: LeafLayout, flat: np.ndarray) -> np.ndarray:
+  """Flat padded leaf (global) -> (S, *local_shape), device d's shard at [d]."""
+  S, k = layout.shards, layout.shard_size
+  if layout.per_layer:  # (L, S*k) -> (S, L, k)
+    return np.ascontiguousarray(flat.reshape(flat.shape[0], S, k).transpose(1, 0, 2))
+  return flat.reshape(S, k)
+
+
+def join_shards(layout: LeafLayout, shards: np.ndarray) -> np.ndarray:
+  """Inverse of split_shards."""
+  if layout.per_layer:
+    return shards.transpose(1, 0, 2).reshape(layout.flat_shape)
+  return shards.reshape(layout.flat_shape)
+
+
+def _host_copy(x: np.ndarray, dtype) -> np.ndarray:
+  out = kernels.aligned_empty(x.shape, dtype)
+  out[...] = x
+  return out
+
+
+class Shards(tuple):
+  """The per-device pieces of one leaf (a pytree leaf, not a node)."""
+
+
+class HostAdam:
+  """AdamW over host-resident float32 masters and moments of all shards.
+
+  Args:
+    layouts: tree of LeafLayout (jzo.partition), one per parameter leaf.
+    flat_params: tree of float32 flat padded leaves (numpy), the initial weights.
+    hyper: cpu_adamw's hyperparameters.
+    decay: tree of bools, weight decay on or off per leaf.
+    lowp_dtype: dtype of the weights sent to the devices (bf16/fp16), or
+      float32 to send the masters themselves.
+    grad_dtype: dtype of the gradients that come back (for the memory check).
+    host_memory: bytes available (default: available_host_memory()).
+
+  Raises:
+    MemoryError: the state does not fit, before anything is allocated.
+  """
+
+  def __init__(self, layouts, flat_params, hyper: AdamHyperparams, decay, lowp_dtype,
+               grad_dtype, host_memory: int | None = None):
+    leaves = jax.tree.leaves(layouts, is_leaf=is_layout)
+    n = sum(l.shards * math.prod(local_shape(l)) for l in leaves)
+    need = n * host_bytes_per_param(hyper, lowp_dtype, grad_dtype)
+    have = available_host_memory() if host_memory is None else host_memory
+    if need > have:
+      raise MemoryError(f"offloaded optimizer state needs {need / 2**30:.2f} GiB of host RAM "
+                        f"({n:,} parameters incl. padding), {have / 2**30:.2f} GiB available")
+    self.hyper = hyper
+    self.count = 0  # updates applied
+    self._layouts, self._decay = layouts, decay
+    self._lowp_dtype = np.dtype(lowp_dtype)
+
+    def zeros(layout, dtype):
+      out = kernels.aligned_empty((layout.shards,) + local_shape(layout), dtype)
+      out.fill(0)
+      return out
+    self.master = jax.tree.map(lambda l, x: _host_copy(split_shards(l, np.asarray(x)),
+                                                       np.float32),
+                               layouts, flat_params, is_leaf=is_layout)
+    self.mu = jax.tree.map(lambda l: zeros(l, hyper.mu_dtype), layouts, is_leaf=is_layout)
+    self.nu = jax.tree.map(lambda l: zeros(l, hyper.nu_dtype), layouts, is_leaf=is_layout)
+    self.lowp = (self.master if self._lowp_dtype == np.float32 else
+                 jax.tree.map(lambda m: _host_copy(m, self._lowp_dtype), self.master))
+
+  def update(self, grads, grad_scale: float):
+    """One AdamW step of every shard; returns the tree of (S, ...) low-precision weights.
+
+    Args:
+      grads: tree of Shards: grads[leaf][d] is device d's gradient shard
+        (numpy, float32/bf16/fp16, local shape).
+      grad_scale: multiplies the gradients first (1 / loss scale * clip).
+    """
+    step = self.count
+    h = self.hyper
+    lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
+    wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
+    lowp_out = self._lowp_dtype != np.float32
+
+    def one_leaf(master, mu, nu, lowp, grad, decay):
+      for d in range(master.shape[0]):
+        kernels.adam_step_(master[d], grad[d], mu[d], nu[d], learning_rate=lr, count=step + 1,
+                           b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
+                           weight_decay=wd if decay else 0.0, nesterov=h.nesterov,
+                           grad_scale=grad_scale, lowp_out=lowp[d] if lowp_out else None)
+    jax.tree.map(one_leaf, self.master, self.mu, self.nu, self.lowp, grads, self._decay)
+    self.count += 1
+    return self.lowp
+
+  def full_params(self):
+    """Tree of flat padded float32 leaves (global layout), copies."""
+    return jax.tree.map(lambda l, m: join_shards(l, m).copy(), self._layouts, self.master,
+                        is_leaf=is_layout)
+
+
+def decay_flags(mask, params) -> object:
+  """Per-leaf bools from an optax-style weight-decay mask (tree, prefix or callable)."""
+  if mask is None:
+    return jax.tree.map(lambda _: True, params)
+  tree = mask(params) if callable(mask) else mask
+  return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), tree, params)
+
+
+LOWP_NUMPY = {jnp.dtype(jnp.bfloat16): np.dtype(ml_dtypes.bfloat16),
+              jnp.dtype(jnp.float16): np.dtype(np.float16),
+              jnp.dtype(jnp.float32): np.dtype(np.float32)}
