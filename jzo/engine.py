@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -153,6 +154,13 @@ class ZeroEngine:
           hyper, offload_lib.decay_flags(hyper.mask, params),
           offload_lib.LOWP_NUMPY[self.compute_dtype], self._grad_dtype, host_memory)
     self._pending = None  # delayed update in flight: a Future of new param shards
+    # Seconds of the last host update: waiting for the gradients (device
+    # compute and device-to-host copy), the C++ update, the upload and gather.
+    self.host_timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
+    self._on_accelerator = mesh.devices.flat[0].platform != "cpu"
+    self._dma_mapped = []
+    if offload and self._on_accelerator:
+      self._map_staging()
     self._steps = 0  # steps run (offload: decides when delayed updates start)
     self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
 
@@ -260,16 +268,49 @@ class ZeroEngine:
   def _host_update(self, grads, skipped, grad_scale):
     """Runs tx on the host over every shard; returns the new device param
     shards, or None for a skipped step. Blocks until the gradients arrive."""
+    start = time.perf_counter()
     if bool(skipped):
       return None
     pieces = jax.tree.map(self._host_pieces, self._layouts, grads, is_leaf=is_layout)
+    waited = time.perf_counter()
     lowp = self.host.update(pieces, float(grad_scale))
+    updated = time.perf_counter()
     params = jax.tree.map(self._upload, self._layouts, lowp, self._shard_specs,
                           is_leaf=is_layout)
     if not self._sharded_lowp:  # stages 1-2: devices all-gather the new shards
       params = self._gather_shards(params)
     # The staging buffers are rewritten by the next update: wait for the copies.
-    return jax.block_until_ready(params)
+    params = jax.block_until_ready(params)
+    self.host_timings = {"wait_grads": waited - start, "update": updated - waited,
+                         "upload": time.perf_counter() - updated}
+    return params
+
+  def _map_staging(self) -> None:
+    """Registers the low-precision staging buffers for DMA once: host-to-device
+    copies from them run at PCIe speed instead of through a bounce buffer."""
+    client = self.mesh.devices.flat[0].client
+    for buf in jax.tree.leaves(self.host.lowp):
+      client.dma_map(buf.ctypes.data, buf.nbytes)
+      self._dma_mapped.append(buf)
+
+  def close(self) -> None:
+    """Finishes a delayed update in flight and releases the host buffers' DMA mappings."""
+    self._install_pending()
+    client = self.mesh.devices.flat[0].client
+    while self._dma_mapped:
+      client.dma_unmap(self._dma_mapped.pop().ctypes.data)
+
+  def _offload_out_shardings(self):
+    """The step's output shardings with the gradient shards in pinned host
+    memory, so XLA copies them out at PCIe speed as soon as they are ready."""
+    named = lambda spec, kind=None: NamedSharding(self.mesh, spec, memory_kind=kind)
+    specs = self._state_specs
+    state = EngineState(
+        params=jax.tree.map(named, specs.params), master=None, opt_state=None,
+        grads=jax.tree.map(lambda s: named(s, "pinned_host"), specs.grads),
+        loss_scale=LossScaleState(named(P()), named(P())), step=named(P()),
+        skipped=named(P()))
+    return state, StepMetrics(*[named(P())] * 4), named(P())
 
   @functools.cached_property
   def _shard_specs(self):
@@ -336,7 +377,11 @@ class ZeroEngine:
                          check_vma=False)
       # Offload: nothing donated, since a delayed host update still reads the
       # previous step's gradients while the next step runs.
-      self._step_fns[key] = jax.jit(fn, donate_argnums=() if self.offload else 0)
+      out_shardings = None
+      if self.offload and self._on_accelerator:
+        out_shardings = self._offload_out_shardings()
+      self._step_fns[key] = jax.jit(fn, donate_argnums=() if self.offload else 0,
+                                    out_shardings=out_shardings)
     return self._step_fns[key]
 
   def _local_step(self, state: EngineState, batch):

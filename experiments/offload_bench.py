@@ -1,0 +1,164 @@
+"""ZeRO-Offload on one GPU: jzo with and without offload (and with delayed
+parameter update) training the same GPT, with the step-time breakdown.
+
+Each configuration runs in a fresh process (its own GPU peak and host RSS):
+  device       ZeroEngine stage 2, optax.adamw on the GPU (where it fits);
+  offload      stage 2 + offload: fp32 masters and moments in host RAM, the
+               C++ AdamW on the host, bf16 weights back;
+  offload_dpu  the same with the one-step delayed parameter update.
+Reported: median step time, tokens/s, model TFLOPS (6 N + 12 L D T per token),
+peak GPU memory, host RSS and, for offload, the breakdown of a step: the
+device step alone (compute + gradients to pinned host memory, timed by
+running it without the host update), the host update, the upload (bf16
+shards to the GPU) and the pinned-memory bandwidth measured in the same
+process both ways (a device_put of the gradient buffer to pinned host memory
+and of the DMA-registered staging buffers to the GPU).
+
+  python experiments/offload_bench.py --model gpt2-1.5b --batch 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = ("device", "offload", "offload_dpu")
+
+
+def timed(fn, repeats=3):
+  """Median wall time of fn() (which must block until done)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def run_one(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import psutil
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jzo
+  from models import gpt
+
+  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
+  offload = args.config != "device"
+  tx = jzo.cpu_adamw(3e-4, weight_decay=0.1) if offload else optax.adamw(3e-4, weight_decay=0.1)
+  engine = jzo.ZeroEngine(
+      functools.partial(gpt.loss_fn, config), gpt.init_params(config, jax.random.PRNGKey(0)), tx,
+      stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+      max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
+      delayed_update=args.config == "offload_dpu", dpu_warmup=1,
+      host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None)
+  batch_size = args.batch * args.grad_accum
+  batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
+                                        0, config.vocab_size, jnp.int32)}
+  for _ in range(3):  # compile, warm up, and start the delayed updates
+    jax.block_until_ready(engine.step(batch).loss)
+  times, timings = [], []
+  for _ in range(args.steps):
+    start = time.perf_counter()
+    jax.block_until_ready(engine.step(batch).loss)
+    times.append(time.perf_counter() - start)
+    timings.append(dict(engine.host_timings))
+  seconds = statistics.median(times)
+  tokens_per_s = batch_size * args.seq_len / seconds
+  result = {
+      "config": args.config, "model": args.model, "n_params": config.n_params,
+      "batch": args.batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+      "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
+      "tflops": tokens_per_s * config.flops_per_token() / 1e12,
+      "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
+      "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
+      "device": jax.devices()[0].device_kind,
+  }
+  if offload:
+    for key in ("update", "upload"):
+      result[f"host_{key}_s"] = statistics.median(t[key] for t in timings)
+    step_fn = engine._compiled_step(batch)  # the device step alone, no host update
+    state = engine.state._replace(grads=None)
+    result["device_step_s"] = timed(lambda: jax.block_until_ready(step_fn(state, batch)))
+    result["host_update_gparam_s"] = config.n_params / result["host_update_s"] / 1e9
+    upload_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.host.lowp))
+    result["upload_gb_s"] = upload_bytes / result["host_upload_s"] / 1e9
+    if jax.devices()[0].platform == "cpu":
+      return result  # no pinned memory or DMA mapping to measure
+    grads = engine.state.grads
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+    on_gpu = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), grads)
+    pinned = NamedSharding(engine.mesh, P(), memory_kind="pinned_host")
+    result["d2h_gb_s"] = grad_bytes / timed(lambda: jax.block_until_ready(
+        jax.tree.map(lambda x: jax.device_put(x, pinned), on_gpu))) / 1e9
+    staging = jax.tree.leaves(engine.host.lowp)  # DMA-registered by the engine
+    result["h2d_gb_s"] = sum(x.nbytes for x in staging) / timed(lambda: jax.block_until_ready(
+        [jax.device_put(x[0], jax.devices()[0]) for x in staging])) / 1e9
+  engine.close()
+  return result
+
+
+def parse_args():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="gpt2-1.5b")
+  parser.add_argument("--seq-len", type=int, default=1024)
+  parser.add_argument("--batch", type=int, default=8, help="micro-batch (sequences)")
+  parser.add_argument("--grad-accum", type=int, default=1)
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--host-memory-gb", type=float,
+                      help="host RAM offload may use (default: what the OS reports available)")
+  parser.add_argument("--json")
+  parser.add_argument("--config", help=argparse.SUPPRESS)  # child process: one run
+  return parser.parse_args()
+
+
+def main():
+  args = parse_args()
+  if args.config:
+    print(json.dumps(run_one(args)))
+    return
+  results = []
+  for name in args.configs:
+    cmd = [sys.executable, __file__, "--config", name, "--model", args.model,
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+           "--grad-accum", str(args.grad_accum), "--steps", str(args.steps)]
+    if args.host_memory_gb:
+      cmd += ["--host-memory-gb", str(args.host_memory_gb)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+      print(f"{name} failed:\n{out.stderr[-3000:]}", flush=True)
+      continue
+    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(json.dumps(results[-1]), flush=True)
+  print(f"\n{'config':<12} {'s/step':>7} {'tokens/s':>9} {'TFLOPS':>7} {'GPU GiB':>8} "
+        f"{'host GiB':>8}  breakdown")
+  for r in results:
+    parts = ""
+    if "device_step_s" in r:
+      parts = (f"device {r['device_step_s']:.3f} s, host update {r['host_update_s']:.3f} s "
+               f"({r['host_update_gparam_s']:.2f} Gparam/s), upload {r['host_upload_s']:.3f} s "
+               f"({r['upload_gb_s']:.1f} GB/s); pinned D2H {r.get('d2h_gb_s', float('nan')):.1f} GB/s, "
+               f"H2D {r.get('h2d_gb_s', float('nan')):.1f} GB/s")
+    print(f"{r['config']:<12} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops']:7.1f} "
+          f"{r['peak_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f}  {parts}")
+  if results:
+    print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch {args.batch} x "
+          f"{args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
