@@ -97,7 +97,8 @@ def run_one(args) -> dict:
       return result  # no pinned memory or DMA mapping to measure
     grads = engine.state.grads
     grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
-    on_gpu = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), grads)
+    on_gpu = jax.tree.map(lambda x: jax.device_put(
+        x, NamedSharding(engine.mesh, P(), memory_kind="device")), grads)
     pinned = NamedSharding(engine.mesh, P(), memory_kind="pinned_host")
     result["d2h_gb_s"] = grad_bytes / timed(lambda: jax.block_until_ready(
         jax.tree.map(lambda x: jax.device_put(x, pinned), on_gpu))) / 1e9
