@@ -111,13 +111,15 @@ def _check_leaf(path, g, m, v, p) -> None:
     raise TypeError(f"params {where} has non-float dtype {p.dtype}")
 
 
-def _decay_mask(mask, params, updates):
-  """Per-leaf booleans (a tree like `updates`) saying which leaves decay."""
+def decay_flags(mask, tree):
+  """Per-leaf bools, shaped like `tree`, from an optax-style weight-decay mask:
+  None (all leaves), a tree of bools or a prefix of one, or a callable of the
+  params that returns one."""
   if mask is None:
-    return jax.tree.map(lambda _: True, updates)
-  tree = mask(params if params is not None else updates) if callable(mask) else mask
-  # `mask` may be a prefix of the params tree: spread each flag over its subtree.
-  return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), tree, updates)
+    return jax.tree.map(lambda _: True, tree)
+  flags = mask(tree) if callable(mask) else mask
+  # A prefix of the tree: spread each flag over its subtree.
+  return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), flags, tree)
 
 
 def cpu_adamw(
@@ -205,9 +207,10 @@ def cpu_adamw(
     with_decay = kernels.adam_scalars(weight_decay=wd, **common)
     without_decay = kernels.adam_scalars(weight_decay=0.0, **common)
 
-    decays = _decay_mask(None if no_decay else mask, params, updates)
     if no_decay:
       decays = jax.tree.map(lambda _: False, updates)
+    else:  # params and updates share one structure (checked above)
+      decays = decay_flags(mask, params)
     p_tree = params if params is not None else jax.tree.map(lambda _: None, updates)
 
     def leaf(path, g, m, v, p, decay):

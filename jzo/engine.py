@@ -29,6 +29,7 @@ import concurrent.futures
 import functools
 import math
 import time
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -38,6 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import offload as offload_lib
+from jzo.cpu_adam import decay_flags
 from jzo import partition
 from jzo.partition import LeafLayout, is_layout
 from jzo.precision import (LossScale, LossScaleState, init_loss_scale, resolve_precision,
@@ -137,7 +139,6 @@ class ZeroEngine:
     # Stage 3 devices hold low-precision param shards, gathered inside the step.
     self._sharded_lowp = stage == 3
     shards = 1 if stage == 0 else self.n_devices
-    self._treedef = jax.tree.structure(params)
     self._layouts = partition.make_layouts(params, shards, layers)
     self._layer_layouts = _subtree(self._layouts, layers) if layers else None
     # fp32 accumulation when several micro-batches are summed; else the
@@ -151,7 +152,7 @@ class ZeroEngine:
       self.host = offload_lib.HostAdam(
           self._layouts, jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(
               x, jnp.float32))), self._layouts, params, is_leaf=is_layout),
-          hyper, offload_lib.decay_flags(hyper.mask, params),
+          hyper, decay_flags(hyper.mask, params),
           offload_lib.LOWP_NUMPY[self.compute_dtype], self._grad_dtype, host_memory)
     self._pending = None  # delayed update in flight: a Future of new param shards
     # Seconds of the last host update: waiting for the gradients (device
@@ -177,10 +178,10 @@ class ZeroEngine:
     """Specs of tx's state: shard-shaped leaves like the master, scalars replicated."""
     if self.offload:
       return None
-    local = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(_local_shape(lay), jnp.float32),
+    local = jax.tree.map(lambda lay: jax.ShapeDtypeStruct(lay.local_shape, jnp.float32),
                          self._layouts, is_leaf=is_layout)
     shapes = jax.eval_shape(self.tx.init, local)
-    by_shape = {_local_shape(lay): lay.spec(self.axis)
+    by_shape = {lay.local_shape: lay.spec(self.axis)
                 for lay in jax.tree.leaves(self._layouts, is_leaf=is_layout)}
 
     def spec(x):
@@ -292,13 +293,14 @@ class ZeroEngine:
     for buf in jax.tree.leaves(self.host.lowp):
       client.dma_map(buf.ctypes.data, buf.nbytes)
       self._dma_mapped.append(buf)
+    # Unmap before the buffers can be freed, also if close() is never called.
+    self._unmap = weakref.finalize(self, _dma_unmap_all, client, self._dma_mapped)
 
   def close(self) -> None:
     """Finishes a delayed update in flight and releases the host buffers' DMA mappings."""
     self._install_pending()
-    client = self.mesh.devices.flat[0].client
-    while self._dma_mapped:
-      client.dma_unmap(self._dma_mapped.pop().ctypes.data)
+    if self._dma_mapped:
+      self._unmap()
 
   def _offload_out_shardings(self):
     """The step's output shardings with the gradient shards in pinned host
@@ -532,9 +534,9 @@ class ZeroEngine:
     return sum(x.nbytes for tree in arrays for x in jax.tree.leaves(tree))
 
 
-def _local_shape(layout: LeafLayout) -> tuple[int, ...]:
-  """Shape of one device's shard of a flat leaf."""
-  return layout.flat_shape[:-1] + (layout.shard_size,) if layout.shards > 1 else layout.flat_shape
+def _dma_unmap_all(client, buffers: list) -> None:
+  while buffers:
+    client.dma_unmap(buffers.pop().ctypes.data)
 
 
 def _subtree(tree, path: str):

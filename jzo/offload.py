@@ -50,11 +50,6 @@ def host_bytes_per_param(hyper: AdamHyperparams, lowp_dtype, grad_dtype) -> int:
   return 4 + size(hyper.mu_dtype) + size(hyper.nu_dtype) + size(lowp_dtype) + size(grad_dtype)
 
 
-def local_shape(layout: LeafLayout) -> tuple[int, ...]:
-  """Shape of one device's shard: (k,) or, per layer, (L, k)."""
-  return layout.flat_shape[:-1] + (layout.shard_size,)
-
-
 def split_shards(layout: LeafLayout, flat: np.ndarray) -> np.ndarray:
   """Flat padded leaf (global) -> (S, *local_shape), device d's shard at [d]."""
   S, k = layout.shards, layout.shard_size
@@ -100,7 +95,7 @@ class HostAdam:
   def __init__(self, layouts, flat_params, hyper: AdamHyperparams, decay, lowp_dtype,
                grad_dtype, host_memory: int | None = None):
     leaves = jax.tree.leaves(layouts, is_leaf=is_layout)
-    n = sum(l.shards * math.prod(local_shape(l)) for l in leaves)
+    n = sum(l.shards * math.prod(l.local_shape) for l in leaves)
     need = n * host_bytes_per_param(hyper, lowp_dtype, grad_dtype)
     have = available_host_memory() if host_memory is None else host_memory
     if need > have:
@@ -112,7 +107,7 @@ class HostAdam:
     self._lowp_dtype = np.dtype(lowp_dtype)
 
     def zeros(layout, dtype):
-      out = kernels.aligned_empty((layout.shards,) + local_shape(layout), dtype)
+      out = kernels.aligned_empty((layout.shards,) + layout.local_shape, dtype)
       out.fill(0)
       return out
     self.master = jax.tree.map(lambda l, x: _host_copy(split_shards(l, np.asarray(x)),
@@ -151,14 +146,6 @@ class HostAdam:
     """Tree of flat padded float32 leaves (global layout), copies."""
     return jax.tree.map(lambda l, m: join_shards(l, m).copy(), self._layouts, self.master,
                         is_leaf=is_layout)
-
-
-def decay_flags(mask, params) -> object:
-  """Per-leaf bools from an optax-style weight-decay mask (tree, prefix or callable)."""
-  if mask is None:
-    return jax.tree.map(lambda _: True, params)
-  tree = mask(params) if callable(mask) else mask
-  return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), tree, params)
 
 
 LOWP_NUMPY = {jnp.dtype(jnp.bfloat16): np.dtype(ml_dtypes.bfloat16),

@@ -43,6 +43,11 @@ class LeafLayout:
     return -(-math.prod(self.inner_shape) // self.shards)
 
   @property
+  def local_shape(self) -> tuple[int, ...]:
+    """Shape of one device's shard: (k,), or (L, k) per layer."""
+    return self.flat_shape[:-1] + (self.shard_size,)
+
+  @property
   def flat_shape(self) -> tuple[int, ...]:
     """Global shape of the flattened, padded leaf."""
     flat = self.shards * self.shard_size
