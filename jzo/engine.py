@@ -123,6 +123,9 @@ class ZeroEngine:
     mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (axis,))
     if axis not in mesh.axis_names:
       raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
+    if offload and mesh.devices.size != mesh.shape[axis]:
+      raise ValueError(f"offload takes a mesh whose only axis of size > 1 is {axis!r}, "
+                       f"got {dict(mesh.shape)}")
     leaves = jax.tree.leaves(params)
     if not leaves:
       raise ValueError("params has no leaves")

@@ -98,6 +98,9 @@ def test_bad_offload_options():
     jzo.ZeroEngine(loss_fn, params, optax.adamw(1e-3), offload=True, mesh=mesh)
   with pytest.raises(ValueError, match="needs offload=True"):
     jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), delayed_update=True, mesh=mesh)
+  with pytest.raises(ValueError, match="only axis of size > 1"):
+    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), offload=True,
+                   mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model")))
   with pytest.raises(ValueError, match="dpu_warmup"):
     jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), offload=True, delayed_update=True,
                    dpu_warmup=-1, mesh=mesh)
