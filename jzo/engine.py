@@ -156,7 +156,7 @@ class ZeroEngine:
           self._layouts, jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(
               x, jnp.float32))), self._layouts, params, is_leaf=is_layout),
           hyper, decay_flags(hyper.mask, params),
-          offload_lib.LOWP_NUMPY[self.compute_dtype], self._grad_dtype, host_memory)
+          np.dtype(self.compute_dtype), self._grad_dtype, host_memory)
     self._pending = None  # delayed update in flight: a Future of new param shards
     # Seconds of the last host update: waiting for the gradients (device
     # compute and device-to-host copy), the C++ update, the upload and gather.

@@ -13,8 +13,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from jzo import kernels
@@ -146,8 +144,3 @@ class HostAdam:
     """Tree of flat padded float32 leaves (global layout), copies."""
     return jax.tree.map(lambda l, m: join_shards(l, m).copy(), self._layouts, self.master,
                         is_leaf=is_layout)
-
-
-LOWP_NUMPY = {jnp.dtype(jnp.bfloat16): np.dtype(ml_dtypes.bfloat16),
-              jnp.dtype(jnp.float16): np.dtype(np.float16),
-              jnp.dtype(jnp.float32): np.dtype(np.float32)}
