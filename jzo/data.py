@@ -1,0 +1,96 @@
+"""Token streams for language-model training, and deterministic batches.
+
+Sources, all to a 1-D array of token ids:
+  * the embedded corpus: the top-level source files of Python's own standard
+    library, byte-level (vocabulary 256), so a first run needs no download;
+  * a text file or a folder of them, byte-level;
+  * a nanoGPT-style `.bin` file of uint16 token ids, with its vocabulary size.
+
+`Batches` draws windows at random positions from a seed: batch i is a pure
+function of (seed, i), so a run resumes exactly from its step count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+
+import numpy as np
+
+BYTE_VOCAB = 256
+
+
+def embedded_corpus() -> np.ndarray:
+  """The standard library's top-level .py files, sorted by name, as bytes (uint8)."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files = sorted(root.glob("*.py"))
+  if not files:
+    raise FileNotFoundError(f"no Python sources under {root} to use as the embedded corpus")
+  return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
+
+
+def read_text(path: str | pathlib.Path) -> np.ndarray:
+  """A text file, or every file in a folder (sorted, recursively), as bytes (uint8)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"data path {path} does not exist")
+  files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+  data = b"".join(f.read_bytes() for f in files)
+  if not data:
+    raise ValueError(f"data path {path} holds no bytes")
+  return np.frombuffer(data, np.uint8)
+
+
+def read_tokens(path: str | pathlib.Path, vocab_size: int) -> np.ndarray:
+  """A nanoGPT `.bin` file of uint16 token ids (memory-mapped), checked against the vocabulary."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"token file {path} does not exist")
+  if path.stat().st_size == 0 or path.stat().st_size % 2:
+    raise ValueError(f"token file {path} has {path.stat().st_size} bytes: not a non-empty "
+                     "array of uint16 tokens")
+  tokens = np.memmap(path, np.uint16, mode="r")
+  top = int(tokens.max())
+  if top >= vocab_size:
+    raise ValueError(f"token file {path} holds token id {top}, beyond the vocabulary of "
+                     f"{vocab_size}")
+  return tokens
+
+
+def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05):
+  """The last `val_fraction` of the stream is held out for evaluation."""
+  if not 0 < val_fraction < 1:
+    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+  cut = int(len(tokens) * (1 - val_fraction))
+  return tokens[:cut], tokens[cut:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+  """Random windows of `seq_len + 1` tokens (inputs and shifted targets).
+
+  Attributes:
+    tokens: 1-D token ids.
+    batch_size: windows per batch.
+    seq_len: model context; each window holds seq_len + 1 tokens.
+    seed: the stream of batches is a function of it alone.
+  """
+  tokens: np.ndarray
+  batch_size: int
+  seq_len: int
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.batch_size < 1 or self.seq_len < 1:
+      raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, "
+                       f"{self.seq_len}")
+    if len(self.tokens) < self.seq_len + 1:
+      raise ValueError(f"{len(self.tokens)} tokens are too few for windows of "
+                       f"{self.seq_len + 1}")
+
+  def __getitem__(self, step: int) -> np.ndarray:
+    """Batch number `step`: int32 (batch_size, seq_len + 1)."""
+    rng = np.random.default_rng([self.seed, step])
+    starts = rng.integers(0, len(self.tokens) - self.seq_len, self.batch_size)
+    return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], np.int32) for s in starts])
