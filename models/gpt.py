@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jzo
 
@@ -124,3 +125,36 @@ def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
   logp = jax.nn.log_softmax(logits)
   target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return -target.mean()
+
+
+def generate(config: GPTConfig, params: dict, prompt: np.ndarray, n_tokens: int,
+             key: jax.Array, temperature: float = 0.8) -> np.ndarray:
+  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones.
+
+  The model always sees a full window of seq_len tokens (zeros after the
+  current position, which causal attention ignores), so one compiled forward
+  serves every step; past seq_len the window slides.
+  """
+  if len(prompt) < 1:
+    raise ValueError("generate needs a prompt of at least one token")
+  S = config.seq_len
+  window = np.zeros(S, np.int32)
+  prompt = np.asarray(prompt, np.int32)[-(S - 1):]
+  window[:len(prompt)] = prompt
+  pos = len(prompt)
+
+  @jax.jit
+  def sample(params, window, pos, key):
+    logits = forward(config, params, window[None])[0, pos - 1].astype(jnp.float32)
+    return jax.random.categorical(key, logits / temperature)
+
+  out = []
+  for i in range(n_tokens):
+    if pos == S:  # slide the window by one token
+      window = np.roll(window, -1)
+      pos -= 1
+    token = int(sample(params, window, pos, jax.random.fold_in(key, i)))
+    window[pos] = token
+    pos += 1
+    out.append(token)
+  return np.asarray(out, np.int32)

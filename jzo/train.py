@@ -1,0 +1,232 @@
+"""`python -m jzo.train`: train a GPT with jzo's ZeRO engine.
+
+With no arguments it trains the `tiny` preset on the embedded corpus (the
+standard library's Python sources, byte-level) with the optimizer offloaded
+to the host, on every local device, for a few hundred steps (minutes on a
+laptop CPU), then prints a sample of generated text. `--help` lists every
+option with its default.
+
+Each log line reports model TFLOPS = tokens/s x (6 N + 12 L D T) (PaLM,
+Chowdhery et al. 2022, appendix B) and MFU = that over the devices' peak
+bf16 rate when known (`--peak-tflops`, per device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import psutil
+import tqdm
+from jax.sharding import Mesh
+
+import jzo
+from jzo import config as config_lib
+from jzo import data as data_lib
+from models import gpt
+
+
+def _opt(help_text: str, default):
+  return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  model: str = _opt(f"preset: {', '.join(gpt.PRESETS)}", "tiny")
+  data: str = _opt("'' for the embedded corpus, a text file or folder, or a .bin of uint16 "
+                   "tokens (then give --vocab-size)", "")
+  vocab_size: int = _opt("vocabulary of a .bin token file (0: the preset's)", 0)
+  seq_len: int = _opt("tokens per training sequence", 128)
+  batch_size: int = _opt("sequences per micro-batch, over all devices", 16)
+  grad_accum: int = _opt("micro-batches per optimizer step", 1)
+  steps: int = _opt("optimizer steps", 300)
+  lr: float = _opt("peak learning rate (linear warm-up, cosine decay to 10%)", 3e-3)
+  warmup: int = _opt("warm-up steps", 30)
+  weight_decay: float = _opt("AdamW weight decay", 0.1)
+  max_grad_norm: float = _opt("global gradient-norm clip", 1.0)
+  stage: int = _opt("ZeRO stage 0-3", 2)
+  offload: bool = _opt("keep optimizer state in host RAM (ZeRO-Offload)", True)
+  delayed_update: bool = _opt("offload: one-step delayed parameter update", False)
+  precision: str = _opt("compute precision: bf16 or fp16", "bf16")
+  devices: int = _opt("devices to use (0: all)", 0)
+  seed: int = _opt("seed of the initial weights and the batch order", 0)
+  log_every: int = _opt("steps between log lines", 25)
+  eval_every: int = _opt("steps between evaluations on the held-out split", 100)
+  eval_batches: int = _opt("batches per evaluation", 4)
+  sample_tokens: int = _opt("tokens of text to generate at the end", 200)
+  peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: unknown)", 0.0)
+  out: str = _opt("output folder (metrics.jsonl, loss.png)", "runs/latest")
+
+
+class UserError(Exception):
+  """A mistake in the options or the data: reported without a traceback."""
+
+
+def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
+  """Token stream and vocabulary size for the chosen data."""
+  if not cfg.data:
+    return data_lib.embedded_corpus(), data_lib.BYTE_VOCAB
+  if cfg.data.endswith(".bin"):
+    vocab = cfg.vocab_size or model_vocab
+    return data_lib.read_tokens(cfg.data, vocab), vocab
+  return data_lib.read_text(cfg.data), data_lib.BYTE_VOCAB
+
+
+def check(cfg: TrainConfig) -> None:
+  if cfg.model not in gpt.PRESETS:
+    raise UserError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
+  if cfg.precision not in ("bf16", "fp16"):
+    raise UserError(f"--precision must be bf16 or fp16, got {cfg.precision!r}")
+  for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every",
+               "eval_batches"):
+    if getattr(cfg, name) < 1:
+      raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+  if not 0 <= cfg.warmup < cfg.steps:
+    raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
+  if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
+    raise UserError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s context of "
+                    f"{gpt.PRESETS[cfg.model].seq_len} tokens")
+
+
+def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
+                                                end_value=0.1 * cfg.lr)
+  # No weight decay on biases and LayerNorm parameters (vectors per layer).
+  params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
+  mask = jax.tree.map(lambda x: x.ndim >= 2 and x.shape[-1] > 1 and not (x.ndim == 2 and
+                      x.shape[0] == model.n_layer), params)
+  tx = jzo.cpu_adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
+  return jzo.ZeroEngine(
+      functools.partial(gpt.loss_fn, model), params, tx,
+      mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
+      compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
+      grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, offload=cfg.offload,
+      delayed_update=cfg.delayed_update, layers="blocks" if cfg.stage == 3 else None)
+
+
+def evaluate(model: gpt.GPTConfig, params, batches: data_lib.Batches, n: int) -> float:
+  """Mean loss of n held-out batches with the float32 master weights."""
+  loss = jax.jit(functools.partial(gpt.loss_fn, model))
+  return float(np.mean([loss(params, {"tokens": batches[i]}) for i in range(n)]))
+
+
+def memory_line() -> str:
+  host = psutil.Process().memory_info().rss / 2**30
+  stats = jax.devices()[0].memory_stats() or {}
+  device = stats.get("peak_bytes_in_use")
+  return f"host {host:.1f} GiB" + (f", device {device / 2**30:.1f} GiB" if device else "")
+
+
+def plot(history: list[dict], path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")  # files only, no display
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+  evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+  ax.plot(*zip(*train), label="train")
+  if evals:
+    ax.plot(*zip(*evals), "o-", label="held out")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats/token)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def train(cfg: TrainConfig) -> dict:
+  """Runs the recipe; returns the last metrics."""
+  check(cfg)
+  devices = jax.devices()[:cfg.devices or None]
+  preset = gpt.PRESETS[cfg.model]
+  try:
+    tokens, vocab = load_tokens(cfg, preset.vocab_size)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  model = dataclasses.replace(preset, vocab_size=vocab if cfg.model == "tiny" or cfg.data.endswith(
+      ".bin") else preset.vocab_size, seq_len=cfg.seq_len)
+  if vocab > model.vocab_size:
+    raise UserError(f"the data needs a vocabulary of {vocab}, {cfg.model} has {model.vocab_size}")
+  train_tokens, val_tokens = data_lib.train_val_split(tokens)
+  global_batch = cfg.batch_size * cfg.grad_accum
+  if global_batch % (len(devices) * cfg.grad_accum) or cfg.batch_size % len(devices):
+    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
+  try:
+    batches = data_lib.Batches(train_tokens, global_batch, cfg.seq_len, cfg.seed)
+    val = data_lib.Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+    engine = make_engine(cfg, model, devices)
+  except (ValueError, TypeError, MemoryError) as e:
+    raise UserError(str(e)) from e
+
+  out = pathlib.Path(cfg.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  print(f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {len(tokens):,} tokens, "
+        f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
+        f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}")
+  history, last, logged = [], {}, 0
+  tokens_per_step = global_batch * cfg.seq_len
+  flops_per_step = tokens_per_step * model.flops_per_token()
+  start = time.perf_counter()
+  with open(out / "metrics.jsonl", "w") as log, tqdm.tqdm(total=cfg.steps, unit="step") as bar:
+    for step in range(cfg.steps):
+      metrics = engine.step({"tokens": batches[step]})
+      bar.update()
+      done = step + 1
+      is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+      if done % cfg.log_every and not is_eval:
+        continue
+      loss = float(metrics.loss)  # host sync: once per log line
+      elapsed, start = time.perf_counter() - start, time.perf_counter()
+      steps_done, logged = done - logged, done
+      tflops = flops_per_step * steps_done / elapsed / 1e12
+      last = {"step": done, "loss": loss, "lr": float(engine.tx.update.adam_hyperparams
+                                                          .learning_rate(step)),
+              "tokens_per_s": tokens_per_step * steps_done / elapsed, "model_tflops": tflops,
+              "grad_norm": float(metrics.grad_norm), "skipped": int(engine.state.skipped)}
+      if cfg.peak_tflops:
+        last["mfu"] = tflops / (cfg.peak_tflops * len(devices))
+      if is_eval:
+        last["eval_loss"] = evaluate(model, engine.params, val, cfg.eval_batches)
+      history.append(last)
+      log.write(json.dumps(last) + "\n")
+      log.flush()
+      bar.write(f"step {done}: loss {loss:.4f}"
+                + (f", eval {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+                + f", lr {last['lr']:.2e}, {last['tokens_per_s']:,.0f} tokens/s, "
+                f"{tflops:.3f} TFLOPS" + (f", MFU {last['mfu']:.1%}" if "mfu" in last else "")
+                + f", {memory_line()}")
+  engine.close()
+  plot(history, out / "loss.png")
+  if cfg.sample_tokens and vocab == data_lib.BYTE_VOCAB:
+    prompt = val_tokens[:32]
+    text = gpt.generate(model, engine.params, prompt, cfg.sample_tokens, jax.random.PRNGKey(cfg.seed))
+    print("\n--- sample (prompt from the held-out split) ---\n"
+          + bytes(prompt.astype(np.uint8)).decode("utf-8", "replace")
+          + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
+  print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
+  return last
+
+
+def main(argv: list[str] | None = None) -> int:
+  cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0])
+  try:
+    train(cfg)
+  except (UserError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
