@@ -518,6 +518,63 @@ class ZeroEngine:
     return jax.tree.map(lambda l, m: np.asarray(l.unflatten(m)), self._layouts, flat,
                         is_leaf=is_layout)
 
+  def state_dict(self) -> dict:
+    """Everything needed to continue training exactly, as host numpy arrays:
+    float32 masters, optimizer state (on the host with offload), loss scale
+    and counters. A delayed update in flight is applied first."""
+    s = self.state
+    common = {"loss_scale": np.asarray(s.loss_scale.scale),
+              "good_steps": np.asarray(s.loss_scale.good_steps),
+              "step": np.asarray(s.step), "skipped": np.asarray(s.skipped),
+              "steps_run": np.asarray(self._steps, np.int64)}
+    if self.offload:
+      self._install_pending()
+      return {**common, "master": self.host.master, "mu": self.host.mu, "nu": self.host.nu,
+              "host_count": np.asarray(self.host.count, np.int64)}
+    return {**common, "master": jax.device_get(s.master), "opt_state": jax.device_get(s.opt_state)}
+
+  def load_state_dict(self, saved: dict) -> None:
+    """Restores `state_dict()` output into this engine (same model, devices and options).
+
+    Raises:
+      ValueError: the saved state does not fit this engine (other shapes,
+        stage, device count or optimizer).
+    """
+    mine = self.state_dict()
+    if jax.tree.structure(mine) != jax.tree.structure(saved):
+      raise ValueError("checkpoint does not match this engine's state: saved with other "
+                       "options (stage, offload, optimizer or model)")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(saved)):
+      if np.shape(a) != np.shape(b) or np.asarray(a).dtype != np.asarray(b).dtype:
+        raise ValueError(f"checkpoint entry {jax.tree_util.keystr(path)} is "
+                         f"{np.asarray(b).dtype}{list(np.shape(b))}, this engine needs "
+                         f"{np.asarray(a).dtype}{list(np.shape(a))}")
+    put = lambda x, spec: jax.device_put(np.asarray(x), NamedSharding(self.mesh, spec))
+    if self.offload:
+      for name in ("master", "mu", "nu"):
+        jax.tree.map(np.copyto, getattr(self.host, name), saved[name])
+      self.host.count = int(saved["host_count"])
+      master = jax.tree.map(lambda l, m: jnp.asarray(offload_lib.join_shards(l, m)),
+                            self._layouts, self.host.master, is_leaf=is_layout)
+      opt_state = None
+    else:
+      master = jax.tree.map(put, saved["master"], self._state_specs.master)
+      opt_state = jax.tree.map(put, saved["opt_state"], self._state_specs.opt_state)
+    lowp = jax.tree.map(lambda l, m, spec: put(self._lowp_from_master(l, m), spec),
+                        self._layouts, master, self._state_specs.params, is_leaf=is_layout)
+    scalar = lambda x: put(x, P())
+    self.state = self.state._replace(
+        params=lowp, master=None if self.offload else master, opt_state=opt_state,
+        loss_scale=LossScaleState(scalar(saved["loss_scale"]), scalar(saved["good_steps"])),
+        step=scalar(saved["step"]), skipped=scalar(saved["skipped"]))
+    self._steps = int(saved["steps_run"])
+
+  def _lowp_from_master(self, layout: LeafLayout, master) -> np.ndarray:
+    """The compute-dtype params the forward uses, from a flat float32 master
+    (the same rounding as the step and the host kernel: to nearest even)."""
+    lowp = np.asarray(master).astype(self.compute_dtype)
+    return lowp if self._sharded_lowp else np.asarray(layout.unflatten(lowp))
+
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds for params, gradients and optimizer state
     (master weights included), read from the arrays' shards."""

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import psutil
 import tqdm
 from jax.sharding import Mesh
@@ -64,6 +65,8 @@ class TrainConfig:
   eval_batches: int = _opt("batches per evaluation", 4)
   sample_tokens: int = _opt("tokens of text to generate at the end", 200)
   peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: unknown)", 0.0)
+  checkpoint_every: int = _opt("steps between checkpoints (and one at the end)", 100)
+  resume: bool = _opt("continue from the last complete checkpoint in --out", False)
   out: str = _opt("output folder (metrics.jsonl, loss.png)", "runs/latest")
 
 
@@ -87,7 +90,7 @@ def check(cfg: TrainConfig) -> None:
   if cfg.precision not in ("bf16", "fp16"):
     raise UserError(f"--precision must be bf16 or fp16, got {cfg.precision!r}")
   for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every",
-               "eval_batches"):
+               "eval_batches", "checkpoint_every"):
     if getattr(cfg, name) < 1:
       raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
   if not 0 <= cfg.warmup < cfg.steps:
@@ -144,6 +147,38 @@ def plot(history: list[dict], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def checkpoints(out: pathlib.Path) -> ocp.CheckpointManager:
+  """Checkpoints under out/checkpoints; orbax writes each to a temporary
+  folder and renames it when complete, so a run killed while saving leaves
+  the previous one intact (and unfinished ones are never restored)."""
+  return ocp.CheckpointManager((out / "checkpoints").absolute(),
+                               options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+
+def restore(manager: ocp.CheckpointManager, engine: jzo.ZeroEngine, cfg: TrainConfig,
+            out: pathlib.Path) -> int:
+  """Loads the last complete checkpoint; returns its step (0 if none)."""
+  step = manager.latest_step()
+  if step is None:
+    return 0
+  saved_cfg = json.loads((out / "config.json").read_text())
+  for key in ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "stage",
+              "offload", "precision"):
+    if saved_cfg.get(key) != getattr(cfg, key):
+      raise UserError(f"checkpoint in {out} was made with --{key.replace('_', '-')} "
+                      f"{saved_cfg.get(key)!r}, not {getattr(cfg, key)!r}")
+  try:
+    # The engine's own state as the target: orbax rebuilds the same tree types.
+    saved = manager.restore(step, args=ocp.args.StandardRestore(engine.state_dict()))
+  except Exception as e:  # orbax raises many kinds for a damaged folder
+    raise UserError(f"checkpoint {step} in {out} is unreadable: {type(e).__name__}: {e}") from e
+  try:
+    engine.load_state_dict(saved)
+  except ValueError as e:
+    raise UserError(f"checkpoint {step} in {out} does not fit this run: {e}") from e
+  return step
+
+
 def train(cfg: TrainConfig) -> dict:
   """Runs the recipe; returns the last metrics."""
   check(cfg)
@@ -170,19 +205,32 @@ def train(cfg: TrainConfig) -> dict:
 
   out = pathlib.Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
+  manager = checkpoints(out)
+  first = restore(manager, engine, cfg, out) if cfg.resume else 0
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  # The log keeps what came before the checkpoint, so the curve stays whole.
+  history = []
+  if first and (out / "metrics.jsonl").exists():
+    history = [h for h in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if h["step"] <= first]
   print(f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {len(tokens):,} tokens, "
         f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
         f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}")
-  history, last, logged = [], {}, 0
+  last, logged = {}, first
   tokens_per_step = global_batch * cfg.seq_len
   flops_per_step = tokens_per_step * model.flops_per_token()
   start = time.perf_counter()
-  with open(out / "metrics.jsonl", "w") as log, tqdm.tqdm(total=cfg.steps, unit="step") as bar:
-    for step in range(cfg.steps):
+  (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+  with open(out / "metrics.jsonl", "a") as log, tqdm.tqdm(total=cfg.steps, initial=first,
+                                                          unit="step") as bar:
+    for step in range(first, cfg.steps):
       metrics = engine.step({"tokens": batches[step]})
       bar.update()
       done = step + 1
+      if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        # The batch order is a function of the step, so the step is the data position.
+        manager.save(done, args=ocp.args.StandardSave(engine.state_dict()))
+        manager.wait_until_finished()  # offload's state_dict is the live host state
       is_eval = done % cfg.eval_every == 0 or done == cfg.steps
       if done % cfg.log_every and not is_eval:
         continue
@@ -207,6 +255,7 @@ def train(cfg: TrainConfig) -> dict:
                 f"{tflops:.3f} TFLOPS" + (f", MFU {last['mfu']:.1%}" if "mfu" in last else "")
                 + f", {memory_line()}")
   engine.close()
+  manager.close()
   plot(history, out / "loss.png")
   if cfg.sample_tokens and vocab == data_lib.BYTE_VOCAB:
     prompt = val_tokens[:32]

@@ -74,3 +74,65 @@ def test_preset_file_then_command_line(tmp_path):
   preset.write_text(json.dumps({"steps": 7, "lr": 1e-3}))
   cfg = train.config_lib.parse(train.TrainConfig, ["--config", str(preset), "--steps", "9"])
   assert cfg.steps == 9 and cfg.lr == 1e-3
+
+
+def run_log(out):
+  """The metrics of a run without its wall-clock fields."""
+  lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  return [{k: v for k, v in l.items() if k not in ("tokens_per_s", "model_tflops")}
+          for l in lines]
+
+
+RESUMABLE = FAST[:] + ["--steps", "6", "--log-every", "1", "--eval-every", "3",
+                       "--checkpoint-every", "2", "--sample-tokens", "0"]
+
+
+class Killed(Exception):
+  """Stands for the process dying at an arbitrary point."""
+
+
+def kill_at_step(monkeypatch, step):
+  original = train.data_lib.Batches.__getitem__
+
+  def getitem(self, i):
+    if i == step and self.batch_size == 4:
+      raise Killed
+    return original(self, i)
+  monkeypatch.setattr(train.data_lib.Batches, "__getitem__", getitem)
+
+
+@pytest.mark.parametrize("extra", [["--offload"], ["--offload", "--delayed-update"],
+                                   ["--no-offload", "--stage", "3"]], ids=str)
+def test_resume_continues_bit_exactly(tmp_path, monkeypatch, extra):
+  whole, parts = tmp_path / "whole", tmp_path / "parts"
+  assert train.main(RESUMABLE + extra + ["--out", str(whole)]) == 0
+  with monkeypatch.context() as m:
+    kill_at_step(m, 5)  # dies during step 6, after the checkpoint of step 4
+    with pytest.raises(Killed):
+      train.main(RESUMABLE + extra + ["--out", str(parts)])
+  assert train.main(RESUMABLE + extra + ["--out", str(parts), "--resume"]) == 0
+  assert run_log(parts) == run_log(whole)
+
+
+def test_unfinished_checkpoint_is_ignored(tmp_path, monkeypatch):
+  with monkeypatch.context() as m:
+    kill_at_step(m, 3)
+    with pytest.raises(Killed):
+      train.main(RESUMABLE + ["--out", str(tmp_path)])
+  # What a run killed while writing checkpoint 4 leaves behind.
+  partial = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1234567"
+  partial.mkdir()
+  (partial / "garbage").write_bytes(b"\0" * 100)
+  assert train.main(RESUMABLE + ["--out", str(tmp_path), "--resume"]) == 0
+  assert [l["step"] for l in run_log(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_incompatible_or_corrupt_checkpoint(tmp_path, capsys):
+  assert train.main(RESUMABLE + ["--steps", "2", "--warmup", "0", "--out", str(tmp_path)]) == 0
+  assert train.main(RESUMABLE + ["--out", str(tmp_path), "--resume", "--seq-len", "16"]) == 2
+  assert "made with --seq-len 32, not 16" in capsys.readouterr().err
+  for f in (tmp_path / "checkpoints" / "2").rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"corrupt")
+  assert train.main(RESUMABLE + ["--out", str(tmp_path), "--resume"]) == 2
+  assert "checkpoint 2 in" in capsys.readouterr().err
