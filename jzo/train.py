@@ -67,6 +67,7 @@ class TrainConfig:
   peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: unknown)", 0.0)
   checkpoint_every: int = _opt("steps between checkpoints (and one at the end)", 100)
   resume: bool = _opt("continue from the last complete checkpoint in --out", False)
+  sample: bool = _opt("only generate --sample-tokens of text from the checkpoint in --out", False)
   out: str = _opt("output folder (metrics.jsonl, loss.png)", "runs/latest")
 
 
@@ -103,8 +104,8 @@ def check(cfg: TrainConfig) -> None:
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
   schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
                                                 end_value=0.1 * cfg.lr)
-  # No weight decay on biases and LayerNorm parameters (vectors per layer).
   params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
+  # No weight decay on biases and LayerNorm parameters (vectors per layer).
   mask = jax.tree.map(lambda x: x.ndim >= 2 and x.shape[-1] > 1 and not (x.ndim == 2 and
                       x.shape[0] == model.n_layer), params)
   tx = jzo.cpu_adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
@@ -179,6 +180,37 @@ def restore(manager: ocp.CheckpointManager, engine: jzo.ZeroEngine, cfg: TrainCo
   return step
 
 
+def print_sample(model: gpt.GPTConfig, params, val_tokens: np.ndarray, cfg: TrainConfig):
+  """Generates from a prompt taken from the held-out split (byte-level text)."""
+  prompt = val_tokens[:32]
+  text = gpt.generate(model, params, prompt, cfg.sample_tokens, jax.random.PRNGKey(cfg.seed))
+  print("\n--- sample (prompt from the held-out split) ---\n"
+        + bytes(np.asarray(prompt, np.uint8)).decode("utf-8", "replace")
+        + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
+
+
+def check_device_memory(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> None:
+  """Refuses a model whose persistent state alone exceeds a device's memory.
+
+  Per device, Psi params: bf16 params 2 Psi (stage 3: / Nd), gradients 2 Psi
+  (stages 2-3: / Nd), and without offload fp32 master + Adam 12 Psi / Nd
+  (stage 0: not divided). Activations come on top; they are not estimated.
+  """
+  limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+  if not limit:
+    return  # the CPU backend reports no limit
+  n, psi = len(devices), model.n_params
+  params = 2 * psi / (n if cfg.stage == 3 else 1)
+  grads = 2 * psi / (n if cfg.stage >= 2 else 1)
+  optimizer = 0 if cfg.offload else 12 * psi / (1 if cfg.stage == 0 else n)
+  need = params + grads + optimizer
+  if need > limit:
+    raise UserError(f"{cfg.model} needs {need / 2**30:.1f} GiB of device memory per device for "
+                    f"params, gradients and optimizer state at stage {cfg.stage}"
+                    f"{' with offload' if cfg.offload else ''}; a {devices[0].device_kind} "
+                    f"has {limit / 2**30:.1f} GiB")
+
+
 def train(cfg: TrainConfig) -> dict:
   """Runs the recipe; returns the last metrics."""
   check(cfg)
@@ -196,6 +228,7 @@ def train(cfg: TrainConfig) -> dict:
   global_batch = cfg.batch_size * cfg.grad_accum
   if global_batch % (len(devices) * cfg.grad_accum) or cfg.batch_size % len(devices):
     raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
+  check_device_memory(cfg, model, devices)
   try:
     batches = data_lib.Batches(train_tokens, global_batch, cfg.seq_len, cfg.seed)
     val = data_lib.Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
@@ -206,6 +239,11 @@ def train(cfg: TrainConfig) -> dict:
   out = pathlib.Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
   manager = checkpoints(out)
+  if cfg.sample:
+    if restore(manager, engine, cfg, out) == 0:
+      raise UserError(f"--sample: no checkpoint in {out / 'checkpoints'}")
+    print_sample(model, engine.params, val_tokens, cfg)
+    return {}
   first = restore(manager, engine, cfg, out) if cfg.resume else 0
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
   # The log keeps what came before the checkpoint, so the curve stays whole.
@@ -258,11 +296,7 @@ def train(cfg: TrainConfig) -> dict:
   manager.close()
   plot(history, out / "loss.png")
   if cfg.sample_tokens and vocab == data_lib.BYTE_VOCAB:
-    prompt = val_tokens[:32]
-    text = gpt.generate(model, engine.params, prompt, cfg.sample_tokens, jax.random.PRNGKey(cfg.seed))
-    print("\n--- sample (prompt from the held-out split) ---\n"
-          + bytes(prompt.astype(np.uint8)).decode("utf-8", "replace")
-          + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
+    print_sample(model, engine.params, val_tokens, cfg)
   print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last
 

@@ -136,3 +136,13 @@ def test_incompatible_or_corrupt_checkpoint(tmp_path, capsys):
       f.write_bytes(b"corrupt")
   assert train.main(RESUMABLE + ["--out", str(tmp_path), "--resume"]) == 2
   assert "checkpoint 2 in" in capsys.readouterr().err
+
+
+def test_sample_from_a_checkpoint(tmp_path, capsys):
+  assert train.main(RESUMABLE + ["--steps", "2", "--warmup", "0", "--out", str(tmp_path)]) == 0
+  capsys.readouterr()
+  assert train.main(RESUMABLE + ["--steps", "2", "--warmup", "0", "--out", str(tmp_path),
+                                 "--sample", "--sample-tokens", "12"]) == 0
+  assert "--- sample" in capsys.readouterr().out
+  assert train.main(RESUMABLE + ["--out", str(tmp_path / "none"), "--sample"]) == 2
+  assert "no checkpoint" in capsys.readouterr().err
