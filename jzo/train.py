@@ -105,9 +105,10 @@ def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngi
   schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
                                                 end_value=0.1 * cfg.lr)
   params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
-  # No weight decay on biases and LayerNorm parameters (vectors per layer).
-  mask = jax.tree.map(lambda x: x.ndim >= 2 and x.shape[-1] > 1 and not (x.ndim == 2 and
-                      x.shape[0] == model.n_layer), params)
+  # Weight decay on the embeddings and weight matrices, not on biases and
+  # LayerNorm parameters.
+  mask = jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in ("wte", "wpe") or path[-1].key.endswith("_w"), params)
   tx = jzo.cpu_adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
   return jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, model), params, tx,
@@ -220,13 +221,15 @@ def train(cfg: TrainConfig) -> dict:
     tokens, vocab = load_tokens(cfg, preset.vocab_size)
   except ValueError as e:
     raise UserError(str(e)) from e
-  model = dataclasses.replace(preset, vocab_size=vocab if cfg.model == "tiny" or cfg.data.endswith(
-      ".bin") else preset.vocab_size, seq_len=cfg.seq_len)
+  # tiny and token files take the data's vocabulary, padded to a multiple of 128.
+  own_vocab = cfg.model == "tiny" or cfg.data.endswith(".bin")
+  model = dataclasses.replace(preset, seq_len=cfg.seq_len,
+                              vocab_size=-(-vocab // 128) * 128 if own_vocab else preset.vocab_size)
   if vocab > model.vocab_size:
     raise UserError(f"the data needs a vocabulary of {vocab}, {cfg.model} has {model.vocab_size}")
   train_tokens, val_tokens = data_lib.train_val_split(tokens)
   global_batch = cfg.batch_size * cfg.grad_accum
-  if global_batch % (len(devices) * cfg.grad_accum) or cfg.batch_size % len(devices):
+  if cfg.batch_size % len(devices):
     raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
   check_device_memory(cfg, model, devices)
   try:
