@@ -1,8 +1,12 @@
 """jzo: ZeRO and ZeRO-Offload for JAX.
 
 Public API:
+  ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
+  gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
+  LossScale: dynamic loss-scaling settings for float16.
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
   kernels: the fused in-place host kernel and its thread/SIMD settings.
+  `python -m jzo.train`: the GPT training recipe.
 """
 
 from jzo import kernels
