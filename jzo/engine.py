@@ -307,7 +307,8 @@ class ZeroEngine:
 
   def _offload_out_shardings(self):
     """The step's output shardings with the gradient shards in pinned host
-    memory, so XLA copies them out at PCIe speed as soon as they are ready."""
+    memory, so XLA copies them out at PCIe speed as soon as they are ready
+    (CPU devices have a pinned-host memory too, so the tests take this path)."""
     named = lambda spec, kind=None: NamedSharding(self.mesh, spec, memory_kind=kind)
     specs = self._state_specs
     state = EngineState(
@@ -382,9 +383,7 @@ class ZeroEngine:
                          check_vma=False)
       # Offload: nothing donated, since a delayed host update still reads the
       # previous step's gradients while the next step runs.
-      out_shardings = None
-      if self.offload and self._on_accelerator:
-        out_shardings = self._offload_out_shardings()
+      out_shardings = self._offload_out_shardings() if self.offload else None
       self._step_fns[key] = jax.jit(fn, donate_argnums=() if self.offload else 0,
                                     out_shardings=out_shardings)
     return self._step_fns[key]

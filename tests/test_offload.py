@@ -27,6 +27,7 @@ def test_offload_matches_on_device(stage, layers, compute_dtype):
     assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6, abs=1e-7)
     assert float(got.loss_scale) == float(want.loss_scale)
   assert_close(offloaded.params, on_device.params)
+  assert {g.sharding.memory_kind for g in jax.tree.leaves(offloaded.state.grads)} == {"pinned_host"}
   assert offloaded.memory_per_device()["optimizer"] == 0
   assert offloaded.host_memory() > 0
 
