@@ -575,10 +575,11 @@ class ZeroEngine:
     return lowp if self._sharded_lowp else np.asarray(layout.unflatten(lowp))
 
   def memory_per_device(self) -> dict[str, int]:
-    """Bytes device 0 holds for params, gradients and optimizer state
-    (master weights included), read from the arrays' shards."""
-    def nbytes(tree):
-      return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    """Bytes device 0 holds in its own memory for params, gradients and
+    optimizer state (master weights included), read from the arrays' shards."""
+    def nbytes(tree):  # arrays in device memory (offload's gradients are in pinned host)
+      return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+                 if x.sharding.memory_kind != "pinned_host")
     s = self.state
     return {"params": nbytes(s.params), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
