@@ -26,10 +26,8 @@ whose clip would see one shard only.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import math
 import time
-import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -40,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import offload as offload_lib
 from jzo.cpu_adam import decay_flags
-from jzo import partition
+from jzo import partition, transfer
 from jzo.partition import LeafLayout, is_layout
 from jzo.precision import (LossScale, LossScaleState, init_loss_scale, resolve_precision,
                            update_loss_scale)
@@ -161,10 +159,12 @@ class ZeroEngine:
     # Seconds of the last host update: waiting for the gradients (device
     # compute and device-to-host copy), the C++ update, the upload and gather.
     self.host_timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
-    self._on_accelerator = mesh.devices.flat[0].platform != "cpu"
-    self._dma_mapped = []
-    if offload and self._on_accelerator:
-      self._map_staging()
+    self._transfer = None
+    if offload:
+      self._transfer = transfer.ShardTransfer(
+          mesh, axis, self._layouts, None if self._sharded_lowp else self._state_specs.params)
+      if mesh.devices.flat[0].platform != "cpu":  # the CPU backend has no DMA mapping
+        self._transfer.map_for_dma(self.host.lowp)
     self._steps = 0  # steps run (offload: decides when delayed updates start)
     self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
 
@@ -275,35 +275,20 @@ class ZeroEngine:
     start = time.perf_counter()
     if bool(skipped):
       return None
-    pieces = jax.tree.map(self._host_pieces, self._layouts, grads, is_leaf=is_layout)
+    pieces = self._transfer.download(grads)
     waited = time.perf_counter()
     lowp = self.host.update(pieces, float(grad_scale))
     updated = time.perf_counter()
-    params = jax.tree.map(self._upload, self._layouts, lowp, self._shard_specs,
-                          is_leaf=is_layout)
-    if not self._sharded_lowp:  # stages 1-2: devices all-gather the new shards
-      params = self._gather_shards(params)
-    # The staging buffers are rewritten by the next update: wait for the copies.
-    params = jax.block_until_ready(params)
+    params = self._transfer.upload(lowp)
     self.host_timings = {"wait_grads": waited - start, "update": updated - waited,
                          "upload": time.perf_counter() - updated}
     return params
 
-  def _map_staging(self) -> None:
-    """Registers the low-precision staging buffers for DMA once: host-to-device
-    copies from them run at PCIe speed instead of through a bounce buffer."""
-    client = self.mesh.devices.flat[0].client
-    for buf in jax.tree.leaves(self.host.lowp):
-      client.dma_map(buf.ctypes.data, buf.nbytes)
-      self._dma_mapped.append(buf)
-    # Unmap before the buffers can be freed, also if close() is never called.
-    self._unmap = weakref.finalize(self, _dma_unmap_all, client, self._dma_mapped)
-
   def close(self) -> None:
     """Finishes a delayed update in flight and releases the host buffers' DMA mappings."""
     self._install_pending()
-    if self._dma_mapped:
-      self._unmap()
+    if self._transfer is not None:
+      self._transfer.close()
 
   def _offload_out_shardings(self):
     """The step's output shardings with the gradient shards in pinned host
@@ -317,36 +302,6 @@ class ZeroEngine:
         loss_scale=LossScaleState(named(P()), named(P())), step=named(P()),
         skipped=named(P()))
     return state, StepMetrics(*[named(P())] * 4), named(P())
-
-  @functools.cached_property
-  def _shard_specs(self):
-    return jax.tree.map(lambda l: l.spec(self.axis), self._layouts, is_leaf=is_layout)
-
-  @functools.cached_property
-  def _gather_shards(self):
-    """Jitted: tree of flat param shards -> full replicated params."""
-    def gather(shards):
-      return jax.tree.map(lambda l, x: l.unflatten(jax.lax.all_gather(x, self.axis, tiled=True)),
-                          self._layouts, shards, is_leaf=is_layout)
-    return jax.jit(jax.shard_map(gather, mesh=self.mesh, in_specs=(self._shard_specs,),
-                                 out_specs=self._state_specs.params, check_vma=False))
-
-  def _host_pieces(self, layout: LeafLayout, grads: jax.Array):
-    """Device d's gradient shard as a host numpy view, in device order."""
-    pieces = [None] * layout.shards
-    for shard in grads.addressable_shards:
-      d = shard.index[-1].start // layout.shard_size if layout.shards > 1 else 0
-      pieces[d] = np.asarray(shard.data)
-    return offload_lib.Shards(pieces)
-
-  def _upload(self, layout: LeafLayout, lowp: np.ndarray, spec: P) -> jax.Array:
-    devices = list(self.mesh.devices.flat)
-    on_cpu = devices[0].platform == "cpu"
-    # A CPU "device" may alias a numpy array; the staging buffer is reused.
-    pieces = [jax.device_put(lowp[d].copy() if on_cpu else lowp[d], devices[d])
-              for d in range(layout.shards)]
-    return jax.make_array_from_single_device_arrays(
-        layout.flat_shape, NamedSharding(self.mesh, spec), pieces)
 
   def _install(self, params) -> None:
     if params is not None:
@@ -592,11 +547,6 @@ class ZeroEngine:
     if self.host.lowp is not self.host.master:
       arrays.append(self.host.lowp)
     return sum(x.nbytes for tree in arrays for x in jax.tree.leaves(tree))
-
-
-def _dma_unmap_all(client, buffers: list) -> None:
-  while buffers:
-    client.dma_unmap(buffers.pop().ctypes.data)
 
 
 def _subtree(tree, path: str):
