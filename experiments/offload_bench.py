@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys

@@ -37,10 +37,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import offload as offload_lib
-from jzo.cpu_adam import decay_flags
 from jzo import partition, transfer
+from jzo.cpu_adam import decay_flags
 from jzo.partition import LeafLayout, is_layout
-from jzo.precision import (LossScale, LossScaleState, init_loss_scale, resolve_precision,
+from jzo.precision import (LossScaleState, init_loss_scale, resolve_precision,
                            update_loss_scale)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 import sys
 import time

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
