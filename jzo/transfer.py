@@ -4,11 +4,13 @@ Gradients leave the device step as outputs in pinned host memory (XLA
 copies them at PCIe speed as soon as they are ready) and are read here as
 zero-copy numpy views. New low-precision weights go back from staging
 buffers registered for DMA once, so the copy runs at PCIe speed instead of
-through a bounce buffer; stages 1-2 then all-gather them on the devices.
+through a bounce buffer; stages 1-2 then all-gather them on the devices (on
+one device, the full leaves are uploaded as they are).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import jax
@@ -36,7 +38,8 @@ class ShardTransfer:
     self._shard_specs = jax.tree.map(lambda l: l.spec(axis), layouts, is_leaf=is_layout)
     self._mapped: list[np.ndarray] = []
     self._gather = None
-    if full_specs is not None:
+    self._full_specs = full_specs
+    if full_specs is not None and len(self._devices) > 1:
       def gather(shards):
         return jax.tree.map(lambda l, x: l.unflatten(jax.lax.all_gather(x, axis, tiled=True)),
                             layouts, shards, is_leaf=is_layout)
@@ -58,16 +61,27 @@ class ShardTransfer:
     """Device params from a tree of (S, ...) host shards; returns once the
     copies are done, since the staging buffers are rewritten next step."""
     on_cpu = self._devices[0].platform == "cpu"
+    # A CPU "device" may alias a numpy array, and the staging buffer is reused.
+    host_view = lambda x: x.copy() if on_cpu else x
 
     def put(layout: LeafLayout, host: np.ndarray, spec) -> jax.Array:
-      # A CPU "device" may alias a numpy array, and the staging buffer is reused.
-      pieces = [jax.device_put(host[d].copy() if on_cpu else host[d], self._devices[d])
+      pieces = [jax.device_put(host_view(host[d]), self._devices[d])
                 for d in range(layout.shards)]
       return jax.make_array_from_single_device_arrays(
           layout.flat_shape, NamedSharding(self._mesh, spec), pieces)
-    params = jax.tree.map(put, self._layouts, lowp, self._shard_specs, is_leaf=is_layout)
-    if self._gather is not None:
-      params = self._gather(params)
+
+    def put_whole(layout: LeafLayout, host: np.ndarray, spec) -> jax.Array:
+      # One device holds the whole leaf: reshape on the host, so no device
+      # op waits behind the next step's compute.
+      whole = host[0][:math.prod(layout.shape)].reshape(layout.shape)
+      return jax.device_put(host_view(whole), NamedSharding(self._mesh, spec))
+
+    if self._full_specs is not None and self._gather is None:
+      params = jax.tree.map(put_whole, self._layouts, lowp, self._full_specs, is_leaf=is_layout)
+    else:
+      params = jax.tree.map(put, self._layouts, lowp, self._shard_specs, is_leaf=is_layout)
+      if self._gather is not None:
+        params = self._gather(params)
     return jax.block_until_ready(params)
 
   def map_for_dma(self, buffers) -> None:

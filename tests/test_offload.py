@@ -32,6 +32,21 @@ def test_offload_matches_on_device(stage, layers, compute_dtype):
   assert offloaded.host_memory() > 0
 
 
+@pytest.mark.parametrize("n_dev", [1, 2])
+def test_offload_on_few_devices(n_dev):
+  """One device uploads whole leaves (no gather), two gather the shards."""
+  params, data = init_params(), batches(6)
+  kw = dict(stage=2, compute_dtype=jnp.bfloat16, mesh=mesh_of(n_dev))
+  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
+  offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
+  for b in data:
+    on_device.step(b)
+    offloaded.step(b)
+  assert_close(offloaded.params, on_device.params)
+  for a, b in zip(jax.tree.leaves(offloaded.state.params), jax.tree.leaves(on_device.state.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_delayed_update_applies_each_update_one_step_late():
   params, data, warmup = init_params(), batches(12), 3
   engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, offload=True,
