@@ -454,7 +454,7 @@ class ZeroEngine:
 
   def _new_lowp(self, layout: LeafLayout, master):
     lowp = master.astype(self.compute_dtype)
-    if self.stage == 3:
+    if self._sharded_lowp:
       return lowp
     if self.stage > 0:
       lowp = jax.lax.all_gather(lowp, self.axis, tiled=True)
@@ -476,16 +476,20 @@ class ZeroEngine:
     """Everything needed to continue training exactly, as host numpy arrays:
     float32 masters, optimizer state (on the host with offload), loss scale
     and counters. A delayed update in flight is applied first."""
+    return jax.device_get(self._state_tree())
+
+  def _state_tree(self) -> dict:
+    """state_dict()'s tree, device arrays not yet fetched (offload's host
+    arrays are the live ones)."""
     s = self.state
-    common = {"loss_scale": np.asarray(s.loss_scale.scale),
-              "good_steps": np.asarray(s.loss_scale.good_steps),
-              "step": np.asarray(s.step), "skipped": np.asarray(s.skipped),
+    common = {"loss_scale": s.loss_scale.scale, "good_steps": s.loss_scale.good_steps,
+              "step": s.step, "skipped": s.skipped,
               "steps_run": np.asarray(self._steps, np.int64)}
     if self.offload:
       self._install_pending()
       return {**common, "master": self.host.master, "mu": self.host.mu, "nu": self.host.nu,
               "host_count": np.asarray(self.host.count, np.int64)}
-    return {**common, "master": jax.device_get(s.master), "opt_state": jax.device_get(s.opt_state)}
+    return {**common, "master": s.master, "opt_state": s.opt_state}
 
   def load_state_dict(self, saved: dict) -> None:
     """Restores `state_dict()` output into this engine (same model, devices and options).
@@ -494,22 +498,23 @@ class ZeroEngine:
       ValueError: the saved state does not fit this engine (other shapes,
         stage, device count or optimizer).
     """
-    mine = self.state_dict()
+    mine = self._state_tree()  # shapes and dtypes only: nothing is fetched
     if jax.tree.structure(mine) != jax.tree.structure(saved):
       raise ValueError("checkpoint does not match this engine's state: saved with other "
                        "options (stage, offload, optimizer or model)")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(saved)):
-      if np.shape(a) != np.shape(b) or np.asarray(a).dtype != np.asarray(b).dtype:
+      b = np.asarray(b)
+      if np.shape(a) != b.shape or a.dtype != b.dtype:
         raise ValueError(f"checkpoint entry {jax.tree_util.keystr(path)} is "
-                         f"{np.asarray(b).dtype}{list(np.shape(b))}, this engine needs "
-                         f"{np.asarray(a).dtype}{list(np.shape(a))}")
+                         f"{b.dtype}{list(b.shape)}, this engine needs "
+                         f"{a.dtype}{list(np.shape(a))}")
     put = lambda x, spec: jax.device_put(np.asarray(x), NamedSharding(self.mesh, spec))
     if self.offload:
       for name in ("master", "mu", "nu"):
         jax.tree.map(np.copyto, getattr(self.host, name), saved[name])
       self.host.count = int(saved["host_count"])
-      master = jax.tree.map(lambda l, m: jnp.asarray(offload_lib.join_shards(l, m)),
-                            self._layouts, self.host.master, is_leaf=is_layout)
+      master = jax.tree.map(offload_lib.join_shards, self._layouts, self.host.master,
+                            is_leaf=is_layout)
       opt_state = None
     else:
       master = jax.tree.map(put, saved["master"], self._state_specs.master)

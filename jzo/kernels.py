@@ -178,8 +178,8 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
   if num_threads is not None and (not isinstance(num_threads, (int, np.integer)) or num_threads < 1):
     raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
 
-  scalars = np.asarray(_host_scalars(learning_rate, b1, b2, eps, eps_root, weight_decay,
-                                     int(count), grad_scale))
+  scalars = _host_scalars(float(learning_rate), float(b1), float(b2), float(eps),
+                          float(eps_root), float(weight_decay), int(count), float(grad_scale))
   _ext.adam_step(
       param, _payload(grad), _DTYPE_CODES[grad.dtype], _payload(mu), _DTYPE_CODES[mu.dtype],
       _payload(nu), _DTYPE_CODES[nu.dtype],
@@ -194,16 +194,20 @@ def _host_scalars_jit(lr, count, grad_scale, *, b1, b2, eps, eps_root, weight_de
                       weight_decay=weight_decay, count=count, grad_scale=grad_scale)
 
 
-def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
+@functools.lru_cache(maxsize=16)
+def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale) -> np.ndarray:
   """adam_scalars computed by XLA on the CPU as cpu_adamw computes them.
 
   The constant hyperparameters stay Python floats (static), so `1 - b1` is
-  formed in double precision exactly as in the optax path.
+  formed in double precision exactly as in the optax path. Cached: the
+  offload engine steps every shard of a step with the same scalars.
   """
   with jax.default_device(jax.devices("cpu")[0]):
-    return _host_scalars_jit(np.float32(lr), np.int32(count), np.float32(grad_scale),
-                             b1=float(b1), b2=float(b2), eps=float(eps),
-                             eps_root=float(eps_root), weight_decay=float(weight_decay))
+    scalars = np.array(_host_scalars_jit(
+        np.float32(lr), np.int32(count), np.float32(grad_scale), b1=float(b1), b2=float(b2),
+        eps=float(eps), eps_root=float(eps_root), weight_decay=float(weight_decay)))
+  scalars.setflags(write=False)  # shared by every caller with these arguments
+  return scalars
 
 
 def aligned_empty(shape, dtype, *, alignment: int = 4096) -> np.ndarray:

@@ -100,15 +100,18 @@ def check(cfg: TrainConfig) -> None:
                     f"{gpt.PRESETS[cfg.model].seq_len} tokens")
 
 
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
+                                            end_value=0.1 * cfg.lr)
+
+
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
-                                                end_value=0.1 * cfg.lr)
   params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
   # Weight decay on the embeddings and weight matrices, not on biases and
   # LayerNorm parameters.
   mask = jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key in ("wte", "wpe") or path[-1].key.endswith("_w"), params)
-  tx = jzo.cpu_adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
+  tx = jzo.cpu_adamw(lr_schedule(cfg), b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
   return jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, model), params, tx,
       mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
@@ -117,10 +120,15 @@ def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngi
       delayed_update=cfg.delayed_update, layers="blocks" if cfg.stage == 3 else None)
 
 
+@functools.cache
+def _loss(model: gpt.GPTConfig):
+  """The jitted loss of one model, compiled once per run."""
+  return jax.jit(functools.partial(gpt.loss_fn, model))
+
+
 def evaluate(model: gpt.GPTConfig, params, batches: data_lib.Batches, n: int) -> float:
   """Mean loss of n held-out batches with the float32 master weights."""
-  loss = jax.jit(functools.partial(gpt.loss_fn, model))
-  return float(np.mean([loss(params, {"tokens": batches[i]}) for i in range(n)]))
+  return float(np.mean([_loss(model)(params, {"tokens": batches[i]}) for i in range(n)]))
 
 
 def memory_line() -> str:
@@ -259,6 +267,7 @@ def train(cfg: TrainConfig) -> dict:
   last, logged = {}, first
   tokens_per_step = global_batch * cfg.seq_len
   flops_per_step = tokens_per_step * model.flops_per_token()
+  schedule = lr_schedule(cfg)
   start = time.perf_counter()
   (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
   with open(out / "metrics.jsonl", "a") as log, tqdm.tqdm(total=cfg.steps, initial=first,
@@ -278,8 +287,7 @@ def train(cfg: TrainConfig) -> dict:
       elapsed, start = time.perf_counter() - start, time.perf_counter()
       steps_done, logged = done - logged, done
       tflops = flops_per_step * steps_done / elapsed / 1e12
-      last = {"step": done, "loss": loss, "lr": float(engine.tx.update.adam_hyperparams
-                                                          .learning_rate(step)),
+      last = {"step": done, "loss": loss, "lr": float(schedule(step)),
               "tokens_per_s": tokens_per_step * steps_done / elapsed, "model_tflops": tflops,
               "grad_norm": float(metrics.grad_norm), "skipped": int(engine.state.skipped)}
       if cfg.peak_tflops:

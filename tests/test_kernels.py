@@ -42,6 +42,12 @@ def copies(*arrays):
   return [a.copy() for a in arrays]
 
 
+def to_jax(a):
+  """A JAX array of a's current values. jnp.asarray may alias a numpy array or
+  copy it asynchronously, so hand it a private copy: the kernel writes `a`."""
+  return jnp.asarray(a.copy())
+
+
 HYPER = dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
 
 
@@ -51,9 +57,9 @@ def test_fused_step_matches_optax(n, grad_dtype):
   """Several in-place steps equal optax.adamw + apply_updates on float32 grads."""
   p, g, m, v = host_state(n, grad_dtype)
   opt = optax.adamw(HYPER["learning_rate"], weight_decay=HYPER["weight_decay"])
-  ref_p = jnp.asarray(p)
+  ref_p = to_jax(p)
   ref_state = opt.init(ref_p)
-  ref_state = (ref_state[0]._replace(mu=jnp.asarray(m), nu=jnp.asarray(v)),) + ref_state[1:]
+  ref_state = (ref_state[0]._replace(mu=to_jax(m), nu=to_jax(v)),) + ref_state[1:]
   update = jax.jit(opt.update)
   lowp = np.empty(n, BF16)
   for count in range(1, 6):
@@ -73,8 +79,8 @@ def test_fused_step_matches_cpu_adamw_bitwise():
   n = 70_001
   p, g, m, v = host_state(n, BF16)
   tx = jzo.cpu_adamw(3e-4, weight_decay=0.1, nesterov=True)
-  state = jzo.CpuAdamState(jnp.int32(0), jnp.asarray(m), jnp.asarray(v))
-  u, state = jax.jit(tx.update)(jnp.asarray(g), state, jnp.asarray(p))
+  state = jzo.CpuAdamState(jnp.int32(0), to_jax(m), to_jax(v))
+  u, state = jax.jit(tx.update)(jnp.asarray(g), state, to_jax(p))
   kernels.adam_step_(p_k := p.copy(), g, m, v, learning_rate=3e-4, weight_decay=0.1,
                      nesterov=True, count=1)
   np.testing.assert_array_equal(p_k, np.asarray(optax.apply_updates(jnp.asarray(p), u)))
