@@ -157,7 +157,8 @@ class ZeroEngine:
           np.dtype(self.compute_dtype), self._grad_dtype, host_memory)
     self._pending = None  # delayed update in flight: a Future of new param shards
     # Seconds of the last host update: waiting for the gradients (device
-    # compute and device-to-host copy), the C++ update, the upload and gather.
+    # compute and device-to-host copy), the C++ update (its uploads overlap
+    # it, leaf by leaf), and the uploads and gather still left after it.
     self.host_timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     self._transfer = None
     if offload:
@@ -277,11 +278,15 @@ class ZeroEngine:
       return None
     pieces = self._transfer.download(grads)
     waited = time.perf_counter()
-    lowp = self.host.update(pieces, float(grad_scale))
-    updated = time.perf_counter()
-    params = self._transfer.upload(lowp)
-    self.host_timings = {"wait_grads": waited - start, "update": updated - waited,
-                         "upload": time.perf_counter() - updated}
+    done = [waited]  # when the last leaf's update finished
+
+    def leaves():
+      for leaf in self.host.update_leaves(pieces, float(grad_scale)):
+        yield leaf
+      done[0] = time.perf_counter()
+    params = self._transfer.upload_as_ready(leaves())
+    self.host_timings = {"wait_grads": waited - start, "update": done[0] - waited,
+                         "upload": time.perf_counter() - done[0]}
     return params
 
   def close(self) -> None:

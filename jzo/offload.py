@@ -124,21 +124,33 @@ class HostAdam:
         (numpy, float32/bf16/fp16, local shape).
       grad_scale: multiplies the gradients first (1 / loss scale * clip).
     """
+    for _ in self.update_leaves(grads, grad_scale):
+      pass
+    return self.lowp
+
+  def update_leaves(self, grads, grad_scale: float):
+    """Like `update`, but yields (leaf index, (S, ...) low-precision weights)
+    as each leaf is done, largest first, so its upload can overlap the update
+    of the rest and only the smallest leaves' uploads remain at the end.
+    Leaf indices are in jax.tree.leaves order. The step counts once all
+    leaves are done."""
     step = self.count
     h = self.hyper
     lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
     wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
     lowp_out = self._lowp_dtype != np.float32
-
-    def one_leaf(master, mu, nu, lowp, grad, decay):
+    leaves = list(zip(*(jax.tree.leaves(t) for t in (self.master, self.mu, self.nu, self.lowp)),
+                      jax.tree.leaves(grads),
+                      jax.tree.leaves(self._decay)))
+    for i in sorted(range(len(leaves)), key=lambda i: -leaves[i][0].size):
+      master, mu, nu, lowp, grad, decay = leaves[i]
       for d in range(master.shape[0]):
         kernels.adam_step_(master[d], grad[d], mu[d], nu[d], learning_rate=lr, count=step + 1,
                            b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
                            weight_decay=wd if decay else 0.0, nesterov=h.nesterov,
                            grad_scale=grad_scale, lowp_out=lowp[d] if lowp_out else None)
-    jax.tree.map(one_leaf, self.master, self.mu, self.nu, self.lowp, grads, self._decay)
+      yield i, lowp
     self.count += 1
-    return self.lowp
 
   def full_params(self):
     """Tree of flat padded float32 leaves (global layout), copies."""

@@ -8,7 +8,8 @@ option with its default.
 
 Each log line reports model TFLOPS = tokens/s x (6 N + 12 L D T) (PaLM,
 Chowdhery et al. 2022, appendix B) and MFU = that over the devices' peak
-bf16 rate when known (`--peak-tflops`, per device).
+bf16 rate: `--peak-tflops` per device, or on GPUs the bf16 matmul rate
+measured at start-up (the ceiling a JAX program can reach there).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class TrainConfig:
   eval_every: int = _opt("steps between evaluations on the held-out split", 100)
   eval_batches: int = _opt("batches per evaluation", 4)
   sample_tokens: int = _opt("tokens of text to generate at the end", 200)
-  peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: unknown)", 0.0)
+  remat: str = _opt("what the backward pass recomputes: full (least memory), dots (keeps "
+                    "matmul outputs), none", "full")
+  peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 "
+                            "matmul on GPUs, none on CPU)", 0.0)
   checkpoint_every: int = _opt("steps between checkpoints (and one at the end)", 100)
   resume: bool = _opt("continue from the last complete checkpoint in --out", False)
   sample: bool = _opt("only generate --sample-tokens of text from the checkpoint in --out", False)
@@ -95,6 +99,10 @@ def check(cfg: TrainConfig) -> None:
       raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
   if not 0 <= cfg.warmup < cfg.steps:
     raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
+  if cfg.remat not in gpt.REMAT_POLICIES:
+    raise UserError(f"--remat must be one of {', '.join(gpt.REMAT_POLICIES)}, got {cfg.remat!r}")
+  if cfg.peak_tflops < 0:
+    raise UserError(f"--peak-tflops must be >= 0, got {cfg.peak_tflops}")
   if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
     raise UserError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s context of "
                     f"{gpt.PRESETS[cfg.model].seq_len} tokens")
@@ -219,6 +227,22 @@ def check_device_memory(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> None
                     f"has {limit / 2**30:.1f} GiB")
 
 
+def matmul_tflops(device, n: int = 8192, repeats: int = 20) -> float:
+  """Measured bf16 TFLOPS of an n x n x n matmul on `device` (warm, median of 3)."""
+  a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
+
+  @jax.jit
+  def chain(a):  # `repeats` dependent matmuls in one dispatch
+    return jax.lax.fori_loop(0, repeats, lambda _, x: (x @ a) * 1e-4, a)
+  chain(a).block_until_ready()
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    chain(a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 * repeats / sorted(times)[1] / 1e12
+
+
 def train(cfg: TrainConfig) -> dict:
   """Runs the recipe; returns the last metrics."""
   check(cfg)
@@ -230,7 +254,7 @@ def train(cfg: TrainConfig) -> dict:
     raise UserError(str(e)) from e
   # tiny and token files take the data's vocabulary, padded to a multiple of 128.
   own_vocab = cfg.model == "tiny" or cfg.data.endswith(".bin")
-  model = dataclasses.replace(preset, seq_len=cfg.seq_len,
+  model = dataclasses.replace(preset, seq_len=cfg.seq_len, remat=cfg.remat,
                               vocab_size=-(-vocab // 128) * 128 if own_vocab else preset.vocab_size)
   if vocab > model.vocab_size:
     raise UserError(f"the data needs a vocabulary of {vocab}, {cfg.model} has {model.vocab_size}")
@@ -261,9 +285,14 @@ def train(cfg: TrainConfig) -> dict:
   if first and (out / "metrics.jsonl").exists():
     history = [h for h in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                if h["step"] <= first]
+  peak = cfg.peak_tflops
+  if not peak and devices[0].platform == "gpu":
+    peak = matmul_tflops(devices[0])
   print(f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {len(tokens):,} tokens, "
         f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
-        f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}")
+        f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
+        + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
+           if peak else ""))
   last, logged = {}, first
   tokens_per_step = global_batch * cfg.seq_len
   flops_per_step = tokens_per_step * model.flops_per_token()
@@ -284,14 +313,14 @@ def train(cfg: TrainConfig) -> dict:
       if done % cfg.log_every and not is_eval:
         continue
       loss = float(metrics.loss)  # host sync: once per log line
-      elapsed, start = time.perf_counter() - start, time.perf_counter()
+      elapsed = time.perf_counter() - start
       steps_done, logged = done - logged, done
       tflops = flops_per_step * steps_done / elapsed / 1e12
       last = {"step": done, "loss": loss, "lr": float(schedule(step)),
               "tokens_per_s": tokens_per_step * steps_done / elapsed, "model_tflops": tflops,
               "grad_norm": float(metrics.grad_norm), "skipped": int(engine.state.skipped)}
-      if cfg.peak_tflops:
-        last["mfu"] = tflops / (cfg.peak_tflops * len(devices))
+      if peak:
+        last["mfu"] = tflops / (peak * len(devices))
       if is_eval:
         last["eval_loss"] = evaluate(model, engine.params, val, cfg.eval_batches)
       history.append(last)
@@ -302,6 +331,7 @@ def train(cfg: TrainConfig) -> dict:
                 + f", lr {last['lr']:.2e}, {last['tokens_per_s']:,.0f} tokens/s, "
                 f"{tflops:.3f} TFLOPS" + (f", MFU {last['mfu']:.1%}" if "mfu" in last else "")
                 + f", {memory_line()}")
+      start = time.perf_counter()  # the next interval times training only, not evaluation
   engine.close()
   manager.close()
   plot(history, out / "loss.png")

@@ -4,14 +4,17 @@ Gradients leave the device step as outputs in pinned host memory (XLA
 copies them at PCIe speed as soon as they are ready) and are read here as
 zero-copy numpy views. New low-precision weights go back from staging
 buffers registered for DMA once, so the copy runs at PCIe speed instead of
-through a bounce buffer; stages 1-2 then all-gather them on the devices (on
-one device, the full leaves are uploaded as they are).
+through a bounce buffer, leaf by leaf as the host update finishes each one;
+stages 1-2 then all-gather them on the devices (on one device, the full
+leaves are uploaded as they are).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import weakref
+from typing import Iterable
 
 import jax
 import numpy as np
@@ -39,6 +42,7 @@ class ShardTransfer:
     self._mapped: list[np.ndarray] = []
     self._gather = None
     self._full_specs = full_specs
+    self._uploader = concurrent.futures.ThreadPoolExecutor(1, "jzo-upload")
     if full_specs is not None and len(self._devices) > 1:
       def gather(shards):
         return jax.tree.map(lambda l, x: l.unflatten(jax.lax.all_gather(x, axis, tiled=True)),
@@ -60,28 +64,37 @@ class ShardTransfer:
   def upload(self, lowp):
     """Device params from a tree of (S, ...) host shards; returns once the
     copies are done, since the staging buffers are rewritten next step."""
+    return self.upload_as_ready(enumerate(jax.tree.leaves(lowp)))
+
+  def upload_as_ready(self, leaves: Iterable[tuple[int, np.ndarray]]):
+    """Like `upload`, for leaves that become ready one at a time: each
+    (leaf index, (S, ...) host shards) is copied on an upload thread while
+    the caller produces the next, so the copies overlap that work."""
     on_cpu = self._devices[0].platform == "cpu"
     # A CPU "device" may alias a numpy array, and the staging buffer is reused.
     host_view = lambda x: x.copy() if on_cpu else x
+    layouts = jax.tree.leaves(self._layouts, is_leaf=is_layout)
+    whole = self._full_specs is not None and self._gather is None
+    specs = jax.tree.leaves(self._full_specs if whole else self._shard_specs)
 
-    def put(layout: LeafLayout, host: np.ndarray, spec) -> jax.Array:
+    def put(i: int, host: np.ndarray) -> jax.Array:
+      layout, sharding = layouts[i], NamedSharding(self._mesh, specs[i])
+      if whole:  # one device holds the whole leaf: reshape on the host, so
+        # that no device op waits behind the next step's compute.
+        full = host[0][:math.prod(layout.shape)].reshape(layout.shape)
+        return jax.block_until_ready(jax.device_put(host_view(full), sharding))
       pieces = [jax.device_put(host_view(host[d]), self._devices[d])
                 for d in range(layout.shards)]
-      return jax.make_array_from_single_device_arrays(
-          layout.flat_shape, NamedSharding(self._mesh, spec), pieces)
+      return jax.block_until_ready(
+          jax.make_array_from_single_device_arrays(layout.flat_shape, sharding, pieces))
 
-    def put_whole(layout: LeafLayout, host: np.ndarray, spec) -> jax.Array:
-      # One device holds the whole leaf: reshape on the host, so no device
-      # op waits behind the next step's compute.
-      whole = host[0][:math.prod(layout.shape)].reshape(layout.shape)
-      return jax.device_put(host_view(whole), NamedSharding(self._mesh, spec))
-
-    if self._full_specs is not None and self._gather is None:
-      params = jax.tree.map(put_whole, self._layouts, lowp, self._full_specs, is_leaf=is_layout)
-    else:
-      params = jax.tree.map(put, self._layouts, lowp, self._shard_specs, is_leaf=is_layout)
-      if self._gather is not None:
-        params = self._gather(params)
+    futures = [None] * len(layouts)
+    for i, host in leaves:
+      futures[i] = self._uploader.submit(put, i, host)
+    params = jax.tree.unflatten(jax.tree.structure(self._layouts, is_leaf=is_layout),
+                                [f.result() for f in futures])
+    if self._gather is not None:
+      params = self._gather(params)
     return jax.block_until_ready(params)
 
   def map_for_dma(self, buffers) -> None:

@@ -2,8 +2,8 @@
 
 Pre-LayerNorm blocks, causal attention through jax.nn.dot_product_attention
 (cuDNN flash attention on GPU), tied input/output embeddings, the layer stack
-stored stacked (leading axis = layer) and run as a scan over layers with
-optional rematerialization. Each scan step passes its layer's params through
+stored stacked (leading axis = layer) and run as a scan over layers with a
+choice of rematerialization. Each scan step passes its layer's params through
 `jzo.gather_layer`, so ZeRO stage 3 gathers one layer at a time.
 """
 
@@ -18,6 +18,14 @@ import numpy as np
 import jzo
 
 
+# jax.checkpoint policy of each GPTConfig.remat value ("none": no checkpoint).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "none": None,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
   vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128 (tensor-core tiles)
@@ -25,11 +33,21 @@ class GPTConfig:
   n_layer: int = 12
   n_head: int = 12
   d_model: int = 768
-  remat: bool = True  # recompute each layer in the backward pass: activations O(layers)
+  # What the backward pass recomputes: "full" (each layer's activations:
+  # least memory, one more forward), "dots" (saves the matmul outputs, redoes
+  # the cheap elementwise ops and attention), "none" (saves everything).
+  remat: str = "full"
+  # "auto": cuDNN flash attention on GPU for bf16/fp16 (never materialises
+  # the T x T scores), XLA's otherwise; or "cudnn" / "xla" to force one.
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.d_model % self.n_head:
       raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention not in ("auto", "cudnn", "xla"):
+      raise ValueError(f"attention must be auto, cudnn or xla, got {self.attention!r}")
     if min(self.vocab_size, self.seq_len, self.n_layer, self.n_head) < 1:
       raise ValueError(f"every size must be >= 1: {self}")
 
@@ -88,6 +106,16 @@ def _layer_norm(x, scale, bias, eps=1e-5):
   return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
 
+def _attention_impl(config: GPTConfig, dtype) -> str:
+  """The dot_product_attention implementation for activations of `dtype`."""
+  if config.attention != "auto":
+    return config.attention
+  head_dim = config.d_model // config.n_head
+  cudnn_ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+              and head_dim % 8 == 0 and head_dim <= 128)
+  return "cudnn" if cudnn_ok else "xla"
+
+
 def _block(config: GPTConfig, x, p):
   """One pre-LN transformer block. x: (B, T, D)."""
   B, T, D = x.shape
@@ -95,7 +123,8 @@ def _block(config: GPTConfig, x, p):
   h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
   qkv = h @ p["qkv_w"] + p["qkv_b"]  # (B, T, 3D)
   q, k, v = jnp.split(qkv.reshape(B, T, 3, H, D // H), 3, axis=2)  # each (B, T, 1, H, hs)
-  att = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+  att = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True,
+                                     implementation=_attention_impl(config, x.dtype))
   x = x + att.reshape(B, T, D) @ p["proj_w"] + p["proj_b"]
   h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
   h = jax.nn.gelu(h @ p["fc_w"] + p["fc_b"])  # (B, T, 4D)
@@ -111,8 +140,8 @@ def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
 
   def step(x, layer):
     return _block(config, x, jzo.gather_layer(layer)), None
-  if config.remat:
-    step = jax.checkpoint(step)
+  if config.remat != "none":
+    step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
   x, _ = jax.lax.scan(step, x, params["blocks"])
   x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
   return x @ params["wte"].T

@@ -1,5 +1,8 @@
 """The GPT presets: parameter counts against the formula, shapes, sampling."""
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -34,3 +37,38 @@ def test_forward_is_causal_and_sampling_stays_in_vocab():
   assert out.shape == (5,) and out.min() >= 0 and out.max() < config.vocab_size
   with pytest.raises(ValueError, match="longer than the model"):
     gpt.forward(config, params, np.zeros((1, config.seq_len + 1), np.int32))
+
+
+def test_remat_policies_give_the_same_gradients():
+  base = gpt.PRESETS["tiny"]
+  params = gpt.init_params(base, jax.random.PRNGKey(0))
+  batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, base.vocab_size)}
+  grads = {remat: jax.grad(functools.partial(
+               gpt.loss_fn, dataclasses.replace(base, remat=remat)))(params, batch)
+           for remat in gpt.REMAT_POLICIES}
+  for remat in ("dots", "none"):
+    for a, b in zip(jax.tree.leaves(grads["full"]), jax.tree.leaves(grads[remat])):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_config_values():
+  with pytest.raises(ValueError, match="remat must be one of full, dots, none"):
+    gpt.GPTConfig(remat="all")
+  with pytest.raises(ValueError, match="attention must be auto, cudnn or xla"):
+    gpt.GPTConfig(attention="flash")
+  with pytest.raises(ValueError, match="not a multiple of n_head"):
+    gpt.GPTConfig(d_model=100, n_head=3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
+def test_cudnn_attention_matches_xla_on_gpu():
+  base = dataclasses.replace(gpt.PRESETS["tiny"], n_head=2)  # head size 64
+  params = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16),
+                        gpt.init_params(base, jax.random.PRNGKey(0)))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, base.vocab_size)
+  logits = {impl: jax.jit(functools.partial(
+                gpt.forward, dataclasses.replace(base, attention=impl)))(params, tokens)
+            for impl in ("cudnn", "xla")}
+  assert gpt._attention_impl(base, jax.numpy.bfloat16) == "cudnn"
+  np.testing.assert_allclose(np.asarray(logits["cudnn"], np.float32),
+                             np.asarray(logits["xla"], np.float32), atol=0.05, rtol=0.05)

@@ -120,3 +120,28 @@ def test_bad_offload_options():
   with pytest.raises(ValueError, match="dpu_warmup"):
     jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), offload=True, delayed_update=True,
                    dpu_warmup=-1, mesh=mesh)
+
+
+def test_host_update_yields_leaves_largest_first_and_final():
+  """The pipelined upload sends each leaf as soon as it is yielded: it must
+  already hold its new weights, and the big leaves come first."""
+  from jzo import offload, partition
+  params = init_params()
+  layouts = partition.make_layouts(params, 2, None)
+  flat = jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(x, jnp.float32))), layouts,
+                      params, is_leaf=partition.is_layout)
+  grads = jax.tree.map(lambda l, x: offload.Shards(np.full_like(s, 0.5) for s in
+                                                   offload.split_shards(l, x)),
+                       layouts, flat, is_leaf=partition.is_layout)
+  decay = jax.tree.map(lambda _: True, params)
+  hyper = jzo.cpu_adamw(1e-2).update.adam_hyperparams
+  make = lambda: offload.HostAdam(layouts, flat, hyper, decay, jnp.bfloat16, jnp.float32)
+  pipelined, whole = make(), make()
+  sizes, yielded = [], {}
+  for i, lowp in pipelined.update_leaves(grads, 1.0):
+    sizes.append(lowp.size)
+    yielded[i] = lowp.copy()
+  assert pipelined.count == 1 and sorted(yielded) == list(range(len(jax.tree.leaves(params))))
+  assert sizes == sorted(sizes, reverse=True)
+  for i, want in enumerate(jax.tree.leaves(whole.update(grads, 1.0))):
+    np.testing.assert_array_equal(yielded[i].astype(np.float32), want.astype(np.float32))
