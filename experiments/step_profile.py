@@ -66,6 +66,8 @@ def profile(args) -> None:
     for _ in range(args.trace_steps):
       metrics = engine.step(batch)
     jax.block_until_ready(metrics.loss)
+  # The optimized HLO, to read the ops the trace names.
+  (out / "step_hlo.txt").write_text(engine.lower(batch).compile().as_text())
   summarize(out, args.trace_steps)
 
 
@@ -86,11 +88,13 @@ def summarize(out: pathlib.Path, steps: int, top: int = 30) -> None:
     line = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
     by_line[line] += e["dur"] / 1e3 / steps  # us -> ms per step
     if "stream" in line.lower():
-      by_name[e["name"]] += e["dur"] / 1e3 / steps
+      args = e.get("args", {})
+      name = f"{args.get('hlo_module', '')}/{args['hlo_op']}" if "hlo_op" in args else e["name"]
+      by_name[name] += e["dur"] / 1e3 / steps
   print("\nGPU trace lines, ms per step:")
   for line, ms in by_line.most_common():
     print(f"{ms:9.2f}  {line}")
-  print(f"\nstreams: {sum(by_name.values()):.1f} ms per step; top {top} names:")
+  print(f"\nstreams: {sum(by_name.values()):.1f} ms per step; top {top} HLO ops (or kernels):")
   for name, ms in by_name.most_common(top):
     print(f"{ms:8.2f} ms  {name[:110]}")
 

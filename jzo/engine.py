@@ -403,15 +403,15 @@ class ZeroEngine:
     if self.offload:  # the host applies tx: ship the gradient shards and the factor
       return EngineState(state.params, None, None, buffer, **counters), metrics, factor
 
+    # A select rather than lax.cond: XLA then fuses unscaling, the update, the
+    # skip and the low-precision copy into one pass over each leaf (a cond
+    # would materialise the float32 gradients and re-read the new masters).
     g32 = jax.tree.map(lambda x: x.astype(jnp.float32) * factor, shard)
-
-    def apply(operands):
-      master, opt_state = operands
-      updates, opt_state = self.tx.update(g32, opt_state, master)
-      return optax.apply_updates(master, updates), opt_state
-    master, opt_state = jax.lax.cond(finite, apply, lambda ops: ops,
-                                     (state.master, state.opt_state))
-
+    updates, new_opt_state = self.tx.update(g32, state.opt_state, state.master)
+    keep_if_skipped = lambda new, old: jnp.where(finite, new, old)
+    master = jax.tree.map(keep_if_skipped, optax.apply_updates(state.master, updates),
+                          state.master)
+    opt_state = jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state)
     params = jax.tree.map(self._new_lowp, self._layouts, master, is_leaf=is_layout)
     return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
 
