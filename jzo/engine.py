@@ -142,9 +142,12 @@ class ZeroEngine:
     shards = 1 if stage == 0 else self.n_devices
     self._layouts = partition.make_layouts(params, shards, layers)
     self._layer_layouts = _subtree(self._layouts, layers) if layers else None
-    # fp32 accumulation when several micro-batches are summed; else the
-    # gradient stays in the compute dtype it was computed in.
-    self._grad_dtype = jnp.float32 if grad_accum > 1 else self.compute_dtype
+    # Several micro-batches are summed in fp32 (see _local_step), and the
+    # on-device optimizer keeps that sum. Offload ships it to the host rounded
+    # once to the compute dtype, the precision one large batch's gradient has,
+    # at half the bytes: that copy runs after the last backward, not during it.
+    keep_fp32 = grad_accum > 1 and not offload
+    self._grad_dtype = jnp.float32 if keep_fp32 else self.compute_dtype
     self._state_specs = self._make_state_specs()
     self.state = self._init_state(params)
     self._step_fns: dict = {}
@@ -387,7 +390,9 @@ class ZeroEngine:
     buffer = jax.tree.map(lambda x: x.astype(self._grad_dtype), buffer)
 
     sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(shard))
-    bad = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(shard)).astype(jnp.float32)
+    # Offload checks what it ships (an fp16 rounding of an fp32 sum may overflow).
+    checked = buffer if self.offload else shard
+    bad = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(checked)).astype(jnp.float32)
     if stage > 0:  # shards: sum over devices (stage 0 holds the full reduced gradient)
       sq, bad = jax.lax.psum((sq, bad), axis)
     finite = (bad == 0) & jnp.isfinite(sq)

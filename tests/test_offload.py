@@ -81,8 +81,23 @@ def test_accumulation_in_float32_equals_one_large_batch():
   for b in data:
     accumulated.step(b)
     large.step(b)
-  assert accumulated.state.grads["head"].dtype == jnp.float32
   assert_close(accumulated.params, large.params)
+
+
+def test_accumulated_bf16_gradients_travel_in_bf16():
+  """The fp32 sum of the micro-batches is rounded once for the trip to the
+  host: what arrives is the on-device optimizer's fp32 gradient in bf16."""
+  params, batch = init_params(), batches(1, size=64)[0]
+  kw = dict(stage=2, compute_dtype=jnp.bfloat16, mesh=mesh_of(4), grad_accum=4)
+  offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
+  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
+  offloaded.step(batch)
+  on_device.step(batch)
+  for got, want in zip(jax.tree.leaves(offloaded.state.grads),
+                       jax.tree.leaves(on_device.state.grads)):
+    assert got.dtype == jnp.bfloat16 and want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2**-8,
+                               atol=1e-7)
 
 
 def test_non_finite_bf16_gradients_skip_the_step():
