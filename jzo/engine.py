@@ -149,14 +149,18 @@ class ZeroEngine:
     keep_fp32 = grad_accum > 1 and not offload
     self._grad_dtype = jnp.float32 if keep_fp32 else self.compute_dtype
     self._state_specs = self._make_state_specs()
-    self.state = self._init_state(params)
+    host_masters = None
+    if offload:  # float32 masters only ever exist on the host; devices get compute-dtype params
+      with jax.default_device(jax.devices("cpu")[0]):
+        host_masters = jax.tree.map(
+            lambda l, x: np.asarray(l.flatten(jnp.asarray(np.asarray(x, np.float32)))),
+            self._layouts, params, is_leaf=is_layout)
+    self.state = self._init_state(params, host_masters)
     self._step_fns: dict = {}
     self.host = None
     if offload:
       self.host = offload_lib.HostAdam(
-          self._layouts, jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(
-              x, jnp.float32))), self._layouts, params, is_leaf=is_layout),
-          hyper, decay_flags(hyper.mask, params),
+          self._layouts, host_masters, hyper, decay_flags(hyper.mask, params),
           np.dtype(self.compute_dtype), self._grad_dtype, host_memory)
     self._pending = None  # delayed update in flight: a Future of new param shards
     # Seconds of the last host update: waiting for the gradients (device
@@ -210,7 +214,8 @@ class ZeroEngine:
         grads=on_layout(self._grad_spec),
         loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
 
-  def _init_state(self, params) -> EngineState:
+  def _init_state(self, params, host_masters=None) -> EngineState:
+    """The first state; with offload, from the flat float32 `host_masters`."""
     shard = lambda spec: NamedSharding(self.mesh, spec)
     specs = self._state_specs
 
@@ -223,10 +228,16 @@ class ZeroEngine:
         lowp = jax.tree.map(lambda m: m.astype(self.compute_dtype), master)
       else:
         lowp = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-      return lowp, None if self.offload else master
+      return lowp, master
     to_shardings = lambda tree: jax.tree.map(shard, tree)
-    lowp, master = jax.jit(convert, out_shardings=(to_shardings(specs.params),
-                                                   to_shardings(specs.master)))(params)
+    if host_masters is not None:  # rounded on the host, like the host kernel does
+      lowp = jax.tree.map(lambda l, m, spec: jax.device_put(self._lowp_from_master(l, m),
+                                                            shard(spec)),
+                          self._layouts, host_masters, specs.params, is_leaf=is_layout)
+      master = None
+    else:
+      lowp, master = jax.jit(convert, out_shardings=(to_shardings(specs.params),
+                                                     to_shardings(specs.master)))(params)
     opt_state = None
     if not self.offload:
       init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),

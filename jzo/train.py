@@ -114,7 +114,10 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
-  params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
+  # With offload the float32 weights are drawn in host memory: the devices
+  # only ever hold the compute-dtype copy.
+  with jax.default_device(jax.devices("cpu")[0] if cfg.offload else None):
+    params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
   # Weight decay on the embeddings and weight matrices, not on biases and
   # LayerNorm parameters.
   mask = jax.tree_util.tree_map_with_path(
