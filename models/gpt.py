@@ -141,7 +141,9 @@ def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
   def step(x, layer):
     return _block(config, x, jzo.gather_layer(layer)), None
   if config.remat != "none":
-    step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat])
+    # prevent_cse=False: inside a scan CSE cannot merge the recomputation
+    # away, and the barriers it would add keep XLA from fusing across them.
+    step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
   x, _ = jax.lax.scan(step, x, params["blocks"])
   x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
   return x @ params["wte"].T
@@ -151,9 +153,12 @@ def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
   """Mean next-token cross-entropy; batch["tokens"]: int (B, T + 1)."""
   tokens = batch["tokens"]
   logits = forward(config, params, tokens[:, :-1]).astype(jnp.float32)
-  logp = jax.nn.log_softmax(logits)
-  target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  return -target.mean()
+  # logsumexp minus the target's logit, picked by comparison with an iota:
+  # XLA fuses both into reductions over the logits, where log_softmax would
+  # write a float32 copy of them and take_along_axis's gradient a scatter.
+  is_target = jnp.arange(logits.shape[-1]) == tokens[:, 1:, None]
+  target = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+  return (jax.nn.logsumexp(logits, axis=-1) - target).mean()
 
 
 def generate(config: GPTConfig, params: dict, prompt: np.ndarray, n_tokens: int,

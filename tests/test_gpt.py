@@ -73,3 +73,19 @@ def test_cudnn_attention_matches_xla_on_gpu():
   assert gpt._attention_impl(base, jax.numpy.bfloat16) == "cudnn"
   np.testing.assert_allclose(np.asarray(logits["cudnn"], np.float32),
                              np.asarray(logits["xla"], np.float32), atol=0.05, rtol=0.05)
+
+
+def test_loss_is_the_mean_next_token_cross_entropy():
+  """The fused form (logsumexp - target logit) against log_softmax + gather."""
+  config = gpt.PRESETS["tiny"]
+  params = gpt.init_params(config, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, config.vocab_size)
+
+  def reference(params):
+    logp = jax.nn.log_softmax(gpt.forward(config, params, tokens[:, :-1]).astype(np.float32))
+    return -jax.numpy.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+  loss, grads = jax.value_and_grad(gpt.loss_fn, argnums=1)(config, params, {"tokens": tokens})
+  want, want_grads = jax.value_and_grad(reference)(params)
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
