@@ -1,6 +1,8 @@
-"""A GPT-2 style language model as plain JAX functions over a params pytree.
+"""A GPT-2 style language model in Flax NNX.
 
-Pre-LayerNorm blocks, causal attention through jax.nn.dot_product_attention
+`GPT` is the module; `init_params`, `forward` and `loss_fn` are the same
+model as functions of a nested dict of arrays, which is what the ZeRO engine
+partitions and trains. Pre-LayerNorm blocks, causal attention through jax.nn.dot_product_attention
 (cuDNN flash attention on GPU), tied input/output embeddings, the layer stack
 stored stacked (leading axis = layer) and run as a scan over layers with a
 choice of rematerialization. Each scan step passes its layer's params through
@@ -10,10 +12,12 @@ choice of rematerialization. Each scan step passes its layer's params through
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jzo
 
@@ -75,37 +79,6 @@ PRESETS = {
 }
 
 
-def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-  """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 L)."""
-  L, D, V, S = config.n_layer, config.d_model, config.vocab_size, config.seq_len
-  k = jax.random.split(key, 6)
-  normal = lambda key, shape, std=0.02: (std * jax.random.normal(key, shape)).astype(dtype)
-  resid_std = 0.02 / (2 * L) ** 0.5
-  ones = lambda *shape: jnp.ones(shape, dtype)
-  zeros = lambda *shape: jnp.zeros(shape, dtype)
-  return {
-      "wte": normal(k[0], (V, D)),
-      "wpe": normal(k[1], (S, D), 0.01),
-      "blocks": {
-          "ln1_scale": ones(L, D), "ln1_bias": zeros(L, D),
-          "qkv_w": normal(k[2], (L, D, 3 * D)), "qkv_b": zeros(L, 3 * D),
-          "proj_w": normal(k[3], (L, D, D), resid_std), "proj_b": zeros(L, D),
-          "ln2_scale": ones(L, D), "ln2_bias": zeros(L, D),
-          "fc_w": normal(k[4], (L, D, 4 * D)), "fc_b": zeros(L, 4 * D),
-          "out_w": normal(k[5], (L, 4 * D, D), resid_std), "out_b": zeros(L, D),
-      },
-      "lnf_scale": ones(D), "lnf_bias": zeros(D),
-  }
-
-
-def _layer_norm(x, scale, bias, eps=1e-5):
-  """LayerNorm with float32 statistics, result in x's dtype."""
-  x32 = x.astype(jnp.float32)
-  mean = x32.mean(-1, keepdims=True)
-  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-  return ((x32 - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
-
-
 def _attention_impl(config: GPTConfig, dtype) -> str:
   """The dot_product_attention implementation for activations of `dtype`."""
   if config.attention != "auto":
@@ -116,37 +89,103 @@ def _attention_impl(config: GPTConfig, dtype) -> str:
   return "cudnn" if cudnn_ok else "xla"
 
 
-def _block(config: GPTConfig, x, p):
-  """One pre-LN transformer block. x: (B, T, D)."""
-  B, T, D = x.shape
-  H = config.n_head
-  h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-  qkv = h @ p["qkv_w"] + p["qkv_b"]  # (B, T, 3D)
-  q, k, v = jnp.split(qkv.reshape(B, T, 3, H, D // H), 3, axis=2)  # each (B, T, 1, H, hs)
-  att = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True,
-                                     implementation=_attention_impl(config, x.dtype))
-  x = x + att.reshape(B, T, D) @ p["proj_w"] + p["proj_b"]
-  h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-  h = jax.nn.gelu(h @ p["fc_w"] + p["fc_b"])  # (B, T, 4D)
-  return x + h @ p["out_w"] + p["out_b"]
+class LayerNorm(nnx.Module):
+  """LayerNorm over the last axis with float32 statistics; the result keeps
+  the input's dtype (nnx.LayerNorm would return the promoted dtype)."""
+
+  def __init__(self, dim: int, eps: float = 1e-5):
+    self.scale = nnx.Param(jnp.ones((dim,)))
+    self.bias = nnx.Param(jnp.zeros((dim,)))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
+            + self.bias[...]).astype(x.dtype)
+
+
+class Block(nnx.Module):
+  """One pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    D = config.d_model
+    # GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 L).
+    std, resid_std = 0.02, 0.02 / (2 * config.n_layer) ** 0.5
+
+    def linear(n_in, n_out, init_std):
+      return nnx.Linear(n_in, n_out, kernel_init=nnx.initializers.normal(init_std), rngs=rngs)
+    self.config = config
+    self.ln1, self.ln2 = LayerNorm(D), LayerNorm(D)
+    self.qkv, self.proj = linear(D, 3 * D, std), linear(D, D, resid_std)
+    self.fc, self.out = linear(D, 4 * D, std), linear(4 * D, D, resid_std)
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
+    B, T, D = x.shape
+    H = self.config.n_head
+    qkv = self.qkv(self.ln1(x)).reshape(B, T, 3, H, D // H)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, head size)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=_attention_impl(self.config, x.dtype))
+    x = x + self.proj(att.reshape(B, T, D))
+    return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+  """GPT-2: token + learned position embeddings, a stack of blocks (params
+  stacked on a leading layer axis, run as a scan), a final LayerNorm, and
+  logits through the tied token embedding."""
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.wte = nnx.Embed(config.vocab_size, config.d_model,
+                         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.wpe = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(),
+                                                       (config.seq_len, config.d_model)))
+
+    @nnx.split_rngs(splits=config.n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked_blocks(rngs):
+      return Block(config, rngs=rngs)
+    self.blocks = stacked_blocks(rngs)
+    self.lnf = LayerNorm(config.d_model)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
+    config = self.config
+    T = tokens.shape[1]
+    if T > config.seq_len:
+      raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
+    x = self.wte(tokens) + self.wpe[:T]  # (B, T, D)
+    block, layers = nnx.split(self.blocks)
+
+    def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
+      return nnx.merge(block, jzo.gather_layer(layer))(x), None
+    if config.remat != "none":
+      # prevent_cse=False: inside a scan CSE cannot merge the recomputation
+      # away, and the barriers it would add keep XLA from fusing across them.
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, nnx.to_pure_dict(layers))
+    return self.wte.attend(self.lnf(x))
+
+
+def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+  """A new GPT's parameters as a nested dict of arrays: what the ZeRO engine
+  partitions and trains, and `forward` turns back into the module."""
+  model = GPT(config, rngs=nnx.Rngs(key))
+  return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@functools.lru_cache(maxsize=None)
+def _graphdef(config: GPTConfig) -> nnx.GraphDef:
+  """The GPT module's structure, without materialising any parameter."""
+  return nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))[0]
 
 
 def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
   """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
-  T = tokens.shape[1]
-  if T > config.seq_len:
-    raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
-  x = params["wte"][tokens] + params["wpe"][:T]  # (B, T, D)
-
-  def step(x, layer):
-    return _block(config, x, jzo.gather_layer(layer)), None
-  if config.remat != "none":
-    # prevent_cse=False: inside a scan CSE cannot merge the recomputation
-    # away, and the barriers it would add keep XLA from fusing across them.
-    step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-  x, _ = jax.lax.scan(step, x, params["blocks"])
-  x = _layer_norm(x, params["lnf_scale"], params["lnf_bias"])
-  return x @ params["wte"].T
+  return nnx.merge(_graphdef(config), params)(tokens)
 
 
 def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:

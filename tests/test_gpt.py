@@ -6,6 +6,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import gpt
 
@@ -89,3 +90,17 @@ def test_loss_is_the_mean_next_token_cross_entropy():
   np.testing.assert_allclose(loss, want, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_the_nnx_module_and_the_functions_are_one_model():
+  config = gpt.PRESETS["tiny"]
+  key = jax.random.PRNGKey(0)
+  model = gpt.GPT(config, rngs=nnx.Rngs(key))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, config.vocab_size)
+  np.testing.assert_array_equal(model(tokens),
+                                gpt.forward(config, gpt.init_params(config, key), tokens))
+  params = gpt.init_params(config, key)
+  assert params["blocks"]["qkv"]["kernel"].shape == (config.n_layer, 128, 384)
+  # GPT-2 initialisation: residual projections at 0.02 / sqrt(2 L), the rest at 0.02.
+  assert np.std(params["blocks"]["fc"]["kernel"]) == pytest.approx(0.02, rel=0.05)
+  assert np.std(params["blocks"]["out"]["kernel"]) == pytest.approx(0.02 / 2, rel=0.05)
