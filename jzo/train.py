@@ -121,7 +121,7 @@ def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngi
   # Weight decay on the embeddings and weight matrices, not on biases and
   # LayerNorm parameters.
   mask = jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key in ("embedding", "wpe", "kernel"), params)
+      lambda path, _: path[-1].key in ("wte", "wpe", "kernel"), params)
   tx = jzo.cpu_adamw(lr_schedule(cfg), b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
   return jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, model), params, tx,

@@ -139,10 +139,11 @@ class GPT(nnx.Module):
 
   def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.wte = nnx.Embed(config.vocab_size, config.d_model,
-                         embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-    self.wpe = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(),
-                                                       (config.seq_len, config.d_model)))
+    # Plain Params rather than nnx.Embed, which computes in float32 whatever
+    # the params' dtype; the engine hands the model bf16 or fp16 params.
+    normal = lambda std, *shape: nnx.Param(nnx.initializers.normal(std)(rngs.params(), shape))
+    self.wte = normal(0.02, config.vocab_size, config.d_model)  # (V, D), tied with the output
+    self.wpe = normal(0.01, config.seq_len, config.d_model)  # (S, D)
 
     @nnx.split_rngs(splits=config.n_layer)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -157,7 +158,7 @@ class GPT(nnx.Module):
     T = tokens.shape[1]
     if T > config.seq_len:
       raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
-    x = self.wte(tokens) + self.wpe[:T]  # (B, T, D)
+    x = self.wte[...][tokens] + self.wpe[:T]  # (B, T, D)
     block, layers = nnx.split(self.blocks)
 
     def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
@@ -167,7 +168,7 @@ class GPT(nnx.Module):
       # away, and the barriers it would add keep XLA from fusing across them.
       step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
     x, _ = jax.lax.scan(step, x, nnx.to_pure_dict(layers))
-    return self.wte.attend(self.lnf(x))
+    return self.lnf(x) @ self.wte[...].T
 
 
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:

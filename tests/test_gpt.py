@@ -104,3 +104,18 @@ def test_the_nnx_module_and_the_functions_are_one_model():
   # GPT-2 initialisation: residual projections at 0.02 / sqrt(2 L), the rest at 0.02.
   assert np.std(params["blocks"]["fc"]["kernel"]) == pytest.approx(0.02, rel=0.05)
   assert np.std(params["blocks"]["out"]["kernel"]) == pytest.approx(0.02 / 2, rel=0.05)
+
+
+def test_forward_computes_in_the_params_dtype():
+  """bf16 params give bf16 activations (cuDNN attention needs them; a float32
+  promotion would also double the activations' memory)."""
+  config = gpt.PRESETS["tiny"]
+  params = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16),
+                        gpt.init_params(config, jax.random.PRNGKey(0)))
+  seen = []
+  jaxpr = jax.make_jaxpr(functools.partial(gpt.forward, config))(
+      params, np.zeros((1, 8), np.int32))
+  for eqn in jaxpr.eqns:
+    seen += [v.aval.dtype for v in eqn.outvars if eqn.primitive.name == "dot_general"]
+  assert jaxpr.out_avals[0].dtype == jax.numpy.bfloat16
+  assert seen and set(seen) == {np.dtype(jax.numpy.bfloat16)}
