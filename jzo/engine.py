@@ -149,13 +149,13 @@ class ZeroEngine:
     keep_fp32 = grad_accum > 1 and not offload
     self._grad_dtype = jnp.float32 if keep_fp32 else self.compute_dtype
     self._state_specs = self._make_state_specs()
-    host_masters = None
-    if offload:  # float32 masters only ever exist on the host; devices get compute-dtype params
-      with jax.default_device(jax.devices("cpu")[0]):
-        host_masters = jax.tree.map(
-            lambda l, x: np.asarray(l.flatten(jnp.asarray(np.asarray(x, np.float32)))),
-            self._layouts, params, is_leaf=is_layout)
-    self.state = self._init_state(params, host_masters)
+    # The flat float32 masters are built on the host, so a device never holds
+    # a float32 copy beside its share of the masters (with offload, none at all).
+    with jax.default_device(jax.devices("cpu")[0]):
+      host_masters = jax.tree.map(
+          lambda l, x: np.array(l.flatten(jnp.asarray(np.asarray(x, np.float32)))),  # a copy
+          self._layouts, params, is_leaf=is_layout)
+    self.state = self._init_state(host_masters)
     self._step_fns: dict = {}
     self.host = None
     if offload:
@@ -214,30 +214,18 @@ class ZeroEngine:
         grads=on_layout(self._grad_spec),
         loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
 
-  def _init_state(self, params, host_masters=None) -> EngineState:
-    """The first state; with offload, from the flat float32 `host_masters`."""
+  def _init_state(self, host_masters) -> EngineState:
+    """The first state from the flat float32 masters (numpy, global layout).
+    Every buffer is new: the state is donated each step and must never alias
+    the caller's arrays."""
     shard = lambda spec: NamedSharding(self.mesh, spec)
     specs = self._state_specs
-
-    # One jit, so that every buffer is new: the state is donated each step and
-    # must never alias the caller's arrays.
-    def convert(params):
-      master = jax.tree.map(lambda l, x: l.flatten(x.astype(jnp.float32)), self._layouts,
-                            params, is_leaf=is_layout)
-      if self._sharded_lowp:
-        lowp = jax.tree.map(lambda m: m.astype(self.compute_dtype), master)
-      else:
-        lowp = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-      return lowp, master
-    to_shardings = lambda tree: jax.tree.map(shard, tree)
-    if host_masters is not None:  # rounded on the host, like the host kernel does
-      lowp = jax.tree.map(lambda l, m, spec: jax.device_put(self._lowp_from_master(l, m),
-                                                            shard(spec)),
-                          self._layouts, host_masters, specs.params, is_leaf=is_layout)
-      master = None
-    else:
-      lowp, master = jax.jit(convert, out_shardings=(to_shardings(specs.params),
-                                                     to_shardings(specs.master)))(params)
+    # Rounded on the host, as the host kernel and load_state_dict round.
+    lowp = jax.tree.map(lambda l, m, spec: jax.device_put(self._lowp_from_master(l, m),
+                                                          shard(spec)),
+                        self._layouts, host_masters, specs.params, is_leaf=is_layout)
+    master = None if self.offload else jax.tree.map(
+        lambda m, spec: jax.device_put(m, shard(spec)), host_masters, specs.master)
     opt_state = None
     if not self.offload:
       init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),

@@ -114,9 +114,9 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
-  # With offload the float32 weights are drawn in host memory: the devices
-  # only ever hold the compute-dtype copy.
-  with jax.default_device(jax.devices("cpu")[0] if cfg.offload else None):
+  # The float32 weights are drawn in host memory: the engine puts only its
+  # masters' shards (none with offload) and the compute-dtype copy on the devices.
+  with jax.default_device(jax.devices("cpu")[0]):
     params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
   # Weight decay on the embeddings and weight matrices, not on biases and
   # LayerNorm parameters.

@@ -261,3 +261,19 @@ def test_bad_input():
   with pytest.raises(ValueError, match="must call jzo.gather_layer"):
     jzo.ZeroEngine(no_gather, params, tx, stage=3, layers="blocks", mesh=mesh).step(
         batches(1)[0])
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_training_leaves_the_callers_arrays_alone(offload):
+  """The engine's donated state is built from copies: the caller's numpy and
+  JAX arrays keep their values (a flat leaf could otherwise alias one)."""
+  params = jax.tree.map(np.array, init_params())
+  params["flat"] = np.linspace(-1, 1, 8, dtype=np.float32)  # flattens to itself
+  before = jax.tree.map(np.copy, params)
+  tx = jzo.cpu_adamw(1e-2) if offload else optax.adam(1e-2)
+  engine = jzo.ZeroEngine(lambda p, b: loss_fn(p, b) + jnp.sum(p["flat"] ** 2), params, tx,
+                          stage=1, mesh=mesh_of(1), offload=offload)
+  for b in batches(3):
+    engine.step(b)
+  jax.tree.map(np.testing.assert_array_equal, params, before)
+  assert not np.array_equal(engine.params["flat"], before["flat"])
