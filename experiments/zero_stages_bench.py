@@ -1,14 +1,16 @@
-"""ZeRO stages 0-3 on 1 and 2 GPUs: throughput and memory of the same GPT.
+"""ZeRO stages 0-3 on 1, 2, 4 or 8 GPUs, with or without offload: throughput
+and memory of the same GPT.
 
 For each (GPU count, stage), a fresh process trains the chosen GPT preset with
-jzo.ZeroEngine (bf16 compute, AdamW on the GPUs, layers rematerialized, stage
-3 gathering one layer at a time) at a fixed per-GPU batch, and reports:
+jzo.ZeroEngine (bf16 compute, AdamW on the GPUs or, with --offload, the C++
+AdamW on the host with the delayed update; stage 3 gathering one layer at a
+time) at a fixed per-GPU batch, and reports:
   * step time (median of --steps after 2 warm-up steps),
   * tokens/s over all GPUs and model TFLOPS per GPU, counting 6 N + 12 L D T
     FLOPs per token (models.gpt.GPTConfig.flops_per_token),
-  * peak GPU memory of GPU 0 (the allocator's peak_bytes_in_use).
+  * peak GPU memory of GPU 0 (the allocator's peak_bytes_in_use) and host RSS.
 A process per run keeps each peak its own. Then it prints the scaling ratio
-tokens/s(2 GPUs) / tokens/s(1 GPU) per stage.
+tokens/s(N GPUs) / tokens/s(1 GPU) per stage.
 
   python experiments/zero_stages_bench.py --model gpt2-350m --gpus 1 2 --json out.json
 """
@@ -39,20 +41,26 @@ def run_one(args) -> dict:
   import jzo
   from models import gpt
 
-  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
+  import psutil
+
+  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=args.remat)
   gpus = args.gpus[0]  # a child process runs one GPU count
   devices = jax.devices()[:gpus]
-  params = gpt.init_params(config, jax.random.PRNGKey(0))
-  engine = jzo.ZeroEngine(functools.partial(gpt.loss_fn, config), params,
-                          optax.adamw(3e-4, weight_decay=0.1), stage=args.stage,
+  with jax.default_device(jax.devices("cpu")[0]):  # float32 weights drawn on the host
+    params = gpt.init_params(config, jax.random.PRNGKey(0))
+  tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1) if args.offload
+        else optax.adamw(3e-4, weight_decay=0.1))
+  engine = jzo.ZeroEngine(functools.partial(gpt.loss_fn, config), params, tx, stage=args.stage,
                           mesh=Mesh(np.array(devices), ("data",)), max_grad_norm=1.0,
-                          layers="blocks" if args.stage == 3 else None)
+                          layers="blocks" if args.stage == 3 else None, offload=args.offload,
+                          delayed_update=args.offload, dpu_warmup=1,
+                          host_memory=int(args.host_memory_gb * 2**30) or None)
   del params
   batch_size = args.batch_per_gpu * gpus
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1), 0,
                               config.vocab_size, jnp.int32)
   batch = {"tokens": tokens}
-  for _ in range(2):  # compile and warm up
+  for _ in range(3):  # compile, warm up (and start the delayed updates)
     jax.block_until_ready(engine.step(batch))
   times = []
   for _ in range(args.steps):
@@ -68,6 +76,7 @@ def run_one(args) -> dict:
       "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops_per_gpu": tokens_per_s * config.flops_per_token() / gpus / 1e12,
       "peak_gpu_gib": (devices[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
+      "host_rss_gib": psutil.Process().memory_info().rss / 2**30, "offload": args.offload,
       "loss": float(metrics.loss), "device": devices[0].device_kind,
   }
 
@@ -80,6 +89,11 @@ def parse_args():
   parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
   parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES))
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--remat", default="full", help="the model's remat policy")
+  parser.add_argument("--offload", action="store_true",
+                      help="ZeRO-Offload with the delayed update (jzo.cpu_adamw on the host)")
+  parser.add_argument("--host-memory-gb", type=float, default=0.0,
+                      help="host RAM offload may use (0: what the OS reports available)")
   parser.add_argument("--json", help="also write the results here")
   parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)  # child process: one run
   return parser.parse_args()
@@ -95,7 +109,8 @@ def main():
     for stage in args.stages:
       cmd = [sys.executable, __file__, "--model", args.model, "--seq-len", str(args.seq_len),
              "--batch-per-gpu", str(args.batch_per_gpu), "--gpus", str(gpus),
-             "--steps", str(args.steps), "--stage", str(stage)]
+             "--steps", str(args.steps), "--stage", str(stage), "--remat", args.remat,
+             "--host-memory-gb", str(args.host_memory_gb)] + (["--offload"] if args.offload else [])
       env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))))
       out = subprocess.run(cmd, capture_output=True, text=True, env=env)
       if out.returncode:
