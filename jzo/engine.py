@@ -150,11 +150,10 @@ class ZeroEngine:
     self._grad_dtype = jnp.float32 if keep_fp32 else self.compute_dtype
     self._state_specs = self._make_state_specs()
     # The flat float32 masters are built on the host, so a device never holds
-    # a float32 copy beside its share of the masters (with offload, none at all).
-    with jax.default_device(jax.devices("cpu")[0]):
-      host_masters = jax.tree.map(
-          lambda l, x: np.array(l.flatten(jnp.asarray(np.asarray(x, np.float32)))),  # a copy
-          self._layouts, params, is_leaf=is_layout)
+    # a float32 copy beside its share of the masters (with offload, none at
+    # all); np.array copies, since an unpadded leaf would be a view of the caller's.
+    host_masters = jax.tree.map(lambda l, x: np.array(l.flatten(np.asarray(x, np.float32))),
+                                self._layouts, params, is_leaf=is_layout)
     self.state = self._init_state(host_masters)
     self._step_fns: dict = {}
     self.host = None
@@ -283,8 +282,7 @@ class ZeroEngine:
     done = [waited]  # when the last leaf's update finished
 
     def leaves():
-      for leaf in self.host.update_leaves(pieces, float(grad_scale)):
-        yield leaf
+      yield from self.host.update_leaves(pieces, float(grad_scale))
       done[0] = time.perf_counter()
     params = self._transfer.upload_as_ready(leaves())
     self.host_timings = {"wait_grads": waited - start, "update": done[0] - waited,

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 
@@ -60,11 +61,12 @@ class LeafLayout:
     return P(None, axis) if self.per_layer else P(axis)
 
   def flatten(self, x: jax.Array) -> jax.Array:
-    """Full-shape x -> flat padded (`flat_shape`)."""
+    """Full-shape x -> flat padded (`flat_shape`); numpy in, numpy out."""
     lead = (self.shape[0],) if self.per_layer else ()
     x = x.reshape(lead + (-1,))
     pad = self.flat_shape[-1] - x.shape[-1]
-    return jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
 
   def unflatten(self, flat: jax.Array) -> jax.Array:
     """Flat padded -> full shape (drops the padding)."""

@@ -265,8 +265,8 @@ def test_bad_input():
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_training_leaves_the_callers_arrays_alone(offload):
-  """The engine's donated state is built from copies: the caller's numpy and
-  JAX arrays keep their values (a flat leaf could otherwise alias one)."""
+  """The engine's state is donated and updated in place each step: the
+  caller's arrays, a leaf that is already flat among them, keep their values."""
   params = jax.tree.map(np.array, init_params())
   params["flat"] = np.linspace(-1, 1, 8, dtype=np.float32)  # flattens to itself
   before = jax.tree.map(np.copy, params)
