@@ -251,3 +251,12 @@ def cpu_adam(
   """
   return cpu_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay=0.0,
                    nesterov=nesterov, nu_dtype=nu_dtype)
+
+
+def cpu_adamw_with(hyper: AdamHyperparams, mask) -> optax.GradientTransformation:
+  """cpu_adamw with the hyperparameters `hyper` and another weight-decay mask
+  (the offload engine resolves a mask of the full params into per-leaf bools
+  before its optimizer sees flat shards)."""
+  return cpu_adamw(hyper.learning_rate, hyper.b1, hyper.b2, hyper.eps, hyper.eps_root,
+                   hyper.mu_dtype, hyper.weight_decay, mask, nesterov=hyper.nesterov,
+                   nu_dtype=hyper.nu_dtype)

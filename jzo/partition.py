@@ -10,6 +10,11 @@ shaped like the params, so per-leaf options such as weight-decay masks work.
 Stage 3 can also keep the leaves of a stack of layers (leading axis = layer)
 sharded per layer, shape (L, S*k): the model then gathers one layer at a time
 inside its scan over layers by calling `gather_layer`.
+
+Placement: the optimizer state of each device's shard is split at an element
+c of its last axis: [0, c) lives in device memory and is updated inside the
+step, [c, k) lives in host memory and is updated by the C++ kernel (offload).
+`device_size` is c; the default keeps everything on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ class LeafLayout:
   shape: tuple[int, ...]  # full shape of the parameter
   shards: int  # S: 1 (replicated) or the data-axis size
   per_layer: bool = False  # (L, S*k) with one flattened layer per row
+  device_size: int | None = None  # c: elements of each shard's last axis on the device (None: k)
+
+  def __post_init__(self):
+    if self.device_size is not None and not 0 <= self.device_size <= self.shard_size:
+      raise ValueError(f"device_size {self.device_size} is outside [0, {self.shard_size}]")
 
   @property
   def inner_shape(self) -> tuple[int, ...]:
@@ -53,6 +63,48 @@ class LeafLayout:
     """Global shape of the flattened, padded leaf."""
     flat = self.shards * self.shard_size
     return (self.shape[0], flat) if self.per_layer else (flat,)
+
+  @property
+  def on_device(self) -> int:
+    """c: elements of each shard's last axis whose optimizer state is on the device."""
+    return self.shard_size if self.device_size is None else self.device_size
+
+  @property
+  def on_host(self) -> int:
+    """k - c: elements of each shard's last axis whose optimizer state is on the host."""
+    return self.shard_size - self.on_device
+
+  @property
+  def padded(self) -> bool:
+    """The flat leaf carries padding (its size is not a multiple of S)."""
+    return math.prod(self.inner_shape) % self.shards != 0
+
+  def part_shape(self, size: int) -> tuple[int, ...]:
+    """Global shape of a part of `size` elements of every shard: (S*size,) or (L, S*size)."""
+    return self.flat_shape[:-1] + (self.shards * size,)
+
+  def place(self, device_size: int | None) -> "LeafLayout":
+    """This layout with c = device_size."""
+    return dataclasses.replace(self, device_size=device_size)
+
+  def split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat padded leaf (numpy, `flat_shape`) -> (device part, host part):
+    the device part as the global array of every shard's [0, c), shape
+    `part_shape(c)`; the host part as (S, *rows, k - c), device d's at [d]."""
+    S, k, c = self.shards, self.shard_size, self.on_device
+    rows = flat.reshape(self.flat_shape[:-1] + (S, k))  # (S, k) or (L, S, k)
+    device = rows[..., :c].reshape(self.part_shape(c))
+    host = rows[..., c:]
+    return device, host.transpose(1, 0, 2) if self.per_layer else host
+
+  def join(self, device: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """Inverse of `split`: the flat padded leaf (a new array)."""
+    S = self.shards
+    lead = self.flat_shape[:-1]
+    device = np.asarray(device).reshape(lead + (S, self.on_device))
+    host = np.asarray(host)
+    host = host.transpose(1, 0, 2) if self.per_layer else host.reshape(S, self.on_host)
+    return np.concatenate([device, host], axis=-1).reshape(self.flat_shape)
 
   def spec(self, axis: str) -> P:
     """PartitionSpec of the flat leaf over the data axis."""

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jzo
+from jzo import partition
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 
 TX = lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1, mask={"embed": True, "blocks": False,
@@ -140,17 +141,25 @@ def test_bad_offload_options():
 def test_host_update_yields_leaves_largest_first_and_final():
   """The pipelined upload sends each leaf as soon as it is yielded: it must
   already hold its new weights, and the big leaves come first."""
-  from jzo import offload, partition
+  from jzo import offload, plan, transfer
   params = init_params()
-  layouts = partition.make_layouts(params, 2, None)
+  hyper = jzo.cpu_adamw(1e-2).update.adam_hyperparams
+  layout_plan = plan.make_plan(params, 8, stage=2, n_devices=2, axis="data",
+                               compute_dtype=jnp.bfloat16, grad_dtype=jnp.float32,
+                               loss_scale=None, grad_accum=1, max_grad_norm=None, layers=None,
+                               offload=True, delayed_update=False, dpu_warmup=0)
+  layouts = layout_plan.layouts
   flat = jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(x, jnp.float32))), layouts,
                       params, is_leaf=partition.is_layout)
-  grads = jax.tree.map(lambda l, x: offload.Shards(np.full_like(s, 0.5) for s in
-                                                   offload.split_shards(l, x)),
+  grads = jax.tree.map(lambda l, x: transfer.Shards(np.full_like(s, 0.5) for s in l.split(x)[1]),
                        layouts, flat, is_leaf=partition.is_layout)
   decay = jax.tree.map(lambda _: True, params)
-  hyper = jzo.cpu_adamw(1e-2).update.adam_hyperparams
-  make = lambda: offload.HostAdam(layouts, flat, hyper, decay, jnp.bfloat16, jnp.float32)
+
+  def make():
+    host = offload.HostAdam(layout_plan, hyper, decay)
+    jax.tree.map(lambda l, dst, x: np.copyto(dst, l.split(x)[1]), layouts, host.master, flat,
+                 is_leaf=partition.is_layout)
+    return host
   pipelined, whole = make(), make()
   sizes, yielded = [], {}
   for i, lowp in pipelined.update_leaves(grads, 1.0):

@@ -1,0 +1,321 @@
+"""The training step as pure functions of (plan, state, batch).
+
+One step is one jitted `shard_map` over the data axis:
+
+  forward/backward on the local batch with low-precision params
+    -> stage 0: all-reduce the gradients (plain data parallelism)
+       stage 1: accumulate full local gradients, then reduce-scatter once
+       stage 2: reduce-scatter each micro-batch's gradients
+       stage 3: params are gathered inside the loss (per layer with
+                `gather_layer`), so autodiff reduce-scatters the gradients
+    -> finite check, global-norm clip factor, loss-scale update
+    -> the device part of every shard: unscale and clip, the optimizer on its
+       float32 masters, the new low-precision weights written into the params
+       (stages 0-2 all-gather them; stage 3 keeps shards)
+    -> the host part of every shard leaves as an output in pinned host
+       memory, with the factor the host kernel unscales and clips by.
+
+`install_host_weights` writes the host part's new weights, once uploaded,
+into the params in place. Nothing here keeps Python state: the engine holds
+the state and calls these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzo import partition
+from jzo.partition import LeafLayout, is_layout
+from jzo.plan import Plan
+from jzo.precision import LossScaleState, update_loss_scale
+
+
+class EngineState(NamedTuple):
+  """Everything the engine keeps on the devices between steps (global arrays)."""
+  params: Any  # compute-dtype params for the forward: full (stages 0-2) or flat shards (3)
+  master: Any  # float32 masters of each shard's device part, flat (None: all on the host)
+  opt_state: Any  # the optimizer state of the device part (None: all on the host)
+  grads: Any  # kept gradients: reduced full (0), local full (1), reduced shard (2, 3);
+  #             with offload, each shard's host part in pinned host memory
+  loss_scale: LossScaleState
+  step: jax.Array  # int32: optimizer steps applied
+  skipped: jax.Array  # int32: steps skipped for non-finite gradients
+
+
+class StepMetrics(NamedTuple):
+  """What one step reports (device scalars: reading them waits for the step)."""
+  loss: jax.Array  # mean loss over the global batch
+  grad_norm: jax.Array  # global L2 norm of the unscaled gradients, before clipping
+  loss_scale: jax.Array  # the loss scale this step used
+  skipped: jax.Array  # bool: gradients were not finite, nothing was updated
+
+
+# ------------------------------------------------------------------ specs
+def _on_layouts(plan: Plan, fn):
+  return jax.tree.map(fn, plan.layouts, is_leaf=is_layout)
+
+
+def lowp_spec(plan: Plan, layout: LeafLayout) -> P:
+  return layout.spec(plan.axis) if plan.sharded_lowp else P()
+
+
+def grad_spec(plan: Plan, layout: LeafLayout) -> P:
+  if plan.stage == 1 and not plan.offload:
+    return P(plan.axis)  # (Nd, *shape): each device's own unreduced gradients
+  return layout.spec(plan.axis)  # stage 0: replicated full; 2-3 and offload: shards
+
+
+def opt_state_specs(plan: Plan, tx: optax.GradientTransformation):
+  """Specs of tx's state over the device parts: leaves shaped like a device
+  part are sharded like it, scalars replicated."""
+  local = _on_layouts(plan, lambda l: jax.ShapeDtypeStruct(
+      l.local_shape[:-1] + (l.on_device,), jnp.float32))
+  shapes = jax.eval_shape(tx.init, local)
+  by_shape = {l.local_shape[:-1] + (l.on_device,): l.spec(plan.axis) for l in plan.leaves}
+
+  def spec(x):
+    if x.ndim == 0:
+      return P()
+    if tuple(x.shape) not in by_shape:
+      raise ValueError(f"tx keeps a state leaf of shape {x.shape} that does not mirror the "
+                       "params' shards; the ZeRO engine takes elementwise optimizers")
+    return by_shape[tuple(x.shape)]
+  return jax.tree.map(spec, shapes)
+
+
+def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
+  """PartitionSpecs of every part of the state."""
+  device_state = plan.has_device_state
+  return EngineState(
+      params=_on_layouts(plan, lambda l: lowp_spec(plan, l)),
+      master=_on_layouts(plan, lambda l: l.spec(plan.axis)) if device_state else None,
+      opt_state=opt_state_specs(plan, tx) if device_state else None,
+      grads=_on_layouts(plan, lambda l: grad_spec(plan, l)),
+      loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
+
+
+def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
+  """Global shape of the gradient buffer of one leaf."""
+  if plan.offload:
+    return layout.part_shape(layout.on_host)
+  if plan.stage == 1:
+    return (plan.n_devices,) + layout.shape
+  return layout.shape if plan.stage == 0 else layout.flat_shape
+
+
+# ------------------------------------------------------------ the weights
+def lowp_from_master(plan: Plan, layout: LeafLayout, flat_master: np.ndarray) -> np.ndarray:
+  """The compute-dtype params the forward uses, from a flat float32 master
+  (numpy; the same rounding as the step and the host kernel: to nearest even)."""
+  lowp = np.asarray(flat_master).astype(plan.compute_dtype)
+  return lowp if plan.sharded_lowp else np.asarray(layout.unflatten(lowp))
+
+
+def write_part(plan: Plan, layout: LeafLayout, params, part, start: int):
+  """Inside shard_map: params with elements [start, start + n) of every shard
+  replaced by `part` (local, (..., n), compute dtype). A whole shard (n = k)
+  rebuilds the leaf; a part is written in place (the params are donated), so
+  no second copy of the leaf is made."""
+  n, k = part.shape[-1], layout.shard_size
+  if n == 0:
+    return params
+  if plan.sharded_lowp:  # the params are this device's flat shard
+    return part if n == k else jax.lax.dynamic_update_slice_in_dim(params, part, start, -1)
+  if plan.stage > 0:
+    part = jax.lax.all_gather(part, plan.axis, tiled=True)  # (S * n,)
+  if n == k:
+    return layout.unflatten(part)
+  # A split leaf has no padding (see plan.place): the full leaf is (S, k).
+  S = layout.shards
+  rows = params.reshape(S, k)
+  rows = jax.lax.dynamic_update_slice_in_dim(rows, part.reshape(S, n), start, 1)
+  return rows.reshape(layout.shape)
+
+
+def install_host_weights(plan: Plan, mesh: Mesh) -> Callable:
+  """A jitted `(params, uploaded) -> params` that writes each shard's host
+  part (uploaded: flat parts in device memory, `part_shape(k - c)`) into the
+  params; both arguments are donated."""
+  specs = _on_layouts(plan, lambda l: lowp_spec(plan, l))
+  part_specs = _on_layouts(plan, lambda l: l.spec(plan.axis))
+
+  def install(params, uploaded):
+    return jax.tree.map(lambda l, p, u: write_part(plan, l, p, u, l.on_device), plan.layouts,
+                        params, uploaded, is_leaf=is_layout)
+  return jax.jit(jax.shard_map(install, mesh=mesh, in_specs=(specs, part_specs),
+                               out_specs=specs, check_vma=False), donate_argnums=(0, 1))
+
+
+# ---------------------------------------------------------------- the step
+def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
+              batch) -> Callable:
+  """The jitted step `(state, batch) -> (state, metrics, grad_scale)` for
+  batches shaped like `batch`. The state is donated. With offload the
+  state's `grads` go in as None and come out in pinned host memory, with
+  `grad_scale` the factor (1 / loss scale, times the clip) the host applies."""
+  specs = state_specs(plan, tx)
+  batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
+  in_state = specs._replace(grads=None) if plan.offload else specs
+  # check_vma=False: the replicated outputs (all-gathered params, psum'd
+  # metrics) are equal on every device by construction; the spelling of the
+  # invariant all-gather that would prove it differs across JAX versions.
+  fn = jax.shard_map(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
+                     in_specs=(in_state, batch_specs),
+                     out_specs=(specs, StepMetrics(P(), P(), P(), P()), P()), check_vma=False)
+  out_shardings = None
+  if plan.offload:
+    # The host parts' gradients go to pinned host memory, so XLA copies them
+    # out at PCIe speed as soon as they are ready (CPU devices have a
+    # pinned-host memory too, so the CPU tests cover this path).
+    named = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
+    on_device = jax.tree.map(named, specs)
+    out_shardings = (on_device._replace(
+        grads=jax.tree.map(lambda s: named(s, "pinned_host"), specs.grads)),
+        StepMetrics(*[named(P())] * 4), named(P()))
+  return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+
+
+def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
+               state: EngineState, batch):
+  """One device's step inside shard_map (see the module docstring)."""
+  axis, stage, layouts = plan.axis, plan.stage, plan.layouts
+  scale = state.loss_scale.scale
+  grad_fn = jax.value_and_grad(lambda p, b: scaled_loss(plan, loss_fn, p, b, scale),
+                               has_aux=True)
+  flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
+
+  def micro_grads(mb):
+    (_, loss), g = grad_fn(state.params, mb)
+    if stage == 2:  # reduce-scatter now, keep only this device's shard
+      g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), g)
+    return g, loss
+
+  if plan.grad_accum == 1:
+    grads, loss = micro_grads(batch)
+  else:
+    micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
+
+    def body(acc, mb):
+      g, loss = micro_grads(mb)
+      return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
+        lambda: micro_grads(jax.tree.map(lambda x: x[0], micro))[0]))
+    grads, losses = jax.lax.scan(body, zeros, micro)
+    loss = losses.mean()
+
+  # The gradient this device's optimizer shard needs, flat like the master.
+  if stage == 0:
+    grads = jax.tree.map(lambda x: jax.lax.psum(x, axis), grads)
+    shard = flatten(lambda l, x: l.flatten(x), grads)
+    buffer = grads
+  elif stage == 1:
+    shard = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), grads)
+    buffer = jax.tree.map(lambda x: x[None], grads)
+  else:
+    shard = buffer = grads
+  device_part = flatten(lambda l, x: x[..., :l.on_device], shard)
+  # Offload ships each shard's host part in the compute dtype: accumulated
+  # fp32 sums are rounded once (the precision one large batch's gradient
+  # has), at half the bytes on the copy that follows the last backward.
+  if plan.offload:
+    buffer = flatten(lambda l, x: x[..., l.on_device:].astype(plan.grad_dtype), shard)
+  else:
+    buffer = jax.tree.map(lambda x: x.astype(plan.grad_dtype), buffer)
+
+  sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(shard))
+  # Offload checks what it ships (an fp16 rounding of an fp32 sum may overflow).
+  checked = jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.offload else ())
+  bad = sum(jnp.sum(~jnp.isfinite(x)) for x in checked).astype(jnp.float32)
+  if stage > 0:  # shards: sum over devices (stage 0 holds the full reduced gradient)
+    sq, bad = jax.lax.psum((sq, bad), axis)
+  finite = (bad == 0) & jnp.isfinite(sq)
+  grad_norm = jnp.sqrt(sq) / scale
+  factor = 1.0 / scale
+  if plan.max_grad_norm is not None:
+    factor = factor * jnp.minimum(1.0, plan.max_grad_norm / (grad_norm + 1e-6))
+  metrics = StepMetrics(loss=jax.lax.psum(loss, axis) / plan.n_devices, grad_norm=grad_norm,
+                        loss_scale=scale, skipped=~finite)
+  counters = dict(loss_scale=update_loss_scale(state.loss_scale, finite, plan.loss_scale),
+                  step=state.step + finite.astype(jnp.int32),
+                  skipped=state.skipped + (~finite).astype(jnp.int32))
+  if not plan.has_device_state:
+    return EngineState(state.params, None, None, buffer, **counters), metrics, factor
+
+  # A select rather than lax.cond: XLA then fuses unscaling, the update, the
+  # skip and the low-precision copy into one pass over each leaf (a cond
+  # would materialise the float32 gradients and re-read the new masters).
+  g32 = jax.tree.map(lambda x: x.astype(jnp.float32) * factor, device_part)
+  updates, new_opt_state = tx.update(g32, state.opt_state, state.master)
+  keep_if_skipped = lambda new, old: jnp.where(finite, new, old)
+  master = jax.tree.map(keep_if_skipped, optax.apply_updates(state.master, updates),
+                        state.master)
+  opt_state = jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state)
+  params = jax.tree.map(
+      lambda l, p, m: write_part(plan, l, p, m.astype(plan.compute_dtype), 0),
+      layouts, state.params, master, is_leaf=is_layout)
+  return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
+
+
+def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
+  """Local loss, scaled so that summing gradients over devices and
+  micro-batches gives the gradient of the global mean loss (times scale)."""
+  layer_layouts = _subtree(plan.layouts, plan.layers) if plan.layers else None
+  gathered = [False]
+
+  def gather_one_layer(layer):
+    gathered[0] = True
+    try:
+      return jax.tree.map(lambda l, x: l.gather_inner(x, plan.axis), layer_layouts, layer,
+                          is_leaf=is_layout)
+    except ValueError as e:
+      raise ValueError("gather_layer got a tree unlike one layer of the `layers` subtree: "
+                       f"{e}") from e
+
+  params = jax.tree.map(lambda l, x: full_params(plan, l, x), plan.layouts, lowp_params,
+                        is_leaf=is_layout)
+  try:
+    if layer_layouts is not None:
+      with partition.layer_gathering(gather_one_layer):
+        loss = loss_fn(params, batch)
+    else:
+      loss = loss_fn(params, batch)
+  except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    hint = ""
+    if layer_layouts is not None and not gathered[0]:
+      hint = (" (with stage 3 and layers=, each layer's params reach the scan as flat "
+              "shards: the model must call jzo.gather_layer on them)")
+    raise ValueError(f"loss_fn failed on the engine's params and batch: "
+                     f"{type(e).__name__}: {e}{hint}") from e
+  if jnp.shape(loss) != ():
+    raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
+  if layer_layouts is not None and not gathered[0]:
+    raise ValueError("stage 3 with layers= needs the model to call jzo.gather_layer on each "
+                     "layer's params inside its scan")
+  loss = loss.astype(jnp.float32)
+  return loss * scale / (plan.n_devices * plan.grad_accum), loss
+
+
+def full_params(plan: Plan, layout: LeafLayout, lowp):
+  """What loss_fn sees: sharded params are gathered (per-layer ones by the model)."""
+  if not plan.sharded_lowp or layout.per_layer:
+    return lowp
+  return layout.gather_inner(lowp, plan.axis)
+
+
+def _subtree(tree, path: str):
+  """The subtree at dotted key path `path` (dict keys or attributes)."""
+  node = tree
+  for name in path.split("."):
+    if isinstance(node, dict) and name in node:
+      node = node[name]
+    elif hasattr(node, name):
+      node = getattr(node, name)
+    else:
+      raise ValueError(f"layers={path!r}: no {name!r} in the params tree")
+  return node
