@@ -2,6 +2,7 @@
 
 Public API:
   ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
+  estimate: the memory planner: what lives where, and whether it fits.
   gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
   LossScale: dynamic loss-scaling settings for float16.
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
@@ -11,10 +12,13 @@ Public API:
 
 from jzo import kernels
 from jzo.cpu_adam import CpuAdamState, cpu_adam, cpu_adamw
-from jzo.engine import EngineState, StepMetrics, ZeroEngine
+from jzo.engine import ZeroEngine
+from jzo.estimate import estimate
+from jzo.plan import Plan, PlacementError
+from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
-__all__ = ["CpuAdamState", "EngineState", "LossScale", "StepMetrics", "ZeroEngine", "cpu_adam",
-           "cpu_adamw", "gather_layer", "kernels"]
+__all__ = ["CpuAdamState", "EngineState", "LossScale", "PlacementError", "Plan", "StepMetrics",
+           "ZeroEngine", "cpu_adam", "cpu_adamw", "estimate", "gather_layer", "kernels"]
 __version__ = "0.1.0"

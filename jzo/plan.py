@@ -45,8 +45,8 @@ HOST_UPDATE_PARAMS_PER_S = 4.5e9
 # Share of the device memory the planner leaves free for what it does not
 # model (XLA's fragmentation, cuDNN and cuBLAS workspaces).
 DEVICE_HEADROOM = 0.06
-# Host part of a split leaf: a multiple of this many elements (a cache line
-# of float32), so that every host array starts aligned for the kernel.
+# Host part of a large split leaf: a multiple of this many elements (a cache
+# line of float32), so that the split falls on a cache-line boundary.
 _ALIGN = 16
 GiB = 2**30
 
@@ -243,7 +243,9 @@ def place(layouts, offload, *, stage: int, n_devices: int):
 
   def one(l: LeafLayout) -> LeafLayout:
     k = l.shard_size
-    host = k if f == 1.0 else min(k, _ALIGN * round(f * k / _ALIGN))
+    host = round(f * k)
+    if k >= 64 * _ALIGN:  # large shards: keep the host part's start aligned
+      host = _ALIGN * round(f * k / _ALIGN)
     whole_only = stage in (1, 2) and n_devices > 1 and l.padded
     if whole_only and 0 < host < k:
       host = k if f >= 0.5 else 0

@@ -141,7 +141,7 @@ def write_part(plan: Plan, layout: LeafLayout, params, part, start: int):
 def install_host_weights(plan: Plan, mesh: Mesh) -> Callable:
   """A jitted `(params, uploaded) -> params` that writes each shard's host
   part (uploaded: flat parts in device memory, `part_shape(k - c)`) into the
-  params; both arguments are donated."""
+  params, which are donated (so written in place)."""
   specs = _on_layouts(plan, lambda l: lowp_spec(plan, l))
   part_specs = _on_layouts(plan, lambda l: l.spec(plan.axis))
 
@@ -149,7 +149,7 @@ def install_host_weights(plan: Plan, mesh: Mesh) -> Callable:
     return jax.tree.map(lambda l, p, u: write_part(plan, l, p, u, l.on_device), plan.layouts,
                         params, uploaded, is_leaf=is_layout)
   return jax.jit(jax.shard_map(install, mesh=mesh, in_specs=(specs, part_specs),
-                               out_specs=specs, check_vma=False), donate_argnums=(0, 1))
+                               out_specs=specs, check_vma=False), donate_argnums=0)
 
 
 # ---------------------------------------------------------------- the step

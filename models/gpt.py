@@ -68,6 +68,28 @@ class GPTConfig:
     return 6 * self.n_params + 12 * self.n_layer * self.d_model * (seq_len or self.seq_len)
 
 
+def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
+                     itemsize: int = 2) -> int:
+  """Bytes of activations one device needs at the peak of a training step
+  with `batch` sequences (its micro-batch): what the scan saves for the
+  backward pass, plus the larger of the loss's logits (bf16 logits and their
+  float32 gradient) and one layer's recomputed intermediates and gradients.
+
+  Per token and layer, `remat` full saves the layer input (D values), dots
+  also the matmul outputs (qkv 3D, proj D, fc 4D, out D), none every
+  intermediate (about 20 D incl. float32 LayerNorm statistics). The
+  constants were checked against XLA's peak on an H100 (experiments/RESULTS.md).
+  """
+  T = seq_len or config.seq_len
+  tokens = batch * T
+  D, L = config.d_model, config.n_layer
+  saved_per_layer = {"full": D, "dots": 10 * D, "none": 20 * D}[config.remat]
+  saved = L * tokens * saved_per_layer * itemsize
+  logits = tokens * config.vocab_size * (itemsize + 4)
+  layer = tokens * 24 * D * itemsize
+  return saved + max(logits, layer)
+
+
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=128),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, d_model=768),

@@ -1,0 +1,174 @@
+"""Optimizer state split between device and host memory, and the planner."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jzo
+from jzo import plan as plan_lib
+from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
+from test_offload import TX
+
+PLACEMENTS = [0.0, 0.4, True]
+
+
+@pytest.mark.parametrize("offload", PLACEMENTS, ids=lambda x: f"offload={x}")
+@pytest.mark.parametrize("n_dev, stage, layers", [(1, 2, None), (8, 2, None), (8, 1, None),
+                                                  (8, 3, "blocks")], ids=str)
+def test_placement_matches_on_device_training(offload, n_dev, stage, layers):
+  params, data = init_params(), batches(12)
+  kw = dict(stage=stage, layers=layers, compute_dtype=jnp.bfloat16, mesh=mesh_of(n_dev),
+            max_grad_norm=1.0)
+  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
+  placed = jzo.ZeroEngine(loss_fn, params, TX(), offload=offload, **kw)
+  fraction = placed.plan.offloaded_fraction
+  # A padded leaf of stages 1-2 on several devices goes whole to one side.
+  assert {0.0: fraction == 0, 0.4: 0.1 < fraction < 0.6, True: fraction == 1}[offload]
+  for b in data:
+    want, got = on_device.step(b), placed.step(b)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6, abs=1e-7)
+  assert_close(placed.params, on_device.params)
+  for a, b in zip(jax.tree.leaves(placed.state.params), jax.tree.leaves(on_device.state.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  device_share = placed.memory_per_device()["optimizer"]
+  assert (device_share > 0) == (offload is not True)
+  assert (placed.host_memory() > 0) == (offload != 0.0)
+
+
+def test_a_fraction_splits_every_large_leaf():
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=0.5, mesh=mesh_of(1))
+  for layout in engine.plan.leaves:
+    assert 0 < layout.on_device < layout.shard_size or layout.shard_size < 32
+  assert engine.plan.has_device_state and engine.plan.has_host_state
+
+
+def test_host_bytes_planned_equal_what_the_engine_allocates():
+  for offload, delayed in ((True, False), (0.4, True)):
+    engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=offload, mesh=mesh_of(8),
+                            delayed_update=delayed, dpu_warmup=0)
+    planned = engine.plan.host_bytes()
+    assert engine.host_memory() == planned["master"] + planned["moments"] + planned["staging"]
+    engine.step(batches(1)[0])
+    landing = sum(x.nbytes for x in jax.tree.leaves(engine.state.grads))
+    assert landing * (2 if delayed else 1) == planned["gradients"]
+    device = engine.plan.device_bytes()
+    mem = engine.memory_per_device()
+    assert mem["optimizer"] == device["master"] + device["moments"] + (
+        4 if engine.plan.has_device_state else 0)  # + the device Adam's int32 count
+    engine.close()
+
+
+def test_partial_placement_with_delayed_update_trains():
+  """The host part lands one step late, the device part at once: the loss
+  still falls like plain training's, and nothing diverges."""
+  params, data = init_params(), batches(30)
+  engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.5, delayed_update=True,
+                          dpu_warmup=2, mesh=mesh_of(8), compute_dtype=jnp.float32)
+  losses = [float(engine.step(b).loss) for b in data]
+  engine.close()
+  assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+
+
+def test_auto_fills_the_device_and_offloads_the_rest():
+  params = init_params()
+  n = sum(x.size for x in jax.tree.leaves(params))
+  kw = dict(offload="auto", mesh=mesh_of(1), activation_memory=1000)
+  roomy = jzo.ZeroEngine(loss_fn, params, TX(), device_memory=10**9, **kw)
+  assert roomy.plan.offloaded_fraction == 0.0
+  # bf16 params and gradients (4 n bytes) fit, and about half the state.
+  budget = int((4 * n + 6 * n + 1000) / (1 - plan_lib.DEVICE_HEADROOM))
+  tight = jzo.ZeroEngine(loss_fn, params, TX(), device_memory=budget, **kw)
+  assert 0.3 < tight.plan.offloaded_fraction < 0.7
+  assert sum(tight.plan.device_peak(1000).values()) <= budget
+  for b in batches(3):
+    tight.step(b)
+
+
+def test_what_does_not_fit_is_refused_before_drawing_weights():
+  drawn = []
+
+  def params():
+    tree = init_params()
+    if not isinstance(tree["head"], jax.core.Tracer):  # traced for shapes is fine
+      drawn.append(True)
+    return tree
+  with pytest.raises(MemoryError, match=r"needs .* GiB per device .* available"):
+    jzo.ZeroEngine(loss_fn, params, TX(), offload=0.0, device_memory=1000, mesh=mesh_of(1))
+  with pytest.raises(MemoryError, match="all on the host does not fit|needs"):
+    jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", device_memory=1000, mesh=mesh_of(1))
+  with pytest.raises(MemoryError, match="host RAM"):
+    jzo.ZeroEngine(loss_fn, params, TX(), offload=True, host_memory=1000, mesh=mesh_of(1))
+  assert not drawn  # shapes were traced, no weight was drawn
+
+
+def test_bad_offload_values():
+  params = init_params()
+  for bad in (1.5, -0.1, "half"):
+    with pytest.raises(ValueError, match="offload"):
+      jzo.ZeroEngine(loss_fn, params, TX(), offload=bad, mesh=mesh_of(1))
+  with pytest.raises(ValueError, match="needs the device memory"):
+    jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", mesh=mesh_of(1))
+
+
+def test_params_as_a_function_are_drawn_leaf_by_leaf_to_the_same_weights():
+  make = lambda: init_params()
+  from_fn = jzo.ZeroEngine(loss_fn, make, TX(), offload=0.5, mesh=mesh_of(2))
+  # Each leaf is the jitted function's leaf (eager code may round differently).
+  jax.tree.map(np.testing.assert_array_equal, from_fn.params, jax.jit(make)())
+  from_tree = jzo.ZeroEngine(loss_fn, make(), TX(), offload=0.5, mesh=mesh_of(2))
+  for b in batches(3):
+    from_tree.step(b)
+    from_fn.step(b)
+  assert_close(from_fn.params, from_tree.params)
+
+
+def test_state_dict_loads_into_another_placement_and_device_count():
+  params, data = init_params(), batches(8)
+  kw = dict(stage=2, compute_dtype=jnp.float32, max_grad_norm=1.0)
+  first = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, mesh=mesh_of(8), **kw)
+  for b in data[:4]:
+    first.step(b)
+  saved = first.state_dict()
+  second = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.5, mesh=mesh_of(4), **kw)
+  second.load_state_dict(saved)
+  for b in data[4:]:
+    first.step(b)
+    second.step(b)
+  assert_close(second.params, first.params)
+  assert int(second.state.step) == int(first.state.step) == 8
+
+
+def run_estimate(*args):
+  return subprocess.run([sys.executable, "-m", "jzo.estimate", *args], capture_output=True,
+                        text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+
+
+def test_estimate_cli_places_the_10b_model_on_an_h100():
+  out = run_estimate("--model", "gpt2-10b", "--host-gb", "125", "--device-gb", "79.6")
+  assert out.returncode == 0, out.stderr
+  assert "10.279B params" in out.stdout and out.stdout.rstrip().endswith("fits")
+  assert "on the device" in out.stdout and "host update about" in out.stdout
+  # all on the host does not fit 125 GiB: refused with the numbers
+  out = run_estimate("--model", "gpt2-10b", "--host-gb", "125", "--offload", "true")
+  assert out.returncode == 1 and "needs" in out.stdout and "125.00 GiB available" in out.stdout
+
+
+def test_estimate_cli_help_and_bad_input():
+  out = run_estimate("--help")
+  assert out.returncode == 0 and "--device-gb" in out.stdout
+  out = run_estimate("--model", "gpt2-10b", "--offload", "1.5")
+  assert out.returncode == 2 and "fraction must be in [0, 1]" in out.stderr
+  out = run_estimate("--model", "gpt5")
+  assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_estimate_agrees_with_the_engine():
+  params = init_params()
+  est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=10**9)
+  engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.4, mesh=mesh_of(8))
+  assert est.fits and est.plan.host_bytes() == engine.plan.host_bytes()
+  assert est.plan.device_bytes() == engine.plan.device_bytes()
