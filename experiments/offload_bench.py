@@ -5,7 +5,10 @@ Each configuration runs in a fresh process (its own GPU peak and host RSS):
   device       ZeroEngine stage 2, optax.adamw on the GPU (where it fits);
   offload      stage 2 + offload: fp32 masters and moments in host RAM, the
                C++ AdamW on the host, bf16 weights back;
-  offload_dpu  the same with the one-step delayed parameter update.
+  offload_dpu  the same with the one-step delayed parameter update;
+  auto         offload="auto": as much of the state on the GPU as fits
+               (jzo.estimate's plan), the rest on the host;
+  auto_dpu     the same with the delayed update of the host part.
 Reported: median step time, tokens/s, model TFLOPS (6 N + 12 L D T per token),
 peak GPU memory, host RSS and, for offload, the breakdown of a step: the
 device step alone (compute + gradients to pinned host memory, timed by
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("device", "offload", "offload_dpu")
+CONFIGS = ("device", "offload", "offload_dpu", "auto", "auto_dpu")
 
 
 def timed(fn, repeats=3):
@@ -54,17 +57,24 @@ def run_one(args) -> dict:
   import jzo
   from models import gpt
 
-  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
-  offload = args.config != "device"
+  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=args.remat)
+  offload = {"device": False, "offload": True, "offload_dpu": True, "auto": "auto",
+             "auto_dpu": "auto"}[args.config]
   moments = jnp.bfloat16 if args.moments == "bf16" else None
   tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments) if offload
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
+  activations = gpt.activation_bytes(config, args.batch, args.seq_len)
+  start = time.perf_counter()
   engine = jzo.ZeroEngine(
-      functools.partial(gpt.loss_fn, config), gpt.init_params(config, jax.random.PRNGKey(0)), tx,
-      stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+      functools.partial(gpt.loss_fn, config),
+      functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
+      tx, stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
-      delayed_update=args.config == "offload_dpu", dpu_warmup=1,
+      delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
+      activation_memory=activations,
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None)
+  build_s = time.perf_counter() - start
+  print(engine.plan, file=sys.stderr)
   batch_size = args.batch * args.grad_accum
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
                                         0, config.vocab_size, jnp.int32)}
@@ -85,17 +95,24 @@ def run_one(args) -> dict:
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
       "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
-      "device": jax.devices()[0].device_kind,
+      "device": jax.devices()[0].device_kind, "build_s": build_s,
+      "offloaded_fraction": engine.plan.offloaded_fraction if offload else 0.0,
+      # The planner's figures for this run, beside the measured ones.
+      "planned_gpu_gib": sum(engine.plan.device_peak(activations).values()) / 2**30,
+      "planned_host_state_gib": sum(engine.plan.host_bytes().values()) / 2**30,
+      "host_state_gib": (engine.host_memory() + sum(
+          x.nbytes for x in jax.tree.leaves(engine.state.grads)
+          if x.sharding.memory_kind == "pinned_host")
+          * (2 if engine.plan.delayed_update else 1)) / 2**30,
   }
-  if offload:
-    engine._install_pending()  # no delayed update may share the timings below
+  if engine.host_update is not None:
+    engine.wait()  # no delayed update may share the timings below
     result["host_update_s"] = statistics.median(t["update"] for t in timings)
     result["upload_tail_s"] = statistics.median(t["upload"] for t in timings)
-    result["upload_alone_s"] = timed(lambda: engine._transfer.upload(engine.host.lowp))
-    step_fn = engine._compiled_step(batch)  # the device step alone, no host update
-    state = engine.state._replace(grads=None)
-    result["device_step_s"] = timed(lambda: jax.block_until_ready(step_fn(state, batch)))
-    result["host_update_gparam_s"] = config.n_params / result["host_update_s"] / 1e9
+    result["upload_alone_s"] = timed(lambda: engine.host_update.transfer.upload(engine.host.lowp))
+    # The device step alone: forward, backward, device-part update, gradients out.
+    result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
+    result["host_update_gparam_s"] = (engine.plan.host_elements / result["host_update_s"] / 1e9)
     upload_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.host.lowp))
     result["upload_gb_s"] = upload_bytes / result["upload_alone_s"] / 1e9
     if jax.devices()[0].platform == "cpu":
@@ -107,7 +124,7 @@ def run_one(args) -> dict:
     pinned = NamedSharding(engine.mesh, P(), memory_kind="pinned_host")
     result["d2h_gb_s"] = grad_bytes / timed(lambda: jax.block_until_ready(
         jax.tree.map(lambda x: jax.device_put(x, pinned), on_gpu))) / 1e9
-    staging = jax.tree.leaves(engine.host.lowp)  # DMA-registered by the engine
+    staging = [x for x in jax.tree.leaves(engine.host.lowp) if x.size]  # DMA-registered
     result["h2d_gb_s"] = sum(x.nbytes for x in staging) / timed(lambda: jax.block_until_ready(
         [jax.device_put(x[0], jax.devices()[0]) for x in staging])) / 1e9
   engine.close()
@@ -120,6 +137,7 @@ def parse_args():
   parser.add_argument("--seq-len", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=8, help="micro-batch (sequences)")
   parser.add_argument("--grad-accum", type=int, default=1)
+  parser.add_argument("--remat", default="full", help="full, dots or none")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
@@ -141,17 +159,18 @@ def main():
     cmd = [sys.executable, __file__, "--config", name, "--model", args.model,
            "--seq-len", str(args.seq_len), "--batch", str(args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-           "--moments", args.moments]
+           "--moments", args.moments, "--remat", args.remat]
     if args.host_memory_gb:
       cmd += ["--host-memory-gb", str(args.host_memory_gb)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
       print(f"{name} failed:\n{out.stderr[-3000:]}", flush=True)
       continue
+    print(out.stderr[-1500:], flush=True)  # the plan
     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps(results[-1]), flush=True)
   print(f"\n{'config':<12} {'s/step':>7} {'tokens/s':>9} {'TFLOPS':>7} {'GPU GiB':>8} "
-        f"{'host GiB':>8}  breakdown")
+        f"{'planned':>8} {'host GiB':>8} {'state':>7} {'planned':>8} {'host %':>7}  breakdown")
   for r in results:
     parts = ""
     if "device_step_s" in r:
@@ -161,7 +180,9 @@ def main():
                f"{r['upload_tail_s']:.3f} s; pinned D2H {r.get('d2h_gb_s', float('nan')):.1f} "
                f"GB/s, H2D {r.get('h2d_gb_s', float('nan')):.1f} GB/s")
     print(f"{r['config']:<12} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops']:7.1f} "
-          f"{r['peak_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f}  {parts}")
+          f"{r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f} "
+          f"{r['host_state_gib']:7.2f} {r['planned_host_state_gib']:8.2f} "
+          f"{100 * r['offloaded_fraction']:7.1f}  {parts}")
   if results:
     print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch {args.batch} x "
           f"{args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")

@@ -13,7 +13,7 @@ Public API:
 from jzo import kernels
 from jzo.cpu_adam import CpuAdamState, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
-from jzo.estimate import estimate
+from jzo.planner import estimate
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer

@@ -130,23 +130,26 @@ class Plan:
     return {"params": params, "grads": grads, "master": master, "moments": moments}
 
   def device_peak(self, activations: int = 0) -> dict[str, int]:
-    """Bytes one device needs at the step's peak: `device_bytes()` plus the
-    backward pass's gradients, the fp32 accumulator, the activations and, with
-    the delayed update, the host part's weights on their way up."""
+    """Bytes one device needs at the step's peak: `device_bytes()`, the
+    larger of the backward pass's gradients (with the fp32 accumulator) and
+    the activations (the saved activations are consumed as the gradients
+    appear: the two peak at opposite ends of the backward pass, as measured
+    on an H100), and, with the delayed update, the host part's weights on
+    their way up."""
     lowp = np.dtype(self.compute_dtype).itemsize
     local = sum(_rows(l) * l.shard_size for l in self.leaves)
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
-    backward = lowp * (local if self.stage == 3 and self.layers else self.n_params)
-    accumulator = 0
+    grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
     if self.grad_accum > 1:
-      accumulator = 4 * (self.n_params if self.stage < 2 else local)
+      grads += 4 * (self.n_params if self.stage < 2 else local)
     upload = 0
     if self.delayed_update and self.has_host_state:
       host_local = sum(_rows(l) * l.on_host for l in self.leaves)
       upload = lowp * host_local * (1 if self.sharded_lowp else self.n_devices)
-    return {**self.device_bytes(), "backward grads": backward, "accumulator": accumulator,
-            "activations": activations, "upload": upload}
+    backward = ({"backward grads": grads, "activations": 0} if grads >= activations else
+                {"backward grads": 0, "activations": activations})
+    return {**self.device_bytes(), **backward, "upload": upload}
 
   def host_bytes(self) -> dict[str, int]:
     """Bytes of host RAM the offloaded state takes (all devices' shards)."""
@@ -179,7 +182,7 @@ def format_plan(plan: Plan, activations: int | None = None,
   peak = plan.device_peak(activations or 0)
   rows.append(f"  {'per device':<22}{'GiB':>8}")
   for name, b in peak.items():
-    if b or name in ("params", "activations"):
+    if b or name == "params":
       rows.append(f"  {name:<22}{gib(b)}")
   rows.append(f"  {'total (peak)':<22}{gib(sum(peak.values()))}"
               + (f"  of {device_memory / GiB:.2f} available" if device_memory else ""))

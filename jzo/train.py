@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import sys
 import time
@@ -25,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import psutil
 import tqdm
 from jax.sharding import Mesh
 
 import jzo
+from jzo import checkpoint
 from jzo import config as config_lib
 from jzo import data as data_lib
 from models import gpt
@@ -56,6 +57,10 @@ class TrainConfig:
   max_grad_norm: float = _opt("global gradient-norm clip", 1.0)
   stage: int = _opt("ZeRO stage 0-3", 2)
   offload: bool = _opt("keep optimizer state in host RAM (ZeRO-Offload)", True)
+  offload_fraction: str = _opt("with --offload, the share of the optimizer state in host RAM: "
+                               "auto (as much on the devices as fits; all of it on CPUs) or a "
+                               "number in [0, 1]", "auto")
+  moments: str = _opt("dtype of the Adam moments: fp32, or bf16 (half the memory)", "fp32")
   delayed_update: bool = _opt("offload: one-step delayed parameter update", False)
   precision: str = _opt("compute precision: bf16 or fp16", "bf16")
   devices: int = _opt("devices to use (0: all)", 0)
@@ -68,7 +73,7 @@ class TrainConfig:
                     "matmul outputs), none", "full")
   peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 "
                             "matmul on GPUs, none on CPU)", 0.0)
-  checkpoint_every: int = _opt("steps between checkpoints (and one at the end)", 100)
+  checkpoint_every: int = _opt("steps between checkpoints (and one at the end; 0: none)", 100)
   resume: bool = _opt("continue from the last complete checkpoint in --out", False)
   sample: bool = _opt("only generate --sample-tokens of text from the checkpoint in --out", False)
   out: str = _opt("output folder (metrics.jsonl, loss.png)", "runs/latest")
@@ -76,6 +81,56 @@ class TrainConfig:
 
 class UserError(Exception):
   """A mistake in the options or the data: reported without a traceback."""
+
+
+def check(cfg: TrainConfig) -> None:
+  if cfg.model not in gpt.PRESETS:
+    raise UserError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
+  if cfg.precision not in ("bf16", "fp16"):
+    raise UserError(f"--precision must be bf16 or fp16, got {cfg.precision!r}")
+  for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every",
+               "eval_batches"):
+    if getattr(cfg, name) < 1:
+      raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+  if cfg.checkpoint_every < 0:
+    raise UserError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
+  if cfg.moments not in ("fp32", "bf16"):
+    raise UserError(f"--moments must be fp32 or bf16, got {cfg.moments!r}")
+  if cfg.offload_fraction != "auto":
+    try:
+      fraction = float(cfg.offload_fraction)
+    except ValueError:
+      fraction = -1.0
+    if not 0.0 <= fraction <= 1.0:
+      raise UserError(f"--offload-fraction must be auto or a number in [0, 1], got "
+                      f"{cfg.offload_fraction!r}")
+  if not 0 <= cfg.warmup < cfg.steps:
+    raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
+  if cfg.remat not in gpt.REMAT_POLICIES:
+    raise UserError(f"--remat must be one of {', '.join(gpt.REMAT_POLICIES)}, got {cfg.remat!r}")
+  if cfg.peak_tflops < 0:
+    raise UserError(f"--peak-tflops must be >= 0, got {cfg.peak_tflops}")
+  if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
+    raise UserError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s context of "
+                    f"{gpt.PRESETS[cfg.model].seq_len} tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """The run's token streams and batches.
+
+  Attributes:
+    n_tokens: tokens in the whole stream (training and held-out).
+    vocab: vocabulary the data needs (256 for byte-level text).
+    batches: training batches, int32 (batch_size * grad_accum, seq_len + 1).
+    val: held-out batches, int32 (batch_size, seq_len + 1).
+    val_tokens: the held-out stream (the sample's prompt comes from it).
+  """
+  n_tokens: int
+  vocab: int
+  batches: data_lib.Batches
+  val: data_lib.Batches
+  val_tokens: np.ndarray
 
 
 def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
@@ -88,24 +143,34 @@ def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
   return data_lib.read_text(cfg.data), data_lib.BYTE_VOCAB
 
 
-def check(cfg: TrainConfig) -> None:
-  if cfg.model not in gpt.PRESETS:
-    raise UserError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
-  if cfg.precision not in ("bf16", "fp16"):
-    raise UserError(f"--precision must be bf16 or fp16, got {cfg.precision!r}")
-  for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every",
-               "eval_batches", "checkpoint_every"):
-    if getattr(cfg, name) < 1:
-      raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-  if not 0 <= cfg.warmup < cfg.steps:
-    raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
-  if cfg.remat not in gpt.REMAT_POLICIES:
-    raise UserError(f"--remat must be one of {', '.join(gpt.REMAT_POLICIES)}, got {cfg.remat!r}")
-  if cfg.peak_tflops < 0:
-    raise UserError(f"--peak-tflops must be >= 0, got {cfg.peak_tflops}")
-  if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
-    raise UserError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s context of "
-                    f"{gpt.PRESETS[cfg.model].seq_len} tokens")
+def load_data(cfg: TrainConfig, devices) -> Data:
+  """Reads the data, holds out its end, and checks that a batch splits over `devices`."""
+  try:
+    tokens, vocab = load_tokens(cfg, gpt.PRESETS[cfg.model].vocab_size)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  if cfg.batch_size % len(devices):
+    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
+  train_tokens, val_tokens = data_lib.train_val_split(tokens)
+  try:
+    batches = data_lib.Batches(train_tokens, cfg.batch_size * cfg.grad_accum, cfg.seq_len,
+                               cfg.seed)
+    val = data_lib.Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  return Data(len(tokens), vocab, batches, val, val_tokens)
+
+
+def model_config(cfg: TrainConfig, vocab: int) -> gpt.GPTConfig:
+  """The preset with the run's context, remat policy and (where it is the data's) vocabulary."""
+  preset = gpt.PRESETS[cfg.model]
+  # tiny and token files take the data's vocabulary, padded to a multiple of 128.
+  own_vocab = cfg.model == "tiny" or cfg.data.endswith(".bin")
+  model = dataclasses.replace(preset, seq_len=cfg.seq_len, remat=cfg.remat,
+                              vocab_size=-(-vocab // 128) * 128 if own_vocab else preset.vocab_size)
+  if vocab > model.vocab_size:
+    raise UserError(f"the data needs a vocabulary of {vocab}, {cfg.model} has {model.vocab_size}")
+  return model
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -113,22 +178,45 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
                                             end_value=0.1 * cfg.lr)
 
 
+def placement(cfg: TrainConfig, devices) -> bool | float | str:
+  """The engine's offload= from --offload and --offload-fraction: "auto"
+  where the devices report their memory, all on the host where they do not
+  (CPUs share the host's memory)."""
+  if not cfg.offload:
+    return False
+  if cfg.offload_fraction == "auto":
+    return "auto" if jzo.plan.device_memory_limit(devices[0]) else True
+  return float(cfg.offload_fraction)
+
+
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
-  # The float32 weights are drawn in host memory: the engine puts only its
-  # masters' shards (none with offload) and the compute-dtype copy on the devices.
-  with jax.default_device(jax.devices("cpu")[0]):
-    params = gpt.init_params(model, jax.random.PRNGKey(cfg.seed))
+  # A function, not arrays: the engine checks its plan fits from the shapes,
+  # then draws the float32 weights one leaf at a time in host memory.
+  init = functools.partial(gpt.init_params, model, jax.random.PRNGKey(cfg.seed))
   # Weight decay on the embeddings and weight matrices, not on biases and
   # LayerNorm parameters.
-  mask = jax.tree_util.tree_map_with_path(
+  mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key in ("wte", "wpe", "kernel"), params)
-  tx = jzo.cpu_adamw(lr_schedule(cfg), b2=0.95, weight_decay=cfg.weight_decay, mask=mask)
+  moments = jnp.bfloat16 if cfg.moments == "bf16" else None
+  tx = jzo.cpu_adamw(lr_schedule(cfg), b2=0.95, weight_decay=cfg.weight_decay, mask=mask,
+                     mu_dtype=moments, nu_dtype=moments)
   return jzo.ZeroEngine(
-      functools.partial(gpt.loss_fn, model), params, tx,
+      functools.partial(gpt.loss_fn, model), init, tx,
       mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
       compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
-      grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, offload=cfg.offload,
-      delayed_update=cfg.delayed_update, layers="blocks" if cfg.stage == 3 else None)
+      grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
+      offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
+      layers="blocks" if cfg.stage == 3 else None,
+      activation_memory=gpt.activation_bytes(model, cfg.batch_size // len(devices), cfg.seq_len))
+
+
+def build_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
+  """`make_engine`, its refusals (a plan that does not fit: before any
+  weight is drawn) as UserErrors."""
+  try:
+    return make_engine(cfg, model, devices)
+  except (ValueError, TypeError, MemoryError) as e:
+    raise UserError(str(e)) from e
 
 
 @functools.cache
@@ -138,8 +226,56 @@ def _loss(model: gpt.GPTConfig):
 
 
 def evaluate(model: gpt.GPTConfig, params, batches: data_lib.Batches, n: int) -> float:
-  """Mean loss of n held-out batches with the float32 master weights."""
+  """Mean loss of n held-out batches with `params` (see eval_params)."""
   return float(np.mean([_loss(model)(params, {"tokens": batches[i]}) for i in range(n)]))
+
+
+class Throughput:
+  """Training speed over the steps since the previous log line.
+
+  Attributes:
+    peak: bf16 TFLOPS of all the devices together, for MFU (0: unknown).
+  """
+
+  def __init__(self, cfg: TrainConfig, model: gpt.GPTConfig, first_step: int, peak: float):
+    self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    self.flops_per_step = self.tokens_per_step * model.flops_per_token()
+    self.peak = peak
+    self._step = first_step
+    self.restart()
+
+  def restart(self) -> None:
+    """Times from now on: called after each log line, so evaluation is not counted."""
+    self._start = time.perf_counter()
+
+  def measure(self, step: int) -> tuple[float, float]:
+    """Tokens/s and model TFLOPS of the steps up to `step` since the last call."""
+    elapsed = time.perf_counter() - self._start
+    steps, self._step = step - self._step, step
+    return (self.tokens_per_step * steps / elapsed,
+            self.flops_per_step * steps / elapsed / 1e12)
+
+
+def log_record(step: int, metrics: jzo.StepMetrics, engine: jzo.ZeroEngine, lr: float,
+               meter: Throughput) -> dict:
+  """One metrics.jsonl entry after `step` optimizer steps (without the evaluation)."""
+  loss = float(metrics.loss)  # host sync, once per log line: the clock then covers the steps
+  tokens_per_s, tflops = meter.measure(step)
+  record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
+            "model_tflops": tflops, "grad_norm": float(metrics.grad_norm),
+            "skipped": int(engine.state.skipped)}
+  if meter.peak:
+    record["mfu"] = tflops / meter.peak
+  return record
+
+
+def log_line(record: dict) -> str:
+  """The printed form of a `log_record` (with its evaluation, if any)."""
+  return (f"step {record['step']}: loss {record['loss']:.4f}"
+          + (f", eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+          + f", lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} tokens/s, "
+          f"{record['model_tflops']:.3f} TFLOPS"
+          + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "") + f", {memory_line()}")
 
 
 def memory_line() -> str:
@@ -167,36 +303,47 @@ def plot(history: list[dict], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def checkpoints(out: pathlib.Path) -> ocp.CheckpointManager:
-  """Checkpoints under out/checkpoints; orbax writes each to a temporary
-  folder and renames it when complete, so a run killed while saving leaves
-  the previous one intact (and unfinished ones are never restored)."""
-  return ocp.CheckpointManager((out / "checkpoints").absolute(),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=2))
+# Options a resumed run must share with the saved one: they fix the state's
+# shapes, the optimizer's layout or the batch order. Others (steps, learning
+# rate, logging) may change.
+RUN_KEYS = ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "stage", "offload",
+            "precision")
 
 
-def restore(manager: ocp.CheckpointManager, engine: jzo.ZeroEngine, cfg: TrainConfig,
-            out: pathlib.Path) -> int:
-  """Loads the last complete checkpoint; returns its step (0 if none)."""
-  step = manager.latest_step()
-  if step is None:
-    return 0
+def check_same_run(cfg: TrainConfig, out: pathlib.Path) -> None:
+  """Refuses to continue the run in `out` (its config.json) with other RUN_KEYS."""
   saved_cfg = json.loads((out / "config.json").read_text())
-  for key in ("model", "data", "seq_len", "batch_size", "grad_accum", "seed", "stage",
-              "offload", "precision"):
+  for key in RUN_KEYS:
     if saved_cfg.get(key) != getattr(cfg, key):
       raise UserError(f"checkpoint in {out} was made with --{key.replace('_', '-')} "
                       f"{saved_cfg.get(key)!r}, not {getattr(cfg, key)!r}")
+
+
+def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.Path) -> int:
+  """Loads the run's last complete checkpoint into `engine`; returns its step (0: none).
+
+  `manager` is `checkpoint.open_manager(out / "checkpoints")`.
+  """
+  step = manager.latest_step()
+  if step is None:
+    return 0
+  check_same_run(cfg, out)  # first: it names the option, where the engine sees only shapes
   try:
-    # The engine's own state as the target: orbax rebuilds the same tree types.
-    saved = manager.restore(step, args=ocp.args.StandardRestore(engine.state_dict()))
-  except Exception as e:  # orbax raises many kinds for a damaged folder
-    raise UserError(f"checkpoint {step} in {out} is unreadable: {type(e).__name__}: {e}") from e
-  try:
-    engine.load_state_dict(saved)
-  except ValueError as e:
-    raise UserError(f"checkpoint {step} in {out} does not fit this run: {e}") from e
-  return step
+    return checkpoint.restore(manager, engine, step)
+  except checkpoint.CheckpointError as e:
+    raise UserError(str(e)) from e
+
+
+def start_log(cfg: TrainConfig, out: pathlib.Path, first: int) -> list[dict]:
+  """Writes config.json and metrics.jsonl as of step `first`; returns the log so far."""
+  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+  # The log keeps what came before the checkpoint, so the curve stays whole.
+  history = []
+  if first and (out / "metrics.jsonl").exists():
+    history = [h for h in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if h["step"] <= first]
+  (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+  return history
 
 
 def print_sample(model: gpt.GPTConfig, params, val_tokens: np.ndarray, cfg: TrainConfig):
@@ -206,28 +353,6 @@ def print_sample(model: gpt.GPTConfig, params, val_tokens: np.ndarray, cfg: Trai
   print("\n--- sample (prompt from the held-out split) ---\n"
         + bytes(np.asarray(prompt, np.uint8)).decode("utf-8", "replace")
         + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
-
-
-def check_device_memory(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> None:
-  """Refuses a model whose persistent state alone exceeds a device's memory.
-
-  Per device, Psi params: bf16 params 2 Psi (stage 3: / Nd), gradients 2 Psi
-  (stages 2-3: / Nd), and without offload fp32 master + Adam 12 Psi / Nd
-  (stage 0: not divided). Activations come on top; they are not estimated.
-  """
-  limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-  if not limit:
-    return  # the CPU backend reports no limit
-  n, psi = len(devices), model.n_params
-  params = 2 * psi / (n if cfg.stage == 3 else 1)
-  grads = 2 * psi / (n if cfg.stage >= 2 else 1)
-  optimizer = 0 if cfg.offload else 12 * psi / (1 if cfg.stage == 0 else n)
-  need = params + grads + optimizer
-  if need > limit:
-    raise UserError(f"{cfg.model} needs {need / 2**30:.1f} GiB of device memory per device for "
-                    f"params, gradients and optimizer state at stage {cfg.stage}"
-                    f"{' with offload' if cfg.offload else ''}; a {devices[0].device_kind} "
-                    f"has {limit / 2**30:.1f} GiB")
 
 
 def matmul_tflops(device, n: int = 8192, repeats: int = 20) -> float:
@@ -246,105 +371,89 @@ def matmul_tflops(device, n: int = 8192, repeats: int = 20) -> float:
   return 2 * n**3 * repeats / sorted(times)[1] / 1e12
 
 
+def peak_tflops(cfg: TrainConfig, devices) -> float:
+  """Peak bf16 TFLOPS of one device for MFU: --peak-tflops, else measured on a GPU, else 0."""
+  if cfg.peak_tflops or devices[0].platform != "gpu":
+    return cfg.peak_tflops
+  return matmul_tflops(devices[0])
+
+
+def banner(cfg: TrainConfig, model: gpt.GPTConfig, data: Data, devices, peak: float) -> str:
+  """The line that opens a run: model, data, devices, ZeRO setup, kernel, peak."""
+  return (f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {data.n_tokens:,} tokens, "
+          f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
+          f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
+          + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
+             if peak else ""))
+
+
 def train(cfg: TrainConfig) -> dict:
-  """Runs the recipe; returns the last metrics."""
+  """Runs the recipe; returns the last log line's metrics ({} if none was due)."""
   check(cfg)
   devices = jax.devices()[:cfg.devices or None]
-  preset = gpt.PRESETS[cfg.model]
-  try:
-    tokens, vocab = load_tokens(cfg, preset.vocab_size)
-  except ValueError as e:
-    raise UserError(str(e)) from e
-  # tiny and token files take the data's vocabulary, padded to a multiple of 128.
-  own_vocab = cfg.model == "tiny" or cfg.data.endswith(".bin")
-  model = dataclasses.replace(preset, seq_len=cfg.seq_len, remat=cfg.remat,
-                              vocab_size=-(-vocab // 128) * 128 if own_vocab else preset.vocab_size)
-  if vocab > model.vocab_size:
-    raise UserError(f"the data needs a vocabulary of {vocab}, {cfg.model} has {model.vocab_size}")
-  train_tokens, val_tokens = data_lib.train_val_split(tokens)
-  global_batch = cfg.batch_size * cfg.grad_accum
-  if cfg.batch_size % len(devices):
-    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
-  check_device_memory(cfg, model, devices)
-  try:
-    batches = data_lib.Batches(train_tokens, global_batch, cfg.seq_len, cfg.seed)
-    val = data_lib.Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
-    engine = make_engine(cfg, model, devices)
-  except (ValueError, TypeError, MemoryError) as e:
-    raise UserError(str(e)) from e
-
+  data = load_data(cfg, devices)
+  model = model_config(cfg, data.vocab)
+  engine = build_engine(cfg, model, devices)
   out = pathlib.Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
-  manager = checkpoints(out)
-  if cfg.sample:
-    if restore(manager, engine, cfg, out) == 0:
-      raise UserError(f"--sample: no checkpoint in {out / 'checkpoints'}")
-    print_sample(model, engine.params, val_tokens, cfg)
-    return {}
-  first = restore(manager, engine, cfg, out) if cfg.resume else 0
-  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-  # The log keeps what came before the checkpoint, so the curve stays whole.
-  history = []
-  if first and (out / "metrics.jsonl").exists():
-    history = [h for h in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if h["step"] <= first]
-  peak = cfg.peak_tflops
-  if not peak and devices[0].platform == "gpu":
-    peak = matmul_tflops(devices[0])
-  print(f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {len(tokens):,} tokens, "
-        f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
-        f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
-        + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
-           if peak else ""))
-  last, logged = {}, first
-  tokens_per_step = global_batch * cfg.seq_len
-  flops_per_step = tokens_per_step * model.flops_per_token()
-  schedule = lr_schedule(cfg)
-  start = time.perf_counter()
-  (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-  with open(out / "metrics.jsonl", "a") as log, tqdm.tqdm(total=cfg.steps, initial=first,
-                                                          unit="step") as bar:
-    for step in range(first, cfg.steps):
-      metrics = engine.step({"tokens": batches[step]})
-      bar.update()
-      done = step + 1
-      if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-        # The batch order is a function of the step, so the step is the data position.
-        manager.save(done, args=ocp.args.StandardSave(engine.state_dict()))
-        manager.wait_until_finished()  # offload's state_dict is the live host state
-      is_eval = done % cfg.eval_every == 0 or done == cfg.steps
-      if done % cfg.log_every and not is_eval:
-        continue
-      loss = float(metrics.loss)  # host sync: once per log line
-      elapsed = time.perf_counter() - start
-      steps_done, logged = done - logged, done
-      tflops = flops_per_step * steps_done / elapsed / 1e12
-      last = {"step": done, "loss": loss, "lr": float(schedule(step)),
-              "tokens_per_s": tokens_per_step * steps_done / elapsed, "model_tflops": tflops,
-              "grad_norm": float(metrics.grad_norm), "skipped": int(engine.state.skipped)}
-      if peak:
-        last["mfu"] = tflops / (peak * len(devices))
-      if is_eval:
-        last["eval_loss"] = evaluate(model, engine.params, val, cfg.eval_batches)
-      history.append(last)
-      log.write(json.dumps(last) + "\n")
-      log.flush()
-      bar.write(f"step {done}: loss {loss:.4f}"
-                + (f", eval {last['eval_loss']:.4f}" if "eval_loss" in last else "")
-                + f", lr {last['lr']:.2e}, {last['tokens_per_s']:,.0f} tokens/s, "
-                f"{tflops:.3f} TFLOPS" + (f", MFU {last['mfu']:.1%}" if "mfu" in last else "")
-                + f", {memory_line()}")
-      start = time.perf_counter()  # the next interval times training only, not evaluation
+  with checkpoint.open_manager(out / "checkpoints") as manager:
+    if cfg.sample:
+      if restore_run(manager, engine, cfg, out) == 0:
+        raise UserError(f"--sample: no checkpoint in {out / 'checkpoints'}")
+      print_sample(model, engine.params, data.val_tokens, cfg)
+      engine.close()
+      return {}
+    first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
+    history = start_log(cfg, out, first)
+    peak = peak_tflops(cfg, devices)
+    print(banner(cfg, model, data, devices, peak))
+    print(engine.plan)
+    schedule = lr_schedule(cfg)
+    meter = Throughput(cfg, model, first, peak * len(devices))
+    last = {}
+    with open(out / "metrics.jsonl", "a") as log, \
+         tqdm.tqdm(total=cfg.steps, initial=first, unit="step") as bar:
+      for step in range(first, cfg.steps):
+        metrics = engine.step({"tokens": data.batches[step]})
+        bar.update()
+        done = step + 1
+        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+          # The batch order is a function of the step, so the step is the data position.
+          checkpoint.save(manager, engine, done)
+        is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+        if done % cfg.log_every and not is_eval:
+          continue
+        last = log_record(done, metrics, engine, float(schedule(step)), meter)
+        if is_eval:
+          last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
+                                       cfg.eval_batches)
+        history.append(last)
+        log.write(json.dumps(last) + "\n")
+        log.flush()
+        bar.write(log_line(last))
+        meter.restart()  # the next interval times training only, not this evaluation
   engine.close()
-  manager.close()
   plot(history, out / "loss.png")
-  if cfg.sample_tokens and vocab == data_lib.BYTE_VOCAB:
-    print_sample(model, engine.params, val_tokens, cfg)
+  if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:
+    print_sample(model, engine.params, data.val_tokens, cfg)
   print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last
 
 
+def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
+  """The weights to evaluate: the compute-dtype params already on the
+  devices (stages 0-2: full; no float32 copy of a large model goes up), the
+  float32 masters for stage 3's shards."""
+  if cfg.stage == 3:
+    return engine.params
+  engine.wait()  # a delayed update in flight belongs to these weights
+  return engine.state.params
+
+
 def main(argv: list[str] | None = None) -> int:
+  # Large models need more of the GPU than XLA's default 75% preallocation;
+  # jzo's planner keeps its own headroom.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0])
   try:
     train(cfg)

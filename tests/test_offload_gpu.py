@@ -29,11 +29,11 @@ def test_offload_on_gpu_matches_device_training():
       offloaded.step(b)
   grads = jax.tree.leaves(offloaded.state.grads)
   assert all(g.sharding.memory_kind == "pinned_host" for g in grads)
-  assert offloaded._transfer.mapped  # staging buffers registered
+  assert offloaded.host_update.transfer.mapped  # staging buffers registered
   # On the GPU, on-device cpu_adamw runs as XLA ops, offload in the C++ kernel.
   assert_close(offloaded.params, on_device.params, rtol=1e-4, atol=1e-5)
   offloaded.close()
-  assert not offloaded._transfer.mapped
+  assert not offloaded.host_update.transfer.mapped
 
 
 def test_pinned_gradient_buffers_are_reused_across_steps():

@@ -1,0 +1,175 @@
+"""jzo.checkpoint: restored engines continue exactly; misfit or damaged checkpoints are refused."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jzo
+from jzo import checkpoint
+from test_engine import batches, init_params, loss_fn, mesh_of
+
+# An engine per kind of state: host masters and moments updated by the C++
+# kernel, with fp16's dynamic loss scale; and optax state sharded on the devices.
+SETUPS = {
+    "offload-cpu_adamw-fp16": dict(tx=lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1),
+                                   offload=True, stage=2, compute_dtype=jnp.float16),
+    "device-optax.adam-bf16": dict(tx=lambda: optax.adam(1e-2), offload=False, stage=3,
+                                   compute_dtype=jnp.bfloat16),
+}
+
+
+def make(setup, devices=2, seed=0, **changes):
+  options = {**SETUPS[setup], **changes}
+  tx = options.pop("tx")()
+  return jzo.ZeroEngine(loss_fn, init_params(seed), tx, mesh=mesh_of(devices),
+                        max_grad_norm=1.0, **options)
+
+
+def copy(tree):
+  """A snapshot (a state dict may share the engine's live host arrays)."""
+  return jax.tree.map(np.array, tree)
+
+
+def assert_same(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def trained(setup, steps, **changes):
+  engine = make(setup, **changes)
+  for b in batches(steps):
+    engine.step(b)
+  return engine
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_restore_continues_exactly(tmp_path, setup):
+  data = batches(6)
+  a = make(setup)
+  for b in data[:3]:
+    a.step(b)
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, a, 3)
+  fresh = make(setup, seed=1)  # other weights, no step taken
+  with pytest.raises(AssertionError):  # so that the comparisons below can fail
+    assert_same(fresh.state_dict(), a.state_dict())
+  with checkpoint.open_manager(tmp_path) as manager:  # a new manager, as a new process opens
+    assert manager.all_steps() == [3]
+    assert checkpoint.restore(manager, fresh) == 3
+  assert_same(fresh.state_dict(), a.state_dict())
+  for b in data[3:]:
+    want, got = a.step(b), fresh.step(b)
+    assert (float(got.loss), float(got.grad_norm), bool(got.skipped)) == \
+           (float(want.loss), float(want.grad_norm), bool(want.skipped))
+  assert_same(fresh.params, a.params)
+  assert_same(fresh.state_dict(), a.state_dict())
+  a.close()
+  fresh.close()
+
+
+def test_restore_a_given_step_and_keep_two(tmp_path):
+  engine = make("offload-cpu_adamw-fp16")
+  states = {}
+  with checkpoint.open_manager(tmp_path) as manager:
+    for step, b in enumerate(batches(3), start=1):
+      engine.step(b)
+      checkpoint.save(manager, engine, step)
+      states[step] = copy(engine.state_dict())
+    assert manager.all_steps() == [2, 3]  # max_to_keep=2: the oldest went
+    assert checkpoint.restore(manager, engine, step=2) == 2
+    assert_same(engine.state_dict(), states[2])
+    assert checkpoint.restore(manager, engine) == 3
+    assert_same(engine.state_dict(), states[3])
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint 1 in .*complete ones: "
+                                                         r"\[2, 3\]"):
+      checkpoint.restore(manager, engine, step=1)
+    with pytest.raises(checkpoint.CheckpointError, match="not written: the latest there is "
+                                                         "step 3"):
+      checkpoint.save(manager, engine, 2)  # orbax alone would skip it silently
+  engine.close()
+
+
+@pytest.mark.parametrize("saved, other, message", [
+    # Host state (masters, moments) against optax state on the devices, both ways.
+    ("offload-cpu_adamw-fp16", dict(offload=False, tx=lambda: optax.adamw(1e-2)),
+     r"\bmu\b.* only in the checkpoint.* opt_state only in this engine"),
+    ("device-optax.adam-bf16", dict(offload=True, stage=2, tx=lambda: jzo.cpu_adam(1e-2)),
+     r"opt_state only in the checkpoint.*\bmu\b.* only in this engine"),
+    # adamw chains one more (empty) state than adam: the same arrays, another tree.
+    ("device-optax.adam-bf16", dict(tx=lambda: optax.adamw(1e-2)),
+     r"\['opt_state'\] has 2 entries in the checkpoint, 3 in this engine"),
+    # Flat masters padded for 2 devices, for an engine over 8 (load_state_dict's check:
+    # orbax restores any shape).
+    ("device-optax.adam-bf16", dict(devices=8),
+     r"\['master'\]\['blocks'\]\['b'\] is float32\[36\], this engine needs float32\[40\]"),
+], ids=["offload-to-device", "device-to-offload", "adam-to-adamw", "2-to-8-devices"])
+def test_a_checkpoint_of_other_options_is_refused(tmp_path, saved, other, message):
+  engine = trained(saved, 2)
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, engine, 2)
+  engine.close()
+  other_engine = make(saved, **other)
+  with checkpoint.open_manager(tmp_path) as manager:
+    with pytest.raises(checkpoint.CheckpointError, match=message) as e:
+      checkpoint.restore(manager, other_engine)
+  assert str(e.value).startswith(f"checkpoint 2 in {tmp_path} does not fit this engine")
+  assert e.value.step == 2 and e.value.directory == tmp_path
+  assert len(str(e.value)) < 600, str(e.value)  # names the problem, dumps no arrays
+  other_engine.close()
+
+
+def damage(folder, how):
+  """Damages checkpoint `folder` like a failing disk or a careless hand."""
+  files = sorted(f for f in folder.rglob("*") if f.is_file())
+  data = [f for f in files if f.parent.name == "d"]  # tensorstore's array chunks
+  assert data, files
+  if how == "truncate":
+    for f in data:
+      f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+  elif how == "delete":  # the largest chunk file: the tree's metadata stays readable
+    max(data, key=lambda f: f.stat().st_size).unlink()
+  elif how == "overwrite":
+    for f in files:
+      f.write_bytes(b"corrupt")
+  else:  # the tree's metadata: names, shapes and dtypes of the arrays
+    (metadata,) = [f for f in files if f.name == "_METADATA"]
+    metadata.write_text("{")
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete", "overwrite", "metadata"])
+def test_a_damaged_checkpoint_is_unreadable(tmp_path, how):
+  engine = trained("offload-cpu_adamw-fp16", 2)
+  before = copy(engine.state_dict())
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, engine, 2)
+  damage(tmp_path / "2", how)
+  with checkpoint.open_manager(tmp_path) as manager:
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=re.escape(f"checkpoint 2 in {tmp_path} is unreadable: ")) as e:
+      checkpoint.restore(manager, engine)
+  assert e.value.step == 2 and len(str(e.value)) < 600
+  assert_same(engine.state_dict(), before)  # nothing was loaded
+  engine.close()
+
+
+def test_no_checkpoint(tmp_path):
+  engine = make("device-optax.adam-bf16")
+  # What a run killed while writing its first checkpoint leaves behind.
+  (tmp_path / "1.orbax-checkpoint-tmp-1234567").mkdir()
+  (tmp_path / "1.orbax-checkpoint-tmp-1234567" / "garbage").write_bytes(b"\0" * 100)
+  with checkpoint.open_manager(tmp_path) as manager:
+    assert manager.latest_step() is None
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=re.escape(f"no checkpoint in {tmp_path}") + "$") as e:
+      checkpoint.restore(manager, engine)
+  assert e.value.step is None and isinstance(e.value, ValueError)
+  empty = tmp_path / "new"
+  with checkpoint.open_manager(empty) as manager:  # created, and empty
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
+      checkpoint.restore(manager, engine)
+  assert empty.is_dir()
+  engine.close()
