@@ -38,12 +38,12 @@ C)
   build
   timeout 560 python3 -m jzo.train --model gpt2-10b --seq-len 1024 --batch-size 8 --steps 22 --warmup 2 \
     --log-every 2 --eval-every 1000 --checkpoint-every 1000 --sample-tokens 0 --lr 1e-4 \
-    --offload auto --out /tmp/run10b 2>&1 | grep -v "it/s\]" | tail -40 | tee $log
+    --out /tmp/run10b 2>&1 | grep -v "it/s\]" | tail -40 | tee $log
   cp /tmp/run10b/metrics.jsonl $OUT/metrics_10b.jsonl;;
 D)
   build
   timeout 560 python3 -m jzo.train --model gpt2-13b --seq-len 1024 --batch-size 8 --steps 12 --warmup 2 \
     --log-every 2 --eval-every 1000 --checkpoint-every 1000 --sample-tokens 0 --lr 1e-4 \
-    --offload auto --moments bf16 --out /tmp/run13b 2>&1 | grep -v "it/s\]" | tail -40 | tee $log
+    --moments bf16 --out /tmp/run13b 2>&1 | grep -v "it/s\]" | tail -40 | tee $log
   cp /tmp/run13b/metrics.jsonl $OUT/metrics_13b.jsonl;;
 esac

@@ -9,10 +9,10 @@ else decides placement.
 
 `make_plan` places the state: `offload=False` keeps it on the devices,
 `True` puts all of it on the host, a fraction f in [0, 1] puts about f of
-every leaf on the host, and "auto" keeps as much on the devices as fits in
-their memory (a device update costs milliseconds where the host kernel
-needs about 28 bytes of host memory traffic per parameter, so the host then
-has the least work possible) and offloads the rest.
+every leaf on the host, and "auto" keeps as many whole leaves on the devices
+as fit in their memory (a device update costs milliseconds where the host
+kernel needs about 28 bytes of host memory traffic per parameter, so the
+host then has the least work possible) and offloads the rest.
 
 Memory is counted in bytes. Per device: low-precision params, the gradient
 buffer the step keeps, float32 masters and moments of the device part, and
@@ -141,6 +141,10 @@ class Plan:
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
+    # A split leaf's two parts are slices of its gradient: XLA copies both
+    # (measured on an H100: gpt2-10b at fraction 0.7 needed 97 GiB).
+    grads += self.grad_dtype.itemsize * sum(
+        _rows(l) * l.shard_size for l in self.leaves if 0 < l.on_device < l.shard_size)
     if self.grad_accum > 1:
       grads += 4 * (self.n_params if self.stage < 2 else local)
     upload = 0
@@ -256,22 +260,23 @@ def place(layouts, offload, *, stage: int, n_devices: int):
   return jax.tree.map(one, layouts, is_leaf=is_layout)
 
 
-def auto_fraction(plan_at, device_memory: int, activations: int) -> float:
-  """The smallest offloaded fraction whose device peak fits `device_memory`
-  (less the headroom); `plan_at(f)` builds the plan at fraction f. The peak
-  falls as f grows (each offloaded parameter frees its master and moments),
-  so a bisection over f finds it."""
+def auto_layouts(plan_of, base, device_memory: int, activations: int):
+  """Layouts that keep as many whole leaves' state on the device as fit in
+  `device_memory` (less the headroom), largest leaves first, the rest on the
+  host; `plan_of(layouts)` builds the plan. Whole leaves: a split leaf costs
+  a copy of its gradient (see Plan.device_peak)."""
   budget = device_memory * (1 - DEVICE_HEADROOM)
-  need = lambda f: sum(plan_at(f).device_peak(activations).values())
-  if need(0.0) <= budget:
-    return 0.0
-  if need(1.0) > budget:
-    return 1.0  # the caller reports that even all on the host does not fit
-  lo, hi = 0.0, 1.0
-  for _ in range(30):
-    mid = (lo + hi) / 2
-    lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
-  return hi
+  fits = lambda layouts: sum(plan_of(layouts).device_peak(activations).values()) <= budget
+  leaves, treedef = jax.tree.flatten(base, is_leaf=is_layout)
+  on_device = [l.place(None) for l in leaves]
+  if fits(jax.tree.unflatten(treedef, on_device)):
+    return jax.tree.unflatten(treedef, on_device)
+  placed = [l.place(0) for l in leaves]
+  for i in sorted(range(len(leaves)), key=lambda i: -leaves[i].shard_size * _rows(leaves[i])):
+    trial = placed[:i] + [leaves[i].place(None)] + placed[i + 1:]
+    if fits(jax.tree.unflatten(treedef, trial)):
+      placed = trial
+  return jax.tree.unflatten(treedef, placed)
 
 
 def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
@@ -325,17 +330,18 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
   shards = 1 if stage == 0 else n_devices
   base = partition.make_layouts(shapes, shards, layers)
 
-  def plan_at(fraction) -> Plan:
+  def plan_of(layouts) -> Plan:
     return Plan(
-        layouts=place(base, fraction, stage=stage, n_devices=n_devices), stage=stage,
+        layouts=layouts, stage=stage,
         n_devices=n_devices, axis=axis, compute_dtype=np.dtype(compute_dtype),
         grad_dtype=np.dtype(grad_dtype), loss_scale=loss_scale, grad_accum=grad_accum,
-        max_grad_norm=max_grad_norm, layers=layers, offload=fraction is not False,
+        max_grad_norm=max_grad_norm, layers=layers, offload=offload is not False,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, mu_dtype=np.dtype(mu_dtype),
         moment_bytes=tx_state_bytes)
   if auto:
-    offload = auto_fraction(plan_at, device_memory, activations)
-  plan = plan_at(offload)
+    plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
+  else:
+    plan = plan_of(place(base, offload, stage=stage, n_devices=n_devices))
   check_fits(plan, activations=activations, device_memory=device_memory,
              host_memory=host_memory)
   return plan
