@@ -36,7 +36,7 @@ B)
   PYTHONPATH=/tmp/site timeout 240 python3 experiments/torch_baselines.py --model gpt2-4b --system deepspeed --steps 4 --json $OUT/deepspeed_4b.json 2>&1 | tail -5 | tee -a $log;;
 C)
   build
-  timeout 560 python3 -m jzo.train --model gpt2-10b --seq-len 1024 --batch-size 8 --steps 22 --warmup 2 \
+  timeout 560 python3 -m jzo.train --model gpt2-10b --seq-len 1024 --batch-size ${BATCH:-8} --steps ${STEPS:-22} --warmup 2 \
     --log-every 2 --eval-every 1000 --checkpoint-every 1000 --sample-tokens 0 --lr 1e-4 \
     --out /tmp/run10b 2>&1 | grep -v "it/s\]" | tail -40 | tee $log
   cp /tmp/run10b/metrics.jsonl $OUT/metrics_10b.jsonl;;

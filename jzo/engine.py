@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import plan as plan_lib, state_dict as saved_state, step as step_lib
+from jzo import checkpoint, plan as plan_lib, step as step_lib
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
 from jzo.offload import HostAdam, HostUpdate
 from jzo.partition import is_layout
@@ -128,7 +128,8 @@ class ZeroEngine:
     self.loss_fn, self.mesh = loss_fn, mesh
     # The device part runs tx itself; with offload, cpu_adamw with the mask
     # resolved on the full params (the step sees flat shards).
-    self.tx = cpu_adamw_with(hyper, decay_flags(hyper.mask, shapes)) if offloading else tx
+    self.tx = (cpu_adamw_with(hyper, decay_flags(hyper.mask, shapes), device.platform)
+               if offloading else tx)
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = HostAdam(self.plan, hyper, decay_flags(hyper.mask, shapes)) if offloading else None
     self.state = self._build_state(draw_leaf, adam)
@@ -248,13 +249,13 @@ class ZeroEngine:
   def params(self):
     """The float32 master weights, gathered to full shapes (numpy arrays)."""
     self.wait()
-    return saved_state.full_masters(self.plan, self.state, self.host)
+    return checkpoint.full_masters(self.plan, self.state, self.host)
 
   def state_dict(self) -> dict:
     """Everything needed to continue training exactly, as host numpy arrays
-    (see jzo.saved_state.engine_state_dict). A delayed update in flight is applied first."""
+    (see jzo.checkpoint.engine_state_dict). A delayed update in flight is applied first."""
     self.wait()
-    return saved_state.engine_state_dict(self.plan, self.state, self.host, self._steps)
+    return checkpoint.engine_state_dict(self.plan, self.state, self.host, self._steps)
 
   def load_state_dict(self, saved: dict) -> None:
     """Restores `state_dict()` output into this engine (same model and
@@ -264,7 +265,7 @@ class ZeroEngine:
       ValueError: the saved state does not fit this engine.
     """
     self.wait()
-    self.state, self._steps = saved_state.load_engine_state(self.plan, self.mesh, self.tx,
+    self.state, self._steps = checkpoint.load_engine_state(self.plan, self.mesh, self.tx,
                                                            self.state, self.host, saved)
 
   @property

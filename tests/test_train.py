@@ -146,3 +146,16 @@ def test_sample_from_a_checkpoint(tmp_path, capsys):
   assert "--- sample" in capsys.readouterr().out
   assert train.main(RESUMABLE + ["--out", str(tmp_path / "none"), "--sample"]) == 2
   assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_partial_placement_and_bf16_moments(tmp_path, capsys):
+  code = train.main(FAST + ["--offload-fraction", "0.5", "--moments", "bf16",
+                            "--checkpoint-every", "0", "--out", str(tmp_path)])
+  assert code == 0
+  out = capsys.readouterr().out
+  assert "% on the device" in out and "% on the host" in out
+  assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+  for args, message in ((["--offload-fraction", "2"], "auto or a number in [0, 1]"),
+                        (["--moments", "fp8"], "fp32 or bf16")):
+    assert train.main(FAST + ["--out", str(tmp_path)] + args) == 2
+    assert message in capsys.readouterr().err
