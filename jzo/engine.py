@@ -271,8 +271,9 @@ class ZeroEngine:
   @property
   def host_timings(self) -> dict[str, float]:
     """Seconds of the last host update (see jzo.offload.HostUpdate.timings)."""
-    return dict(self.host_update.timings) if self.host_update else {"wait_grads": 0.0, "update": 0.0,
-                                                       "upload": 0.0}
+    if self.host_update is None:
+      return {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
+    return dict(self.host_update.timings)
 
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds in its own memory for params, gradients and

@@ -285,24 +285,25 @@ def auto_layouts(plan_of, base, device_memory: int, activations: int):
   return jax.tree.unflatten(treedef, placed)
 
 
+def _total_and_parts(parts: dict[str, int]) -> tuple[int, str]:
+  """Bytes in all, and the non-zero parts in GiB for a message."""
+  return sum(parts.values()), ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items() if v)
+
+
 def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
                host_memory: int | None) -> None:
   """Raises PlacementError with the numbers when the plan does not fit."""
   if device_memory is not None:
-    peak = plan.device_peak(activations)
-    need = sum(peak.values())
+    need, parts = _total_and_parts(plan.device_peak(activations))
     if need > device_memory:
-      parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in peak.items() if v)
       raise PlacementError(
           f"does not fit a device: needs {need / GiB:.2f} GiB per device ({parts} GiB), "
           f"{device_memory / GiB:.2f} GiB available"
           + ("; offload more of the optimizer state (offload=... or 'auto')"
              if plan.offload and plan.offloaded_fraction < 1 else ""))
   if plan.offload and host_memory is not None:
-    host = {**plan.host_bytes(), "building": plan.build_bytes()}
-    need = sum(host.values())
+    need, parts = _total_and_parts({**plan.host_bytes(), "building": plan.build_bytes()})
     if need > host_memory:
-      parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in host.items() if v)
       raise PlacementError(
           f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "
           f"({plan.host_elements:,} parameters incl. padding: {parts} GiB), "
