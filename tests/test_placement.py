@@ -149,14 +149,16 @@ def run_estimate(*args):
                         text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
 
 
-def test_estimate_cli_places_the_10b_model_on_an_h100():
-  out = run_estimate("--model", "gpt2-10b", "--host-gb", "125", "--device-gb", "79.6")
+def test_estimate_cli_on_the_10b_model_and_an_h100():
+  h100 = ("--model", "gpt2-10b", "--host-gb", "125", "--device-gb", "75.6")
+  out = run_estimate(*h100, "--moments", "bf16")
   assert out.returncode == 0, out.stderr
   assert "10.279B params" in out.stdout and out.stdout.rstrip().endswith("fits")
   assert "on the device" in out.stdout and "host update about" in out.stdout
-  # all on the host does not fit 125 GiB: refused with the numbers
-  out = run_estimate("--model", "gpt2-10b", "--host-gb", "125", "--offload", "true")
-  assert out.returncode == 1 and "needs" in out.stdout and "125.00 GiB available" in out.stdout
+  # fp32 moments do not fit 125 GiB of host: refused with the numbers
+  out = run_estimate(*h100)
+  assert out.returncode == 1 and "GiB of host RAM" in out.stdout
+  assert "125.00 GiB available" in out.stdout
 
 
 def test_estimate_cli_help_and_bad_input():
