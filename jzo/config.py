@@ -26,7 +26,7 @@ def parse(cls, argv: list[str] | None = None, description: str = ""):
   for field in dataclasses.fields(cls):
     flag = "--" + field.name.replace("_", "-")
     kind = hints[field.name]
-    help_text = field.metadata.get("help", "")
+    help_text = field.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
     if kind is bool:
       parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                           help=help_text)
