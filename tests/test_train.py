@@ -159,3 +159,13 @@ def test_partial_placement_and_bf16_moments(tmp_path, capsys):
                         (["--moments", "fp8"], "fp32 or bf16")):
     assert train.main(FAST + ["--out", str(tmp_path)] + args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["jzo.train", "jzo.estimate"])
+def test_help_of_the_real_entry_points(module):
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "--model" in out.stdout
