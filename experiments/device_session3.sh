@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 3's GPU runs (issues 10 and 11), one part per device call:
-#   A: build jzo and the pre-refactor tree (.baseline, commit 206cb48), GPU
+#   A: build jzo and the pre-refactor tree (.baseline: `git worktree add --detach
+#      .baseline 206cb48`, carried to the device), GPU
 #      tests, offload + delayed update at 1.56B and 4.24B, before and after.
 #   B: gpt2-4b: jzo on the GPU alone, offload="auto", and DeepSpeed ZeRO-2 +
 #      offload_optimizer cpu (wheels in .whl), side by side.
