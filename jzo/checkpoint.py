@@ -208,16 +208,15 @@ def _compare(saved, mine, path: str, found: list[str]) -> None:
 # ------------------------------------------------- the state as host arrays
 def _parts(plan: Plan, device_tree, host_tree, dtype):
   """Full-shape numpy leaves from each leaf's device part (global flat
-  arrays, or None) and host part ((S, ..., k - c) numpy, or None)."""
+  arrays, or None when the devices hold no state) and host part
+  ((S, ..., k - c) numpy)."""
   def one(layout, device, host):
     if device is None:
       device = np.zeros(layout.part_shape(0), dtype)
-    if host is None:
-      host = np.zeros((layout.shards,) + layout.local_shape[:-1] + (0,), dtype)
     return np.asarray(layout.unflatten(layout.join(jax.device_get(device), host)))
-  none = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
-  return jax.tree.map(one, plan.layouts, none if device_tree is None else device_tree,
-                      none if host_tree is None else host_tree, is_leaf=is_layout)
+  if device_tree is None:
+    device_tree = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
+  return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
 
 
 def full_masters(plan: Plan, state: EngineState, host: HostAdam | None):
@@ -242,7 +241,7 @@ def engine_state_dict(plan: Plan, state: EngineState, host: HostAdam | None,
   count = host.count if plan.has_host_state else int(opt.count)
   return jax.device_get({
       **common, "master": full_masters(plan, state, host),
-      "mu": _parts(plan, opt.mu if opt else None, host.mu, plan.mu_dtype),
+      "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
       "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype),
       "count": np.asarray(count, np.int64)})
 

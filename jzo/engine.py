@@ -119,19 +119,19 @@ class ZeroEngine:
         compute_dtype=compute_dtype, grad_dtype=jnp.float32 if keep_fp32 else compute_dtype,
         loss_scale=loss_scale_config, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
         layers=layers, offload=offload, delayed_update=delayed_update, dpu_warmup=dpu_warmup,
-        mu_dtype=hyper.mu_dtype if offloading else np.float32,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
         activations=activation_memory)
-    if layers is not None:
-      step_lib._subtree(self.plan.layouts, layers)  # names a subtree, or raises
     self.loss_fn, self.mesh = loss_fn, mesh
-    # The device part runs tx itself; with offload, cpu_adamw with the mask
-    # resolved on the full params (the step sees flat shards).
-    self.tx = (cpu_adamw_with(hyper, decay_flags(hyper.mask, shapes), device.platform)
-               if offloading else tx)
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
-    adam = HostAdam(self.plan, hyper, decay_flags(hyper.mask, shapes)) if offloading else None
+    adam = None
+    self.tx = tx
+    if offloading:
+      # The device part runs cpu_adamw with the mask resolved on the full
+      # params (the step sees flat shards); the host part the same flags.
+      decay = decay_flags(hyper.mask, shapes)
+      self.tx = cpu_adamw_with(hyper, decay)
+      adam = HostAdam(self.plan, hyper, decay)
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, compute_dtype)

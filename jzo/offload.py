@@ -36,8 +36,9 @@ class HostAdam:
     hyper: cpu_adamw's hyperparameters.
     decay: tree of bools, weight decay on or off per leaf.
 
-  The masters start uninitialised: the engine fills them leaf by leaf with
-  `set_master`, so no second float32 copy of the model is ever whole.
+  The masters start uninitialised: the engine copies each leaf's host part
+  into `master` as it draws the leaf, so no second float32 copy of the
+  model is ever whole.
   """
 
   def __init__(self, plan: Plan, hyper: AdamHyperparams, decay):
@@ -47,7 +48,7 @@ class HostAdam:
     self._lowp_dtype = np.dtype(plan.compute_dtype)
 
     def empty(l, dtype):
-      return kernels.aligned_empty((l.shards,) + l.local_shape[:-1] + (l.on_host,), dtype)
+      return kernels.aligned_empty(l.host_shape, dtype)
 
     def zeros(l, dtype):
       out = empty(l, dtype)

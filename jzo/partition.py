@@ -79,6 +79,16 @@ class LeafLayout:
     """The flat leaf carries padding (its size is not a multiple of S)."""
     return math.prod(self.inner_shape) % self.shards != 0
 
+  @property
+  def device_local_shape(self) -> tuple[int, ...]:
+    """Shape of one device's device part: (c,), or (L, c) per layer."""
+    return self.local_shape[:-1] + (self.on_device,)
+
+  @property
+  def host_shape(self) -> tuple[int, ...]:
+    """Shape of every shard's host part on the host: (S, k - c), or (S, L, k - c)."""
+    return (self.shards,) + self.local_shape[:-1] + (self.on_host,)
+
   def part_shape(self, size: int) -> tuple[int, ...]:
     """Global shape of a part of `size` elements of every shard: (S*size,) or (L, S*size)."""
     return self.flat_shape[:-1] + (self.shards * size,)
@@ -147,6 +157,19 @@ def _under(path, prefix: str) -> bool:
   names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
   want = prefix.split(".")
   return names[:len(want)] == want
+
+
+def subtree(tree, path: str):
+  """The subtree at dotted key path `path` (dict keys or attributes)."""
+  node = tree
+  for name in path.split("."):
+    if isinstance(node, dict) and name in node:
+      node = node[name]
+    elif hasattr(node, name):
+      node = getattr(node, name)
+    else:
+      raise ValueError(f"layers={path!r}: no {name!r} in the params tree")
+  return node
 
 
 def is_layout(x) -> bool:

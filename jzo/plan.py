@@ -67,7 +67,6 @@ class Plan:
   offload: bool  # the optimizer is jzo's Adam: its state may live on the host
   delayed_update: bool  # the host part's update lands one step late
   dpu_warmup: int  # plain steps before delayed updates start
-  mu_dtype: np.dtype  # first moment (float32 for an optax tx's state: see moment_bytes)
   moment_bytes: int  # optimizer state bytes per parameter besides the master weights
 
   # ------------------------------------------------------------ structure
@@ -313,7 +312,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
 def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: str,
               compute_dtype, grad_dtype, loss_scale, grad_accum: int, max_grad_norm,
               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
-              mu_dtype=np.float32, device_memory: int | None = None,
+              device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0) -> Plan:
   """The plan of an engine over params of `shapes` (a tree of arrays or
   ShapeDtypeStructs). `offload`: False, True, a fraction in [0, 1] or "auto"
@@ -336,6 +335,8 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
                      "this device reports no limit")
   shards = 1 if stage == 0 else n_devices
   base = partition.make_layouts(shapes, shards, layers)
+  if layers is not None:
+    partition.subtree(base, layers)  # names a subtree of the params, or raises
 
   def plan_of(layouts) -> Plan:
     return Plan(
@@ -343,7 +344,7 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
         n_devices=n_devices, axis=axis, compute_dtype=np.dtype(compute_dtype),
         grad_dtype=np.dtype(grad_dtype), loss_scale=loss_scale, grad_accum=grad_accum,
         max_grad_norm=max_grad_norm, layers=layers, offload=offload is not False,
-        delayed_update=delayed_update, dpu_warmup=dpu_warmup, mu_dtype=np.dtype(mu_dtype),
+        delayed_update=delayed_update, dpu_warmup=dpu_warmup,
         moment_bytes=tx_state_bytes)
   if auto:
     plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))

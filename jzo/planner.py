@@ -98,7 +98,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
             grad_dtype=jnp.float32 if grad_accum > 1 and not offloading else compute_dtype,
             loss_scale=loss_scale, grad_accum=grad_accum, max_grad_norm=None, layers=layers,
             offload=offload, delayed_update=delayed_update, dpu_warmup=0,
-            mu_dtype=moment_dtype, activations=activations)
+            activations=activations)
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, device_memory=device_memory,
                               host_memory=host_memory, **kw)

@@ -74,10 +74,9 @@ def grad_spec(plan: Plan, layout: LeafLayout) -> P:
 def opt_state_specs(plan: Plan, tx: optax.GradientTransformation):
   """Specs of tx's state over the device parts: leaves shaped like a device
   part are sharded like it, scalars replicated."""
-  local = _on_layouts(plan, lambda l: jax.ShapeDtypeStruct(
-      l.local_shape[:-1] + (l.on_device,), jnp.float32))
+  local = _on_layouts(plan, lambda l: jax.ShapeDtypeStruct(l.device_local_shape, jnp.float32))
   shapes = jax.eval_shape(tx.init, local)
-  by_shape = {l.local_shape[:-1] + (l.on_device,): l.spec(plan.axis) for l in plan.leaves}
+  by_shape = {l.device_local_shape: l.spec(plan.axis) for l in plan.leaves}
 
   def spec(x):
     if x.ndim == 0:
@@ -265,7 +264,7 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
 def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale)."""
-  layer_layouts = _subtree(plan.layouts, plan.layers) if plan.layers else None
+  layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
   def gather_one_layer(layer):
@@ -307,15 +306,3 @@ def full_params(plan: Plan, layout: LeafLayout, lowp):
     return lowp
   return layout.gather_inner(lowp, plan.axis)
 
-
-def _subtree(tree, path: str):
-  """The subtree at dotted key path `path` (dict keys or attributes)."""
-  node = tree
-  for name in path.split("."):
-    if isinstance(node, dict) and name in node:
-      node = node[name]
-    elif hasattr(node, name):
-      node = getattr(node, name)
-    else:
-      raise ValueError(f"layers={path!r}: no {name!r} in the params tree")
-  return node

@@ -41,6 +41,7 @@ class ShardTransfer:
     self._devices = list(mesh.devices.flat)
     self._specs = jax.tree.map(lambda l: l.spec(axis), layouts, is_leaf=is_layout)
     self._mapped: list[np.ndarray] = []
+    self._empty: dict[int, jax.Array] = {}  # leaf index -> its empty host part, made once
     self._uploader = concurrent.futures.ThreadPoolExecutor(1, "jzo-upload")
 
   def download(self, grads):
@@ -81,9 +82,11 @@ class ShardTransfer:
     futures = [None] * len(layouts)
     for i, host in leaves:
       futures[i] = self._uploader.submit(put, i, host)
-    empty = lambda i: jax.device_put(np.zeros(layouts[i].part_shape(0), self._dtype),
-                                     NamedSharding(self._mesh, specs[i]))
-    arrays = [f.result() if f is not None else empty(i) for i, f in enumerate(futures)]
+    for i, f in enumerate(futures):
+      if f is None and i not in self._empty:
+        self._empty[i] = jax.device_put(np.zeros(layouts[i].part_shape(0), self._dtype),
+                                        NamedSharding(self._mesh, specs[i]))
+    arrays = [f.result() if f is not None else self._empty[i] for i, f in enumerate(futures)]
     return jax.tree.unflatten(jax.tree.structure(self._layouts, is_leaf=is_layout), arrays)
 
   def map_for_dma(self, buffers) -> None:
