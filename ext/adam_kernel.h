@@ -44,7 +44,7 @@ struct AdamBuffers {
   float* param = nullptr;            // f32; read for weight decay, written if update_param
   bool update_param = false;         // param += update in place
   float* update_out = nullptr;       // f32 update, when not applied in place
-  void* lowp_out = nullptr;          // optional low-precision copy of the new param
+  void* lowp_out = nullptr;          // optional low-precision copy of the new param; may be grad
   DType lowp_dtype = DType::kBF16;   // bf16 or f16
 };
 

@@ -163,7 +163,10 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     i += k;
   }
   if constexpr (L != kNoLowp) {
-    c.stream_lowp = V::kStreams &&
+    // Written over the gradient it was computed from, the line is in cache
+    // already: a plain store costs no extra read there, a streamed one would
+    // evict the half of the line not yet read.
+    c.stream_lowp = V::kStreams && b.lowp_out != b.grad &&
                     (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * i) % (2 * kW) == 0;
   }
   for (; i + kW <= end; i += kW) step<G, M, N, L>(b, c, i);

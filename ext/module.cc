@@ -45,10 +45,15 @@ struct Span {
   uintptr_t lo, hi;
 };
 
-void check_disjoint(const std::vector<Span>& spans) {
+bool same(const Span& a, const Span& b) { return a.lo == b.lo && a.hi == b.hi; }
+
+// `in_place` (by index) may be exactly the same memory as `spans[0]`; any
+// other overlap would let one array's writes feed another's reads mid-pass.
+void check_disjoint(const std::vector<Span>& spans, size_t in_place = SIZE_MAX) {
   for (size_t i = 0; i < spans.size(); ++i)
     for (size_t j = i + 1; j < spans.size(); ++j)
-      if (spans[i].lo < spans[j].hi && spans[j].lo < spans[i].hi)
+      if (!(i == 0 && j == in_place && same(spans[i], spans[j])) &&
+          spans[i].lo < spans[j].hi && spans[j].lo < spans[i].hi)
         throw std::invalid_argument(std::string(spans[i].name) + " and " + spans[j].name +
                                     " overlap in memory");
 }
@@ -84,7 +89,9 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   if (scalars.size() != jzo::kNumAdamScalars)
     throw std::invalid_argument("scalars must hold " + std::to_string(jzo::kNumAdamScalars) +
                                 " values");
-  std::vector<Span> spans = {span_of("param", param), span_of("grad", grad), span_of("mu", mu),
+  // grad first: the low-precision copy may be written over it (each element
+  // is read before its new weight is stored), which saves a staging buffer.
+  std::vector<Span> spans = {span_of("grad", grad), span_of("param", param), span_of("mu", mu),
                              span_of("nu", nu)};
   if (lowp_out) {
     b.lowp_dtype = to_dtype(lowp_dtype, "lowp_out");
@@ -95,7 +102,7 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
     spans.push_back(span_of("lowp_out", *lowp_out));
     b.lowp_out = lowp_out->data();
   }
-  check_disjoint(spans);
+  check_disjoint(spans, /*in_place=*/4);
   if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
 
   b.grad = grad.data();

@@ -31,7 +31,7 @@ from jzo.offload import HostAdam, HostUpdate
 from jzo.partition import is_layout
 from jzo.precision import init_loss_scale, resolve_precision
 from jzo.step import EngineState, StepMetrics
-from jzo.transfer import ShardTransfer
+from jzo.transfer import ShardTransfer, copy_to_host
 
 
 class ZeroEngine:
@@ -43,8 +43,9 @@ class ZeroEngine:
     params: initial parameters (any float dtype; kept as float32 masters), or
       a function of no arguments that returns them: the engine then reads
       their shapes first (nothing drawn), checks the plan fits, and draws one
-      leaf at a time on the CPU, so no float32 copy of the model is ever whole
-      beside the masters.
+      leaf at a time on the first device, largest first (while its memory is
+      emptiest), so no float32 copy of the model is ever whole and the host
+      holds nothing but the state.
     tx: an elementwise optax transformation (e.g. optax.adamw, jzo.cpu_adamw).
     mesh: a Mesh with axis `axis`; default all devices on one axis.
     axis: name of the data-parallel axis.
@@ -104,7 +105,7 @@ class ZeroEngine:
     if offloading and mesh.devices.size != mesh.shape[axis]:
       raise ValueError(f"offload takes a mesh whose only axis of size > 1 is {axis!r}, "
                        f"got {dict(mesh.shape)}")
-    shapes, draw_leaf = _leaf_sources(params)
+    shapes, draw_leaf = _leaf_sources(params, mesh.devices.flat[0])
     compute_dtype, loss_scale_config = resolve_precision(compute_dtype, loss_scale)
     # Several micro-batches are summed in fp32 (see jzo.step), and the
     # on-device optimizer keeps that sum; offload ships the compute dtype.
@@ -134,34 +135,34 @@ class ZeroEngine:
       adam = HostAdam(self.plan, hyper, decay)
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
-      transfer = ShardTransfer(mesh, axis, self.plan.layouts, compute_dtype)
-      if device.platform != "cpu":  # the CPU backend has no DMA mapping
-        transfer.map_for_dma(jax.tree.leaves(adam.lowp))
-      self.host_update = HostUpdate(adam, transfer)
-      self._install_fn = step_lib.install_host_weights(self.plan, mesh)
+      self.host_update = HostUpdate(adam, ShardTransfer(mesh, axis, self.plan.layouts))
+      self._install_fn = step_lib.host_part_installer(self.plan, mesh)
     self.host = adam  # the host part's state and kernel (None without offload)
     self._step_fns: dict = {}
     self._steps = 0  # steps run (decides when delayed updates start)
 
   # ------------------------------------------------------------ building
   def _build_state(self, draw_leaf, adam: HostAdam | None) -> EngineState:
-    """The first state, built one leaf at a time from its float32 masters
-    (numpy), so at most one leaf's float32 weights exist beside the state.
-    Every buffer is new: the state is donated each step and must never
-    alias the caller's arrays."""
+    """The first state, built one leaf at a time from its float32 masters,
+    largest first, so at most one leaf's float32 weights exist beside the
+    state. Every buffer is new: the state is donated each step and must
+    never alias the caller's arrays."""
     plan = self.plan
     specs = step_lib.state_specs(plan, self.tx)
     put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
-    lowp, master = [], []
+    n = len(plan.leaves)
+    lowp, master = [None] * n, [None] * n
     host_masters = jax.tree.leaves(adam.master) if adam is not None else None
-    for i, (layout, lowp_spec) in enumerate(zip(plan.leaves, jax.tree.leaves(specs.params))):
+    lowp_specs = jax.tree.leaves(specs.params)
+    for i in sorted(range(n), key=lambda i: -math.prod(plan.leaves[i].shape)):
+      layout = plan.leaves[i]
       flat = layout.flatten(draw_leaf(i))
-      lowp.append(put(step_lib.lowp_from_master(plan, layout, flat), lowp_spec))
+      lowp[i] = put(step_lib.lowp_from_master(plan, layout, flat), lowp_specs[i])
       device_part, host_part = layout.split(flat)
       if plan.has_device_state:
-        master.append(put(np.array(device_part), layout.spec(plan.axis)))
-      if adam is not None:
-        np.copyto(host_masters[i], host_part)
+        master[i] = put(device_part, layout.spec(plan.axis))
+      if adam is not None and layout.on_host:
+        copy_to_host(host_part, host_masters[i])
       del flat, device_part, host_part
     treedef = jax.tree.structure(plan.layouts, is_leaf=is_layout)
     master = jax.tree.unflatten(treedef, master) if plan.has_device_state else None
@@ -170,7 +171,7 @@ class ZeroEngine:
       init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
                                    out_specs=specs.opt_state))
       opt_state = init(master)
-    grads = None  # offload: the step's outputs, in pinned host memory
+    grads = None  # offload: the step's outputs until they are downloaded
     if not plan.offload:
       grads = jax.tree.map(
           lambda l, s: put(jnp.zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype), s),
@@ -188,19 +189,19 @@ class ZeroEngine:
     """
     metrics, grad_scale = self.run_device_step(batch)
     if self.host_update is not None:
-      self.wait()  # the delayed update of step t - 1: the weights of step t + 1
       delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
-      self.host_update.start(self.state.grads, metrics.skipped, grad_scale, delayed=delayed)
-      if not delayed:
-        self.wait()
+      grads = jax.tree.leaves(self.state.grads)
+      self.state = self.state._replace(grads=None)  # freed once downloaded
+      self.host_update.exchange(grads, metrics.skipped, grad_scale, delayed=delayed,
+                                install=self._install)
     return metrics
 
   def run_device_step(self, batch) -> tuple[StepMetrics, jax.Array]:
     """The device part of one step alone: forward, backward, the update of
-    the device-resident state and the host parts' gradients on their way to
-    pinned host memory; returns (metrics, the host's grad scale). `step` calls
-    it, then the host update; called alone (to time the device), the host
-    parts' weights fall one update behind."""
+    the device-resident state; the host parts' gradients stay in
+    `state.grads`; returns (metrics, the host's grad scale). `step` calls
+    it, then the host side; called alone (to time the device), the host
+    parts' weights are not updated."""
     fn = self._step_fn(batch)
     state = self.state._replace(grads=None) if self.plan.offload else self.state
     self.state, metrics, grad_scale = fn(state, batch)
@@ -208,12 +209,15 @@ class ZeroEngine:
     return metrics, grad_scale
 
   def wait(self) -> None:
-    """Waits for the host update in flight, if any, and writes its weights
+    """Applies the host update in flight, if any: its weights are written
     into the params (a no-op without offload)."""
     if self.host_update is not None:
-      uploaded = self.host_update.result()
-      if uploaded is not None:
-        self.state = self.state._replace(params=self._install_fn(self.state.params, uploaded))
+      self.host_update.finish(self._install)
+
+  def _install(self, i: int, uploaded: jax.Array) -> None:
+    leaves, treedef = jax.tree.flatten(self.state.params)
+    leaves[i] = self._install_fn(i, leaves[i], uploaded)
+    self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
 
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead)."""
@@ -221,7 +225,7 @@ class ZeroEngine:
     return self._step_fn(batch).lower(state, batch)
 
   def close(self) -> None:
-    """Finishes a delayed update in flight and releases the host buffers' DMA mappings."""
+    """Applies a delayed update in flight and stops the update thread."""
     self.wait()
     if self.host_update is not None:
       self.host_update.close()
@@ -278,19 +282,19 @@ class ZeroEngine:
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds in its own memory for params, gradients and
     optimizer state (master weights included), read from the arrays' shards."""
-    def nbytes(tree):  # arrays in device memory (offload's gradients are in pinned host)
-      return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
-                 if x.sharding.memory_kind != "pinned_host")
+    nbytes = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
     s = self.state
     return {"params": nbytes(s.params), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
 
   def host_memory(self) -> int:
-    """Bytes of host RAM the offloaded state holds: masters, moments and
-    staging (0 without offload); the gradients land in XLA's pinned buffers."""
+    """Bytes of host RAM the offloaded state holds (0 without offload):
+    masters, moments and the most that the landing buffers, which carry
+    gradients down and weights up, have held at once (0 before a step)."""
     if self.host is None:
       return 0
-    return sum(x.nbytes for x in self.host.arrays())
+    landing = self.host_update.landing_peak if self.host_update is not None else 0
+    return sum(x.nbytes for x in self.host.arrays()) + landing
 
 
 def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> None:
@@ -308,22 +312,22 @@ def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> 
     raise ValueError(f"dpu_warmup must be an integer >= 0, got {dpu_warmup!r}")
 
 
-def _leaf_sources(params):
+def _leaf_sources(params, device):
   """(shapes, draw) for params given as a tree or as a function returning
-  one: draw(i) is leaf i as a float32 numpy array. A function is traced for
-  its shapes, then each leaf is computed alone on the CPU (XLA drops the
+  one: draw(i) is leaf i as a float32 array on `device`. A function is
+  traced for its shapes, then each leaf is computed alone (XLA drops the
   rest of the function), so no whole float32 copy is ever held."""
   if callable(params):
     shapes = jax.eval_shape(params)
-    cpu = jax.devices("cpu")[0]
 
     def draw(i):
-      with jax.default_device(cpu):
-        return np.asarray(jax.jit(lambda: jax.tree.leaves(params())[i])(), np.float32)
+      with jax.default_device(device):
+        return jax.jit(lambda: jax.tree.leaves(params())[i].astype(jnp.float32))()
   else:
     leaves = jax.tree.leaves(params)
     shapes = params
-    draw = lambda i: np.asarray(leaves[i], np.float32)
+    # A copy: the state is donated each step and must not alias the caller's arrays.
+    draw = lambda i: jnp.array(jax.device_put(leaves[i], device), jnp.float32, copy=True)
   if not jax.tree.leaves(shapes):
     raise ValueError("params has no leaves")
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):

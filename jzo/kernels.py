@@ -143,7 +143,10 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
     count: 1-based index of this step (for the bias corrections).
     grad_scale: multiplies the gradients first (unscale and clip factor).
     lowp_out: optional bfloat16/float16 array of param's size that receives
-      the new weights (for the device copy).
+      the new weights (for the device copy). It may be `grad` itself (the
+      same memory, 16-bit): each gradient is read before its weight is
+      written over it, so the landing buffer doubles as the staging buffer.
+      Any other overlap between arrays is an error.
     num_threads: threads to use (default: `num_threads()`).
 
   Raises:

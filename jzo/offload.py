@@ -3,20 +3,31 @@ pipeline that updates it once per step.
 
 `HostAdam` owns, per parameter leaf, the float32 master weights and Adam
 moments of every device shard's host part (`LeafLayout.on_host` elements of
-each shard's last axis) as page-aligned numpy arrays, and a staging buffer
-for the low-precision weights that go back to the devices. One step of it is
-one pass of the fused C++ kernel over each shard (unscale and clip, AdamW,
-low-precision copy), multi-threaded with the GIL released.
+each shard's last axis) as page-aligned numpy arrays. One step of it is one
+pass of the fused C++ kernel over each shard (unscale and clip, AdamW, the
+new low-precision weights written over the gradient they came from),
+multi-threaded with the GIL released.
 
-`HostUpdate` is what the engine calls once per step: `start` runs the update
-of one step's gradients (now, or on a background thread for the delayed
-update), `result` waits for it and returns the new weights on the devices.
+`HostUpdate` is what the engine calls once per step, after the device step:
+
+  1. the update in flight (the previous step's, with the delayed update),
+     leaf by leaf as the kernel finishes it: its landing buffer goes up and
+     is written into the params; the new gradient of that leaf comes down
+     into the memory just freed;
+  2. the update of this step's gradients starts, on the update thread.
+
+Uploads wait for the device step to finish, so the new weights never sit
+beside the step's activations, and the device keeps the host parts'
+gradients only until they are down, before the next step starts. The host
+holds one set of landing buffers.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import time
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -44,64 +55,55 @@ class HostAdam:
   def __init__(self, plan: Plan, hyper: AdamHyperparams, decay):
     self.hyper = hyper
     self.count = 0  # updates applied
-    self._decay = decay
+    self._decay = jax.tree.leaves(decay)
     self._lowp_dtype = np.dtype(plan.compute_dtype)
 
-    def empty(l, dtype):
-      return kernels.aligned_empty(l.host_shape, dtype)
-
     def zeros(l, dtype):
-      out = empty(l, dtype)
+      out = kernels.aligned_empty(l.host_shape, dtype)
       out.fill(0)
       return out
     on = lambda f: jax.tree.map(f, plan.layouts, is_leaf=is_layout)
-    self.master = on(lambda l: empty(l, np.float32))
+    self.master = on(lambda l: kernels.aligned_empty(l.host_shape, np.float32))
     self.mu = on(lambda l: zeros(l, hyper.mu_dtype))
     self.nu = on(lambda l: zeros(l, hyper.nu_dtype))
-    self.lowp = (self.master if self._lowp_dtype == np.float32 else
-                 on(lambda l: empty(l, self._lowp_dtype)))
 
   def arrays(self) -> list:
-    """Every host array this owns (masters, moments and staging)."""
-    trees = [self.master, self.mu, self.nu] + ([] if self.lowp is self.master else [self.lowp])
-    return [x for t in trees for x in jax.tree.leaves(t)]
+    """Every host array this owns (masters and moments)."""
+    return [x for t in (self.master, self.mu, self.nu) for x in jax.tree.leaves(t)]
 
-  def update(self, grads, grad_scale: float):
-    """One AdamW step of every shard; returns the tree of (S, ...) low-precision weights.
+  def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float) -> Iterator[int]:
+    """One AdamW step of every shard, leaf by leaf, largest first; yields
+    each leaf's index (jax.tree.leaves order) once it is done, so its upload
+    can overlap the update of the rest. Leaves without a host part are
+    skipped. The step counts once all leaves are done.
 
     Args:
-      grads: tree of Shards: grads[leaf][d] is device d's gradient for its
-        host part (numpy, float32/bf16/fp16).
+      grads_of: grads_of(i)[d] is device d's gradient for leaf i's host
+        part, a writable numpy array (float32/bf16/fp16); the new weights in
+        the compute dtype are written over it.
       grad_scale: multiplies the gradients first (1 / loss scale * clip).
     """
-    for _ in self.update_leaves(grads, grad_scale):
-      pass
-    return self.lowp
-
-  def update_leaves(self, grads, grad_scale: float):
-    """Like `update`, but yields (leaf index, (S, ...) low-precision weights)
-    as each leaf is done, largest first, so its upload can overlap the update
-    of the rest and only the smallest leaves' uploads remain at the end.
-    Leaf indices are in jax.tree.leaves order; empty host parts are skipped.
-    The step counts once all leaves are done."""
     step = self.count
     h = self.hyper
     lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
     wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
-    lowp_out = self._lowp_dtype != np.float32
-    leaves = list(zip(*(jax.tree.leaves(t) for t in (self.master, self.mu, self.nu, self.lowp)),
-                      jax.tree.leaves(grads),
-                      jax.tree.leaves(self._decay)))
-    for i in sorted(range(len(leaves)), key=lambda i: -leaves[i][0].size):
-      master, mu, nu, lowp, grad, decay = leaves[i]
-      if master.size == 0:
+    masters, mus, nus = (jax.tree.leaves(t) for t in (self.master, self.mu, self.nu))
+    for i in sorted(range(len(masters)), key=lambda i: -masters[i].size):
+      if masters[i].size == 0:
         continue
-      for d in range(master.shape[0]):
-        kernels.adam_step_(master[d], grad[d], mu[d], nu[d], learning_rate=lr, count=step + 1,
-                           b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
-                           weight_decay=wd if decay else 0.0, nesterov=h.nesterov,
-                           grad_scale=grad_scale, lowp_out=lowp[d] if lowp_out else None)
-      yield i, lowp
+      grads = grads_of(i)
+      for d, grad in enumerate(grads):
+        if grad.dtype != self._lowp_dtype:
+          raise TypeError(f"leaf {i}: gradients land in {grad.dtype}, the weights go back "
+                          f"in {self._lowp_dtype}; the landing buffer must carry both")
+        in_place = grad if self._lowp_dtype != np.float32 else None
+        kernels.adam_step_(masters[i][d], grad, mus[i][d], nus[i][d], learning_rate=lr,
+                           count=step + 1, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
+                           weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
+                           grad_scale=grad_scale, lowp_out=in_place)
+        if in_place is None:  # float32 compute: the masters themselves go up
+          kernels.parallel_copy(grad, masters[i][d])
+      yield i
     self.count += 1
 
 
@@ -113,61 +115,111 @@ class HostUpdate:
     transfer: moves gradients down and weights up.
 
   Attributes:
-    timings: seconds of the last update: `wait_grads` (device compute and
-      the device-to-host copy), `update` (the C++ kernel; uploads overlap
-      it leaf by leaf) and `upload` (the copies still left after it).
+    timings: seconds of the last update: `wait_grads` (waiting for the
+      device step), `update` (the C++ kernel, on the update thread) and
+      `upload` (the exchange of weights and gradients left after the kernel
+      finished its last leaf).
   """
 
   def __init__(self, adam: HostAdam, transfer: ShardTransfer):
     self.adam, self.transfer = adam, transfer
     self.timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
-    self._pending: concurrent.futures.Future | None = None
-
-  def start(self, grads, skipped, grad_scale, *, delayed: bool) -> None:
-    """Starts the update of one step: grads (the step's pinned host parts),
-    skipped and grad_scale (device scalars) are read once they are ready.
-    Delayed: on a background thread, so the next device step overlaps it."""
-    if self._pending is not None:
-      raise RuntimeError("an update is already in flight: call result() first")
-    if delayed:
-      self._pending = self._executor.submit(self._run, grads, skipped, grad_scale)
-    else:
-      future = concurrent.futures.Future()
-      future.set_result(self._run(grads, skipped, grad_scale))
-      self._pending = future
+    self._pending: _Update | None = None
+    self.landing_peak = 0  # bytes: the most landing buffers held at once so far
+    self._host_leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
 
   @property
   def in_flight(self) -> bool:
     return self._pending is not None
 
-  def result(self):
-    """Waits for the update started last; returns the new host parts on the
-    devices (flat, `part_shape(k - c)` per leaf), or None if there was none
-    or the step was skipped."""
+  def landing_bytes(self) -> int:
+    """Bytes of pinned host memory the landing buffers in use hold now."""
     if self._pending is None:
-      return None
-    pending, self._pending = self._pending, None
-    return pending.result()
+      return 0
+    return sum(x.nbytes for x in self._pending.landing.values())
 
-  def _run(self, grads, skipped, grad_scale):
+  def exchange(self, grads: list, skipped, grad_scale, *, delayed: bool,
+               install: Callable[[int, jax.Array], None]) -> None:
+    """The host side of one step.
+
+    Args:
+      grads: per leaf (jax.tree.leaves order), the step's local flat
+        gradients on the devices (leaves without a host part: ignored).
+      skipped, grad_scale: the step's device scalars.
+      delayed: leave this step's update in flight (the delayed update);
+        otherwise it is applied before this returns.
+      install: install(i, uploaded) writes leaf i's new host parts (on the
+        devices, flat `part_shape(k - c)`) into the params.
+    """
     start = time.perf_counter()
-    if bool(skipped):
-      return None
-    pieces = self.transfer.download(grads)
+    jax.block_until_ready(grads)  # the step is done: its peak has passed
     waited = time.perf_counter()
-    done = [waited]  # when the last leaf's update finished
+    skip = bool(skipped)
+    landing = self._finish(install, None if skip else grads)
+    if skip:
+      return
+    for i in self._host_leaves:
+      if i not in landing:
+        landing[i] = self.transfer.download(i, grads[i])
+    # The gradients leave the devices before the next step allocates its memory.
+    jax.block_until_ready(list(landing.values()))
+    self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
+    self._pending = _Update(landing, float(grad_scale))
+    self._pending.future = self._executor.submit(self._run, self._pending)
+    self.timings["wait_grads"] = waited - start
+    if not delayed:
+      self._finish(install, None)
 
-    def leaves():
-      yield from self.adam.update_leaves(pieces, float(grad_scale))
-      done[0] = time.perf_counter()
-    params = self.transfer.upload_as_ready(leaves())
-    self.timings = {"wait_grads": waited - start, "update": done[0] - waited,
-                    "upload": time.perf_counter() - done[0]}
-    return params
+  def finish(self, install: Callable[[int, jax.Array], None]) -> None:
+    """Applies the update in flight, if any (see `exchange`)."""
+    self._finish(install, None)
+
+  def _finish(self, install, next_grads) -> dict:
+    """Uploads and installs the update in flight leaf by leaf; with
+    next_grads, downloads each leaf's new gradient into the memory its
+    landing buffer freed. Returns the new landing buffers by leaf."""
+    if self._pending is None:
+      return {}
+    pending, self._pending = self._pending, None
+    landing = {}
+    while (i := pending.done.get()) is not None:
+      if isinstance(i, BaseException):
+        pending.future.result()  # re-raises with the update thread's traceback
+      install(i, self.transfer.upload(i, pending.landing.pop(i)))
+      if next_grads is not None:
+        landing[i] = self.transfer.download(i, next_grads[i])
+    pending.future.result()
+    self.timings["update"] = pending.kernel_s
+    self.timings["upload"] = time.perf_counter() - pending.kernel_done
+    return landing
+
+  def _run(self, update: "_Update") -> None:
+    start = time.perf_counter()
+    try:
+      views = lambda i: self.transfer.views(i, update.landing[i])
+      for i in self.adam.update_leaves(views, update.grad_scale):
+        update.done.put(i)
+    except BaseException as e:
+      update.done.put(e)
+      raise
+    finally:
+      update.kernel_done = time.perf_counter()
+      update.kernel_s = update.kernel_done - start
+      update.done.put(None)
 
   def close(self) -> None:
-    """Stops the update thread and releases the transfers (call `result`
-    first to keep an update in flight)."""
+    """Stops the update thread (call `finish` first to apply an update in flight)."""
     self._executor.shutdown()
-    self.transfer.close()
+
+
+class _Update:
+  """One step's host update: its landing buffers (by leaf index) and the
+  leaves the kernel has finished, in order (None: all done)."""
+
+  def __init__(self, landing: dict, grad_scale: float):
+    self.landing, self.grad_scale = landing, grad_scale
+    self.done: queue.Queue = queue.Queue()
+    self.future: concurrent.futures.Future | None = None
+    self.kernel_s = 0.0
+    self.kernel_done = 0.0

@@ -10,19 +10,20 @@ else decides placement.
 `make_plan` places the state: `offload=False` keeps it on the devices,
 `True` puts all of it on the host, a fraction f in [0, 1] puts about f of
 every leaf on the host, and "auto" keeps as many whole leaves on the devices
-as fit in their memory (a device update costs milliseconds where the host
+as fit in their memory, then part of one more (a device update costs milliseconds where the host
 kernel needs about 28 bytes of host memory traffic per parameter, so the
 host then has the least work possible) and offloads the rest.
 
 Memory is counted in bytes. Per device: low-precision params, the gradient
 buffer the step keeps, float32 masters and moments of the device part, and
-at the step's peak also the backward pass's gradients, an fp32 accumulator
-(grad_accum > 1), activations (given: the model knows them) and, with the
-delayed update, the host part's new weights on their way up. Host (all
-devices' shards): masters and moments of the host part, the staging buffer
-of the new low-precision weights, and the pinned buffers the gradients land
-in (two with the delayed update: step t + 1 writes one while the host reads
-step t's).
+the larger of two moments: the step's peak (the backward pass's gradients,
+an fp32 accumulator when grad_accum > 1, activations given by the model)
+and, with offload, the exchange after the step (the gradients of the leaves
+with a host part wait on the device until they are down, one leaf's new
+weights come up and its host part is sliced). Host (all devices' shards):
+masters and moments of the host part and one landing buffer per leaf, which
+carries the gradients down and the new weights up. Building draws one leaf
+at a time in float32 on the first device, largest first.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from jzo import partition
 from jzo.partition import LeafLayout, is_layout
 from jzo.precision import LossScale
+from jzo.transfer import BUILD_CHUNK_BYTES
 
 # Host kernel speed assumed for the printed balance: AdamW on the 16-core
 # host of the GPU machines, parameters per second (experiments/RESULTS.md).
@@ -129,45 +131,44 @@ class Plan:
     return {"params": params, "grads": grads, "master": master, "moments": moments}
 
   def device_peak(self, activations: int = 0) -> dict[str, int]:
-    """Bytes one device needs at the step's peak: `device_bytes()`, the
-    backward pass's gradients (with the fp32 accumulator) and the
-    activations (XLA's temporaries of the compiled step on an H100 were
-    their sum within 5%: gpt2-10b 24.15 GiB, gpt2-4b 11.41), and, with the
-    delayed update, the host part's weights on their way up."""
+    """Bytes one device needs at its peak: `device_bytes()` and the larger
+    of the step's peak (the backward pass's gradients with the fp32
+    accumulator, and the activations: XLA's temporaries of the compiled step
+    on an H100 were their sum within 5%, gpt2-10b 24.15 GiB, gpt2-4b 11.41)
+    and the exchange after it (see the module docstring)."""
     lowp = np.dtype(self.compute_dtype).itemsize
     local = sum(_rows(l) * l.shard_size for l in self.leaves)
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
-    # A split leaf's two parts are slices of its gradient: XLA copies both
-    # (measured on an H100: gpt2-10b at fraction 0.7 needed 97 GiB).
-    grads += self.grad_dtype.itemsize * sum(
-        _rows(l) * l.shard_size for l in self.leaves if 0 < l.on_device < l.shard_size)
     if self.grad_accum > 1:
       grads += 4 * (self.n_params if self.stage < 2 else local)
-    upload = 0
-    if self.delayed_update and self.has_host_state:
-      host_local = sum(_rows(l) * l.on_host for l in self.leaves)
-      upload = lowp * host_local * (1 if self.sharded_lowp else self.n_devices)
-    return {**self.device_bytes(), "backward grads": grads, "activations": activations,
-            "upload": upload}
+    step = {"backward grads": grads, "activations": activations}
+    if not self.has_host_state:
+      return {**self.device_bytes(), **step}
+    itemsize = self.grad_dtype.itemsize
+    host_leaves = [l for l in self.leaves if l.on_host]
+    kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves)
+    # One leaf at a time: its new weights come up while its next gradient
+    # (sliced out of the shard when the leaf is split) goes down.
+    moving = max(lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
+                 + (itemsize * _rows(l) * l.on_host if l.on_device else 0)
+                 for l in host_leaves)
+    exchange = {"grads to the host": kept, "leaf in transfer": moving}
+    bigger = step if sum(step.values()) >= sum(exchange.values()) else exchange
+    return {**self.device_bytes(), **bigger}
 
   def host_bytes(self) -> dict[str, int]:
     """Bytes of host RAM the offloaded state takes (all devices' shards)."""
     n = self.host_elements
-    staging = n * np.dtype(self.compute_dtype).itemsize
-    if np.dtype(self.compute_dtype) == np.float32:
-      staging = 0  # the masters themselves go up
-    landing = n * self.grad_dtype.itemsize * (2 if self.delayed_update else 1)
-    return {"master": 4 * n, "moments": self.moment_bytes * n, "staging": staging,
-            "gradients": landing}
+    return {"master": 4 * n, "moments": self.moment_bytes * n,
+            "landing": n * self.grad_dtype.itemsize}
 
   def build_bytes(self) -> int:
-    """Host bytes beside the state while the engine builds it: one leaf
-    drawn in float32 and the random bits XLA draws it from (a run of
-    gpt2-10b was killed for host memory with 115.6 GiB of state planned on
-    a 125 GiB host, where its largest leaf is 3.4B parameters)."""
-    return 8 * max(math.prod(l.shape) for l in self.leaves)
+    """Bytes on the first device while the engine draws the largest leaf:
+    its float32 values, the random bits they are drawn from, its
+    low-precision copy and its host part on the way down (a float32 copy)."""
+    return 14 * max(math.prod(l.shape) for l in self.leaves)
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -199,8 +200,7 @@ def format_plan(plan: Plan, activations: int | None = None,
     rows.append(f"  {'host':<22}{'GiB':>8}")
     for name, b in host.items():
       rows.append(f"  {name:<22}{gib(b)}")
-    rows.append(f"  {'building (at start)':<22}{gib(plan.build_bytes())}")
-    rows.append(f"  {'total':<22}{gib(sum(host.values()) + plan.build_bytes())}"
+    rows.append(f"  {'total':<22}{gib(sum(host.values()))}"
                 + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
     seconds = plan.host_elements / HOST_UPDATE_PARAMS_PER_S
     rows.append(f"  host update about {seconds:.2f} s a step at "
@@ -266,21 +266,38 @@ def place(layouts, offload, *, stage: int, n_devices: int):
 
 
 def auto_layouts(plan_of, base, device_memory: int, activations: int):
-  """Layouts that keep as many whole leaves' state on the device as fit in
-  `device_memory` (less the headroom), largest leaves first, the rest on the
-  host; `plan_of(layouts)` builds the plan. Whole leaves: a split leaf costs
-  a copy of its gradient (see Plan.device_peak)."""
+  """Layouts that keep as much state on the device as fits in
+  `device_memory` (less the headroom): whole leaves first, largest first,
+  then the largest part of one more leaf that still fits; the rest on the
+  host. `plan_of(layouts)` builds the plan."""
   budget = device_memory * (1 - DEVICE_HEADROOM)
-  fits = lambda layouts: sum(plan_of(layouts).device_peak(activations).values()) <= budget
+  fits = lambda leaves: sum(plan_of(jax.tree.unflatten(treedef, leaves))
+                            .device_peak(activations).values()) <= budget
   leaves, treedef = jax.tree.flatten(base, is_leaf=is_layout)
   on_device = [l.place(None) for l in leaves]
-  if fits(jax.tree.unflatten(treedef, on_device)):
+  if fits(on_device):
     return jax.tree.unflatten(treedef, on_device)
   placed = [l.place(0) for l in leaves]
-  for i in sorted(range(len(leaves)), key=lambda i: -leaves[i].shard_size * _rows(leaves[i])):
+  by_size = sorted(range(len(leaves)), key=lambda i: -leaves[i].shard_size * _rows(leaves[i]))
+  for i in by_size:
     trial = placed[:i] + [leaves[i].place(None)] + placed[i + 1:]
-    if fits(jax.tree.unflatten(treedef, trial)):
+    if fits(trial):
       placed = trial
+  plan = plan_of(jax.tree.unflatten(treedef, placed))
+  for i in by_size:  # the first host leaf that can be split: as much of it as fits
+    l = placed[i]
+    if l.on_device or (plan.stage in (1, 2) and plan.n_devices > 1 and l.padded):
+      continue
+    lo, hi = 0, l.shard_size // _ALIGN  # units of _ALIGN elements on the device
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      if fits(placed[:i] + [l.place(mid * _ALIGN)] + placed[i + 1:]):
+        lo = mid
+      else:
+        hi = mid - 1
+    if lo:
+      placed[i] = l.place(lo * _ALIGN)
+      break
   return jax.tree.unflatten(treedef, placed)
 
 
@@ -300,8 +317,14 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"{device_memory / GiB:.2f} GiB available"
           + ("; offload more of the optimizer state (offload=... or 'auto')"
              if plan.offload and plan.offloaded_fraction < 1 else ""))
+    if plan.build_bytes() > device_memory:
+      raise PlacementError(
+          f"cannot draw the largest parameter leaf on a device: needs "
+          f"{plan.build_bytes() / GiB:.2f} GiB, {device_memory / GiB:.2f} GiB available")
   if plan.offload and host_memory is not None:
-    need, parts = _total_and_parts({**plan.host_bytes(), "building": plan.build_bytes()})
+    # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
+    building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
+    need, parts = _total_and_parts({**plan.host_bytes(), "building": building})
     if need > host_memory:
       raise PlacementError(
           f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "

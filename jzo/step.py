@@ -12,11 +12,13 @@ One step is one jitted `shard_map` over the data axis:
     -> the device part of every shard: unscale and clip, the optimizer on its
        float32 masters, the new low-precision weights written into the params
        (stages 0-2 all-gather them; stage 3 keeps shards)
-    -> the host part of every shard leaves as an output in pinned host
-       memory, with the factor the host kernel unscales and clips by.
+    -> every shard's gradient of each leaf with a host part stays on the
+       device as an output (the whole shard: a slice would copy it at the
+       step's peak), with the factor the host kernel unscales and clips by;
+       jzo.transfer copies the host parts down after the step.
 
-`install_host_weights` writes the host part's new weights, once uploaded,
-into the params in place. Nothing here keeps Python state: the engine holds
+`host_part_installer` writes a leaf's host part's new weights, once
+uploaded, into the params in place. Nothing here keeps Python state: the engine holds
 the state and calls these.
 """
 
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jzo import partition
 from jzo.partition import LeafLayout, is_layout
@@ -42,7 +44,8 @@ class EngineState(NamedTuple):
   master: Any  # float32 masters of each shard's device part, flat (None: all on the host)
   opt_state: Any  # the optimizer state of the device part (None: all on the host)
   grads: Any  # kept gradients: reduced full (0), local full (1), reduced shard (2, 3);
-  #             with offload, each shard's host part in pinned host memory
+  #             with offload, the shards of leaves with a host part (others
+  #             empty) until they are downloaded, then None
   loss_scale: LossScaleState
   step: jax.Array  # int32: optimizer steps applied
   skipped: jax.Array  # int32: steps skipped for non-finite gradients
@@ -102,7 +105,7 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
 def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
   """Global shape of the gradient buffer of one leaf."""
   if plan.offload:
-    return layout.part_shape(layout.on_host)
+    return layout.flat_shape if layout.on_host else layout.part_shape(0)
   if plan.stage == 1:
     return (plan.n_devices,) + layout.shape
   return layout.shape if plan.stage == 0 else layout.flat_shape
@@ -137,18 +140,24 @@ def write_part(plan: Plan, layout: LeafLayout, params, part, start: int):
   return rows.reshape(layout.shape)
 
 
-def install_host_weights(plan: Plan, mesh: Mesh) -> Callable:
-  """A jitted `(params, uploaded) -> params` that writes each shard's host
-  part (uploaded: flat parts in device memory, `part_shape(k - c)`) into the
-  params, which are donated (so written in place)."""
-  specs = _on_layouts(plan, lambda l: lowp_spec(plan, l))
-  part_specs = _on_layouts(plan, lambda l: l.spec(plan.axis))
+def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
+  """`install(i, params_leaf, uploaded) -> params_leaf`: writes leaf i's host
+  parts (uploaded: flat parts in device memory, `part_shape(k - c)`) into
+  that params leaf, which is donated (so written in place). One leaf at a
+  time, so only one leaf's new weights wait on a device beside the params."""
+  layouts = plan.leaves
+  specs = [lowp_spec(plan, l) for l in layouts]
+  compiled: dict[int, Callable] = {}
 
-  def install(params, uploaded):
-    return jax.tree.map(lambda l, p, u: write_part(plan, l, p, u, l.on_device), plan.layouts,
-                        params, uploaded, is_leaf=is_layout)
-  return jax.jit(jax.shard_map(install, mesh=mesh, in_specs=(specs, part_specs),
-                               out_specs=specs, check_vma=False), donate_argnums=0)
+  def install(i: int, params_leaf, uploaded):
+    if i not in compiled:
+      l = layouts[i]
+      fn = jax.shard_map(lambda p, u: write_part(plan, l, p, u, l.on_device), mesh=mesh,
+                         in_specs=(specs[i], l.spec(plan.axis)), out_specs=specs[i],
+                         check_vma=False)
+      compiled[i] = jax.jit(fn, donate_argnums=0)
+    return compiled[i](params_leaf, uploaded)
+  return install
 
 
 # ---------------------------------------------------------------- the step
@@ -156,8 +165,9 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
               batch) -> Callable:
   """The jitted step `(state, batch) -> (state, metrics, grad_scale)` for
   batches shaped like `batch`. The state is donated. With offload the
-  state's `grads` go in as None and come out in pinned host memory, with
-  `grad_scale` the factor (1 / loss scale, times the clip) the host applies."""
+  state's `grads` go in as None and come out as the shards of the leaves
+  with a host part, with `grad_scale` the factor (1 / loss scale, times the
+  clip) the host applies."""
   specs = state_specs(plan, tx)
   batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
   in_state = specs._replace(grads=None) if plan.offload else specs
@@ -167,17 +177,7 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   fn = jax.shard_map(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
                      in_specs=(in_state, batch_specs),
                      out_specs=(specs, StepMetrics(P(), P(), P(), P()), P()), check_vma=False)
-  out_shardings = None
-  if plan.offload:
-    # The host parts' gradients go to pinned host memory, so XLA copies them
-    # out at PCIe speed as soon as they are ready (CPU devices have a
-    # pinned-host memory too, so the CPU tests cover this path).
-    named = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
-    on_device = jax.tree.map(named, specs)
-    out_shardings = (on_device._replace(
-        grads=jax.tree.map(lambda s: named(s, "pinned_host"), specs.grads)),
-        StepMetrics(*[named(P())] * 4), named(P()))
-  return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+  return jax.jit(fn, donate_argnums=0)
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
@@ -221,9 +221,10 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   device_part = flatten(lambda l, x: x[..., :l.on_device], shard)
   # Offload ships each shard's host part in the compute dtype: accumulated
   # fp32 sums are rounded once (the precision one large batch's gradient
-  # has), at half the bytes on the copy that follows the last backward.
+  # has), at half the bytes on the copy that follows the step.
   if plan.offload:
-    buffer = flatten(lambda l, x: x[..., l.on_device:].astype(plan.grad_dtype), shard)
+    buffer = flatten(lambda l, x: (x if l.on_host else x[..., :0]).astype(plan.grad_dtype),
+                     shard)
   else:
     buffer = jax.tree.map(lambda x: x.astype(plan.grad_dtype), buffer)
 

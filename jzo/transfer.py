@@ -1,19 +1,19 @@
 """Moving the host parts of the shards between the devices and host memory.
 
-Gradients leave the device step as outputs in pinned host memory (XLA
-copies them at PCIe speed as soon as they are ready) and are read here as
-zero-copy numpy views. New low-precision weights go back from staging
-buffers registered for DMA once, so the copy runs at PCIe speed instead of
-through a bounce buffer, leaf by leaf as the host update finishes each one,
-into flat device arrays of the host parts (`LeafLayout.part_shape(k - c)`);
-the step module writes those into the params.
+One landing buffer per leaf, in XLA's pinned host memory, carries a step's
+traffic both ways: the host part of each shard's gradient is copied down
+into it (at PCIe speed: pinned memory needs no bounce buffer), the host
+kernel reads each gradient and writes the new low-precision weight over it
+(`kernels.adam_step_(..., lowp_out=grad)`), and the same buffer goes back
+up. So the host holds 2 bytes a parameter (bf16/fp16) for all transfers,
+and one set of landing buffers: the engine downloads a step's gradients
+only once the previous update's weights have left (see jzo.offload).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import weakref
-from typing import Iterable
+import ctypes
+import functools
 
 import jax
 import numpy as np
@@ -21,96 +21,85 @@ from jax.sharding import Mesh, NamedSharding
 
 from jzo.partition import LeafLayout, is_layout
 
-
-class Shards(tuple):
-  """The per-device pieces of one leaf (a pytree leaf, not a node)."""
+# Bytes a leaf moves to the host at once while the engine is being built:
+# the pinned bounce of a chunk is all the host holds beside the masters.
+BUILD_CHUNK_BYTES = 256 * 2**20
 
 
 class ShardTransfer:
-  """Downloads gradient parts and uploads weight parts for one engine.
+  """Downloads gradients into landing buffers and uploads weights from them.
 
   Args:
     mesh: a mesh whose only axis of size > 1 is `axis`.
     axis: the data axis.
     layouts: tree of LeafLayout with placement, one per parameter leaf.
-    dtype: dtype of the uploaded weights.
   """
 
-  def __init__(self, mesh: Mesh, axis: str, layouts, dtype):
-    self._mesh, self._layouts, self._dtype = mesh, layouts, np.dtype(dtype)
-    self._devices = list(mesh.devices.flat)
-    self._specs = jax.tree.map(lambda l: l.spec(axis), layouts, is_leaf=is_layout)
-    self._mapped: list[np.ndarray] = []
-    self._empty: dict[int, jax.Array] = {}  # leaf index -> its empty host part, made once
-    self._uploader = concurrent.futures.ThreadPoolExecutor(1, "jzo-upload")
+  def __init__(self, mesh: Mesh, axis: str, layouts):
+    self._mesh, self._axis = mesh, axis
+    self.layouts: list[LeafLayout] = jax.tree.leaves(layouts, is_leaf=is_layout)
+    specs = [l.spec(axis) for l in self.layouts]
+    self._on_device = [NamedSharding(mesh, s) for s in specs]
+    self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
 
-  def download(self, grads):
-    """Tree of Shards: each device's gradient part as a host numpy view, in
-    device order (blocks until the step has produced them)."""
-    def pieces(layout: LeafLayout, array: jax.Array) -> Shards:
-      out = [None] * layout.shards
-      for shard in array.addressable_shards:
-        d = shard.index[-1].start // layout.on_host if layout.shards > 1 and layout.on_host else 0
-        out[d] = np.asarray(shard.data)
-      return Shards(out)
-    return jax.tree.map(pieces, self._layouts, grads, is_leaf=is_layout)
+  def download(self, i: int, grad: jax.Array) -> jax.Array:
+    """Starts the copy of every shard's host part of leaf i's gradient
+    (`grad`: the step's local flat gradients, `flat_shape`) into a new
+    landing buffer in pinned host memory (`part_shape(k - c)`); returns it
+    at once (the copy completes in the background)."""
+    return self._host_part_fn(i)(grad)
 
-  def upload(self, parts):
-    """Device arrays of the host parts from a tree of (S, ..., k - c) host
-    arrays; returns once the copies are done, since the staging buffers are
-    rewritten next step."""
-    return self.upload_as_ready(enumerate(jax.tree.leaves(parts)))
+  def upload(self, i: int, landing: jax.Array) -> jax.Array:
+    """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`);
+    returns once the copy is done, so the landing buffer may be freed."""
+    return jax.block_until_ready(jax.device_put(landing, self._on_device[i]))
 
-  def upload_as_ready(self, leaves: Iterable[tuple[int, np.ndarray]]):
-    """Like `upload`, for leaves that become ready one at a time: each
-    (leaf index, (S, ..., k - c) host array) is copied on an upload thread
-    while the caller produces the next, so the copies overlap that work.
-    Leaves never yielded (empty host parts) come back as empty arrays."""
-    on_cpu = self._devices[0].platform == "cpu"
-    # A CPU "device" may alias a numpy array, and the staging buffer is reused.
-    host_view = lambda x: x.copy() if on_cpu else x
-    layouts = jax.tree.leaves(self._layouts, is_leaf=is_layout)
-    specs = jax.tree.leaves(self._specs)
+  def views(self, i: int, landing: jax.Array) -> list[np.ndarray]:
+    """Writable numpy views of each device's piece of a landing buffer, in
+    device order, each (..., k - c). The buffer must stay referenced while
+    they are in use."""
+    layout = self.layouts[i]
+    out = [None] * layout.shards
+    for shard in jax.block_until_ready(landing).addressable_shards:
+      d = shard.index[-1].start // layout.on_host if layout.shards > 1 else 0
+      out[d] = writable_view(shard.data)
+    return out
 
-    def put(i: int, host: np.ndarray) -> jax.Array:
-      layout, sharding = layouts[i], NamedSharding(self._mesh, specs[i])
-      pieces = [jax.device_put(host_view(host[d]), self._devices[d])
-                for d in range(layout.shards)]
-      return jax.block_until_ready(jax.make_array_from_single_device_arrays(
-          layout.part_shape(layout.on_host), sharding, pieces))
-
-    futures = [None] * len(layouts)
-    for i, host in leaves:
-      futures[i] = self._uploader.submit(put, i, host)
-    for i, f in enumerate(futures):
-      if f is None and i not in self._empty:
-        self._empty[i] = jax.device_put(np.zeros(layouts[i].part_shape(0), self._dtype),
-                                        NamedSharding(self._mesh, specs[i]))
-    arrays = [f.result() if f is not None else self._empty[i] for i, f in enumerate(futures)]
-    return jax.tree.unflatten(jax.tree.structure(self._layouts, is_leaf=is_layout), arrays)
-
-  def map_for_dma(self, buffers) -> None:
-    """Registers host buffers (a list of numpy arrays) for DMA, once."""
-    client = self._devices[0].client
-    for buf in buffers:
-      if buf.nbytes:
-        client.dma_map(buf.ctypes.data, buf.nbytes)
-        self._mapped.append(buf)
-    # Unmap before the buffers can be freed, also if close() is never called.
-    self._unmap = weakref.finalize(self, _unmap_all, client, self._mapped)
-
-  @property
-  def mapped(self) -> int:
-    """How many buffers are registered for DMA."""
-    return len(self._mapped)
-
-  def close(self) -> None:
-    """Releases the DMA mappings."""
-    if self._mapped:
-      self._unmap()
-    self._uploader.shutdown()
+  @functools.cache
+  def _host_part_fn(self, i: int):
+    layout = self.layouts[i]
+    spec = layout.spec(self._axis)
+    c = layout.on_device
+    # A split leaf's host part is sliced on the device here, after the step,
+    # rather than in it, where the slice would be a second copy of the
+    # gradient at the step's peak.
+    host_part = jax.shard_map(lambda g: g[..., c:], mesh=self._mesh, in_specs=spec,
+                              out_specs=spec)
+    return jax.jit(host_part, out_shardings=self._pinned[i])
 
 
-def _unmap_all(client, buffers: list) -> None:
-  while buffers:
-    client.dma_unmap(buffers.pop().ctypes.data)
+def writable_view(array: jax.Array) -> np.ndarray:
+  """A writable numpy view of a single-device array in host memory
+  (pinned_host, or any CPU array): the same bytes, not a copy."""
+  dtype, shape = np.dtype(array.dtype), array.shape
+  nbytes = dtype.itemsize * int(np.prod(shape))
+  if nbytes == 0:
+    return np.empty(shape, dtype)
+  raw = (ctypes.c_char * nbytes).from_address(array.unsafe_buffer_pointer())
+  return np.frombuffer(raw, dtype).reshape(shape)
+
+
+def copy_to_host(x: jax.Array, out: np.ndarray) -> None:
+  """Copies a single-device array into the numpy array `out` (same size)
+  through pinned host memory, in chunks of BUILD_CHUNK_BYTES, so the host
+  holds one chunk beside `out` and the copy runs at PCIe speed."""
+  flat, dest = x.reshape(-1), out.reshape(-1)
+  if flat.size != dest.size:
+    raise ValueError(f"copy of {flat.size} elements into {dest.size}")
+  device = list(x.devices())[0]
+  pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  step = max(1, BUILD_CHUNK_BYTES // dest.itemsize)
+  for start in range(0, flat.size, step):
+    size = min(step, flat.size - start)  # a traced start: one compiled slice per size
+    chunk = jax.device_put(jax.lax.dynamic_slice_in_dim(flat, start, size), pinned)
+    np.copyto(dest[start:start + size], np.asarray(chunk), casting="same_kind")

@@ -28,7 +28,10 @@ def test_offload_matches_on_device(stage, layers, compute_dtype):
     assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6, abs=1e-7)
     assert float(got.loss_scale) == float(want.loss_scale)
   assert_close(offloaded.params, on_device.params)
-  assert {g.sharding.memory_kind for g in jax.tree.leaves(offloaded.state.grads)} == {"pinned_host"}
+  # The gradients are down and their landing buffers, carrying the weights
+  # back, are freed: nothing is kept between steps but the state.
+  assert offloaded.state.grads is None
+  assert not offloaded.host_update.in_flight and offloaded.host_update.landing_bytes() == 0
   assert offloaded.memory_per_device()["optimizer"] == offloaded.memory_per_device()["grads"] == 0
   assert offloaded.host_memory() > 0
 
@@ -92,7 +95,7 @@ def test_accumulated_bf16_gradients_travel_in_bf16():
   kw = dict(stage=2, compute_dtype=jnp.bfloat16, mesh=mesh_of(4), grad_accum=4)
   offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
   on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
-  offloaded.step(batch)
+  offloaded.run_device_step(batch)  # the host parts' gradients, before they go down
   on_device.step(batch)
   for got, want in zip(jax.tree.leaves(offloaded.state.grads),
                        jax.tree.leaves(on_device.state.grads)):
@@ -138,34 +141,31 @@ def test_bad_offload_options():
                    dpu_warmup=-1, mesh=mesh)
 
 
-def test_host_update_yields_leaves_largest_first_and_final():
-  """The pipelined upload sends each leaf as soon as it is yielded: it must
-  already hold its new weights, and the big leaves come first."""
-  from jzo import offload, plan, transfer
+def test_host_update_yields_leaves_largest_first_with_their_new_weights():
+  """The pipelined upload sends each leaf as soon as it is yielded: its
+  landing buffer must already hold the new weights (written over the
+  gradients), and the big leaves come first."""
+  from jzo import offload, plan
   params = init_params()
   hyper = jzo.cpu_adamw(1e-2).update.adam_hyperparams
   layout_plan = plan.make_plan(params, 8, stage=2, n_devices=2, axis="data",
-                               compute_dtype=jnp.bfloat16, grad_dtype=jnp.float32,
+                               compute_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16,
                                loss_scale=None, grad_accum=1, max_grad_norm=None, layers=None,
                                offload=True, delayed_update=False, dpu_warmup=0)
-  layouts = layout_plan.layouts
-  flat = jax.tree.map(lambda l, x: np.asarray(l.flatten(jnp.asarray(x, jnp.float32))), layouts,
-                      params, is_leaf=partition.is_layout)
-  grads = jax.tree.map(lambda l, x: transfer.Shards(np.full_like(s, 0.5) for s in l.split(x)[1]),
-                       layouts, flat, is_leaf=partition.is_layout)
-  decay = jax.tree.map(lambda _: True, params)
-
-  def make():
-    host = offload.HostAdam(layout_plan, hyper, decay)
-    jax.tree.map(lambda l, dst, x: np.copyto(dst, l.split(x)[1]), layouts, host.master, flat,
-                 is_leaf=partition.is_layout)
-    return host
-  pipelined, whole = make(), make()
-  sizes, yielded = [], {}
-  for i, lowp in pipelined.update_leaves(grads, 1.0):
-    sizes.append(lowp.size)
-    yielded[i] = lowp.copy()
-  assert pipelined.count == 1 and sorted(yielded) == list(range(len(jax.tree.leaves(params))))
+  layouts = layout_plan.leaves
+  flat = [np.asarray(l.flatten(jnp.asarray(x, jnp.float32)))
+          for l, x in zip(layouts, jax.tree.leaves(params))]
+  host = offload.HostAdam(layout_plan, hyper, jax.tree.map(lambda _: True, params))
+  for l, dst, x in zip(layouts, jax.tree.leaves(host.master), flat):
+    np.copyto(dst, l.split(x)[1])
+  landing = [[np.full(s.shape, 0.5, jnp.bfloat16) for s in l.split(x)[1]]
+             for l, x in zip(layouts, flat)]
+  sizes = []
+  for i in host.update_leaves(lambda i: landing[i], 1.0):
+    sizes.append(landing[i][0].size)
+    master = jax.tree.leaves(host.master)[i]
+    for d, weights in enumerate(landing[i]):
+      np.testing.assert_array_equal(weights, master[d].astype(jnp.bfloat16))
+      assert not np.array_equal(master[d], layouts[i].split(flat[i])[1][d])  # it moved
+  assert host.count == 1 and len(sizes) == len(layouts)
   assert sizes == sorted(sizes, reverse=True)
-  for i, want in enumerate(jax.tree.leaves(whole.update(grads, 1.0))):
-    np.testing.assert_array_equal(yielded[i].astype(np.float32), want.astype(np.float32))
