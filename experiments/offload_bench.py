@@ -10,14 +10,12 @@ Each configuration runs in a fresh process (its own GPU peak and host RSS):
                (jzo.estimate's plan), the rest on the host;
   auto_dpu     the same with the delayed update of the host part.
 Reported: median step time, tokens/s, model TFLOPS (6 N + 12 L D T per token),
-peak GPU memory, host RSS and, for offload, the breakdown of a step: the
-device step alone (compute + gradients to pinned host memory, timed by
-running it without the host update), the host update, the upload alone (all
-bf16 shards to the GPU, timed apart), the part of the upload left after the
-update in the pipelined step (leaves go up as they are updated), and the
-pinned-memory bandwidth measured in the same process both ways (a device_put
-of the gradient buffer to pinned host memory and of the DMA-registered
-staging buffers to the GPU).
+peak GPU memory, host RSS (before the engine, now and at its peak) beside
+the planner's figures and, for offload, the breakdown of a step: the device
+step alone (run without the host side), the host update (the C++ kernel),
+the exchange left after the kernel (uploads of the last leaves and the
+downloads of the next gradients), and the pinned-memory bandwidth of the
+engine's own transfers measured apart (all host parts down, then up).
 
   python experiments/offload_bench.py --model gpt2-1.5b --batch 8 --json out.json
 """
@@ -28,6 +26,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,6 @@ def run_one(args) -> dict:
   import numpy as np
   import optax
   import psutil
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jzo
   from models import gpt
@@ -64,6 +62,8 @@ def run_one(args) -> dict:
   tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments) if offload
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
   activations = gpt.activation_bytes(config, args.batch, args.seq_len)
+  jax.devices()  # the runtime's own host memory counts as the baseline
+  rss_before = psutil.Process().memory_info().rss
   start = time.perf_counter()
   engine = jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, config),
@@ -95,39 +95,31 @@ def run_one(args) -> dict:
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
       "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
+      "host_rss_before_gib": rss_before / 2**30,
+      "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
       "device": jax.devices()[0].device_kind, "build_s": build_s,
       "offloaded_fraction": engine.plan.offloaded_fraction if offload else 0.0,
       # The planner's figures for this run, beside the measured ones.
       "planned_gpu_gib": sum(engine.plan.device_peak(activations).values()) / 2**30,
-      "planned_host_state_gib": sum(engine.plan.host_bytes().values()) / 2**30,
-      "host_state_gib": (engine.host_memory() + sum(
-          x.nbytes for x in jax.tree.leaves(engine.state.grads)
-          if x.sharding.memory_kind == "pinned_host")
-          * (2 if engine.plan.delayed_update else 1)) / 2**30,
+      "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
+      "host_state_gib": engine.host_memory() / 2**30,
   }
   if engine.host_update is not None:
     engine.wait()  # no delayed update may share the timings below
     result["host_update_s"] = statistics.median(t["update"] for t in timings)
-    result["upload_tail_s"] = statistics.median(t["upload"] for t in timings)
-    upload = engine.host_update.transfer.upload
-    result["upload_alone_s"] = timed(lambda: upload(engine.host.lowp))
-    # The device step alone: forward, backward, device-part update, gradients out.
-    result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
+    result["exchange_tail_s"] = statistics.median(t["upload"] for t in timings)
     result["host_update_gparam_s"] = (engine.plan.host_elements / result["host_update_s"] / 1e9)
-    upload_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.host.lowp))
-    result["upload_gb_s"] = upload_bytes / result["upload_alone_s"] / 1e9
-    if jax.devices()[0].platform == "cpu":
-      return result  # no pinned memory or DMA mapping to measure
-    grads = engine.state.grads
-    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
-    on_gpu = jax.tree.map(lambda x: jax.device_put(
-        x, NamedSharding(engine.mesh, P(), memory_kind="device")), grads)
-    pinned = NamedSharding(engine.mesh, P(), memory_kind="pinned_host")
-    result["d2h_gb_s"] = grad_bytes / timed(lambda: jax.block_until_ready(
-        jax.tree.map(lambda x: jax.device_put(x, pinned), on_gpu))) / 1e9
-    staging = [x for x in jax.tree.leaves(engine.host.lowp) if x.size]  # DMA-registered
-    result["h2d_gb_s"] = sum(x.nbytes for x in staging) / timed(lambda: jax.block_until_ready(
-        [jax.device_put(x[0], jax.devices()[0]) for x in staging])) / 1e9
+    # The device step alone: forward, backward, device-part update.
+    result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
+    # The engine's transfers apart: every host part down, then up.
+    transfer, grads = engine.host_update.transfer, jax.tree.leaves(engine.state.grads)
+    leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
+    down = lambda: {i: transfer.download(i, grads[i]) for i in leaves}
+    landing = jax.block_until_ready(down())
+    nbytes = sum(x.nbytes for x in landing.values())
+    result["d2h_gb_s"] = nbytes / timed(lambda: jax.block_until_ready(down())) / 1e9
+    result["h2d_gb_s"] = nbytes / timed(lambda: [transfer.upload(i, landing[i])
+                                                  for i in leaves]) / 1e9
   engine.close()
   return result
 
@@ -171,19 +163,19 @@ def main():
     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps(results[-1]), flush=True)
   print(f"\n{'config':<12} {'s/step':>7} {'tokens/s':>9} {'TFLOPS':>7} {'GPU GiB':>8} "
-        f"{'planned':>8} {'host GiB':>8} {'state':>7} {'planned':>8} {'host %':>7}  breakdown")
+        f"{'planned':>8} {'RSS GiB':>8} {'before':>7} {'state':>7} {'planned':>8} {'host %':>7}"
+        "  breakdown")
   for r in results:
     parts = ""
     if "device_step_s" in r:
       parts = (f"device {r['device_step_s']:.3f} s, host update {r['host_update_s']:.3f} s "
-               f"({r['host_update_gparam_s']:.2f} Gparam/s), upload alone "
-               f"{r['upload_alone_s']:.3f} s ({r['upload_gb_s']:.1f} GB/s), after the update "
-               f"{r['upload_tail_s']:.3f} s; pinned D2H {r.get('d2h_gb_s', float('nan')):.1f} "
-               f"GB/s, H2D {r.get('h2d_gb_s', float('nan')):.1f} GB/s")
+               f"({r['host_update_gparam_s']:.2f} Gparam/s), exchange after it "
+               f"{r['exchange_tail_s']:.3f} s; pinned D2H {r['d2h_gb_s']:.1f} GB/s, "
+               f"H2D {r['h2d_gb_s']:.1f} GB/s")
     print(f"{r['config']:<12} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops']:7.1f} "
           f"{r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f} "
-          f"{r['host_state_gib']:7.2f} {r['planned_host_state_gib']:8.2f} "
-          f"{100 * r['offloaded_fraction']:7.1f}  {parts}")
+          f"{r['host_rss_before_gib']:7.2f} {r['host_state_gib']:7.2f} "
+          f"{r['planned_host_state_gib']:8.2f} {100 * r['offloaded_fraction']:7.1f}  {parts}")
   if results:
     print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch {args.batch} x "
           f"{args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")

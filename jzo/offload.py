@@ -133,11 +133,13 @@ class HostUpdate:
   def in_flight(self) -> bool:
     return self._pending is not None
 
+  def landing_buffers(self) -> dict[int, jax.Array]:
+    """The landing buffers of the update in flight, by leaf index (empty if none)."""
+    return dict(self._pending.landing) if self._pending is not None else {}
+
   def landing_bytes(self) -> int:
     """Bytes of pinned host memory the landing buffers in use hold now."""
-    if self._pending is None:
-      return 0
-    return sum(x.nbytes for x in self._pending.landing.values())
+    return sum(x.nbytes for x in self.landing_buffers().values())
 
   def exchange(self, grads: list, skipped, grad_scale, *, delayed: bool,
                install: Callable[[int, jax.Array], None]) -> None:
