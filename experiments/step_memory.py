@@ -1,8 +1,12 @@
 """What XLA allocates for one engine step, beside the planner's estimate:
-compiles the step of a GPT preset (weights drawn leaf by leaf) and prints
-the compiled program's memory analysis (arguments, outputs, temporaries).
+lowers and compiles the step of a GPT preset on abstract arrays (nothing is
+drawn or allocated) and prints the compiled program's memory analysis
+(arguments, outputs, aliased, temporaries) for each placement asked for.
 
-  python experiments/step_memory.py --model gpt2-10b --offload auto
+  python experiments/step_memory.py --model gpt2-10b --offload auto 1.0 --device-gb 75.6
+
+With --pinned-grads, also the same step with the host parts' gradients as
+outputs in pinned host memory (what the step did before session 4).
 """
 
 import argparse
@@ -12,11 +16,35 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jzo
-import jzo.partition
-from jzo import planner
+from jzo import plan as plan_lib, planner, step as step_lib
+from jzo.cpu_adam import cpu_adamw_with, decay_flags
+from jzo.partition import is_layout
+from jzo.precision import init_loss_scale
 from models import gpt
+
+
+def abstract_state(plan, tx, mesh):
+  """The engine's first state as ShapeDtypeStructs with their shardings."""
+  specs = step_lib.state_specs(plan, tx)
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype,
+                                                        sharding=NamedSharding(mesh, spec))
+  on = lambda f, tree: jax.tree.map(f, plan.layouts, tree, is_leaf=is_layout)
+  lowp = plan.compute_dtype
+  params = on(lambda l, s: sds(l.local_shape if plan.sharded_lowp else l.shape, lowp, s)
+              if not plan.sharded_lowp else sds(l.flat_shape, lowp, s), specs.params)
+  master = opt = None
+  if plan.has_device_state:
+    master = on(lambda l, s: sds(l.part_shape(l.on_device), jnp.float32, s), specs.master)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs.master,), out_specs=specs.opt_state)
+    opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(init, master),
+                       specs.opt_state)
+  scalar = lambda x: sds(jnp.shape(x), jnp.result_type(x), P())
+  return step_lib.EngineState(params, master, opt, None,
+                              jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
+                              scalar(jnp.int32(0)), scalar(jnp.int32(0)))
 
 
 def main():
@@ -24,27 +52,47 @@ def main():
   parser.add_argument("--model", default="gpt2-10b")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=1024)
-  parser.add_argument("--offload", type=planner.parse_offload, default="auto")
+  parser.add_argument("--offload", type=planner.parse_offload, nargs="+", default=["auto"])
+  parser.add_argument("--device-gb", type=float, default=75.6)
+  parser.add_argument("--pinned-grads", action="store_true")
   args = parser.parse_args()
   config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
   acts = gpt.activation_bytes(config, args.batch, args.seq_len)
-  engine = jzo.ZeroEngine(functools.partial(gpt.loss_fn, config),
-                          functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),
-                          jzo.cpu_adamw(3e-4, weight_decay=0.1), stage=2,
-                          mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
-                          offload=args.offload, activation_memory=acts, max_grad_norm=1.0)
-  print(engine.plan)
-  print("device leaves:", [jax.tree_util.keystr(p) for p, l in jax.tree_util.tree_leaves_with_path(
-      engine.plan.layouts, is_leaf=jzo.partition.is_layout) if l.on_device])
-  batch = {"tokens": jnp.zeros((args.batch, args.seq_len + 1), jnp.int32)}
-  stats = engine.lower(batch).compile().memory_analysis()
-  gib = lambda b: f"{b / 2**30:.2f} GiB"
-  print("compiled step: arguments", gib(stats.argument_size_in_bytes), "outputs",
-        gib(stats.output_size_in_bytes), "aliased", gib(stats.alias_size_in_bytes),
-        "temporaries", gib(stats.temp_size_in_bytes))
-  in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
-  print("planned peak", gib(sum(engine.plan.device_peak(acts).values())),
-        "in use after building", gib(in_use))
+  shapes = jax.eval_shape(functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  hyper = jzo.cpu_adamw(3e-4, weight_decay=0.1).update.adam_hyperparams
+  tx = cpu_adamw_with(hyper, decay_flags(hyper.mask, shapes))
+  batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
+  gib = lambda b: f"{b / 2**30:.2f}"
+  for offload in args.offload:
+    plan = plan_lib.make_plan(
+        shapes, 8, stage=2, n_devices=1, axis="data", compute_dtype=jnp.bfloat16,
+        grad_dtype=jnp.bfloat16, loss_scale=None, grad_accum=1, max_grad_norm=1.0,
+        layers=None, offload=offload, delayed_update=True, dpu_warmup=1,
+        device_memory=int(args.device_gb * 2**30), activations=acts)
+    print(plan)
+    state = abstract_state(plan, tx, mesh)
+    variants = {"grads on device": step_lib.make_step(
+        plan, mesh, functools.partial(gpt.loss_fn, config), tx, batch)}
+    if args.pinned_grads:
+      specs = step_lib.state_specs(plan, tx)
+      fn = jax.shard_map(lambda s, b: step_lib.local_step(
+          plan, functools.partial(gpt.loss_fn, config), tx, s, b), mesh=mesh,
+          in_specs=(specs._replace(grads=None), jax.tree.map(lambda _: P("data"), batch)),
+          out_specs=(specs, step_lib.StepMetrics(P(), P(), P(), P()), P()), check_vma=False)
+      named = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
+      out = (jax.tree.map(named, specs)._replace(
+          grads=jax.tree.map(lambda s: named(s, "pinned_host"), specs.grads)),
+          step_lib.StepMetrics(*[named(P())] * 4), named(P()))
+      variants["grads to pinned host"] = jax.jit(fn, donate_argnums=0, out_shardings=out)
+    for name, fn in variants.items():
+      m = fn.lower(state, batch).compile().memory_analysis()
+      peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+              + m.temp_size_in_bytes)
+      print(f"offload={offload} {name}: arguments {gib(m.argument_size_in_bytes)}, outputs "
+            f"{gib(m.output_size_in_bytes)}, aliased {gib(m.alias_size_in_bytes)}, temporaries "
+            f"{gib(m.temp_size_in_bytes)}, in all {gib(peak)} GiB; planned "
+            f"{gib(sum(plan.device_peak(acts).values()))} GiB", flush=True)
 
 
 if __name__ == "__main__":
