@@ -74,6 +74,7 @@ def run_one(args) -> dict:
       activation_memory=activations,
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None)
   build_s = time.perf_counter() - start
+  rss_built = psutil.Process().memory_info().rss
   print(engine.plan, file=sys.stderr)
   batch_size = args.batch * args.grad_accum
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
@@ -96,6 +97,7 @@ def run_one(args) -> dict:
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
       "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
       "host_rss_before_gib": rss_before / 2**30,
+      "host_rss_built_gib": rss_built / 2**30,
       "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
       "device": jax.devices()[0].device_kind, "build_s": build_s,
       "offloaded_fraction": engine.plan.offloaded_fraction if offload else 0.0,

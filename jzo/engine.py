@@ -16,6 +16,7 @@ whose clip would see one shard only.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -143,40 +144,51 @@ class ZeroEngine:
 
   # ------------------------------------------------------------ building
   def _build_state(self, draw_leaf, adam: HostAdam | None) -> EngineState:
-    """The first state, built one leaf at a time from its float32 masters,
-    largest first, so at most one leaf's float32 weights exist beside the
-    state. Every buffer is new: the state is donated each step and must
-    never alias the caller's arrays."""
+    """The first state. Its device buffers are allocated first, side by side,
+    then filled one leaf at a time, largest first, from the leaf's float32
+    values drawn on the first device: so at most one leaf's float32 weights
+    exist beside the state, and the draws' memory, freed, leaves one free
+    block for the step (the allocator could not fit gpt2-10b's step into
+    the holes of state allocated between draws). Every buffer is new: the
+    state is donated each step and must never alias the caller's arrays."""
     plan = self.plan
     specs = step_lib.state_specs(plan, self.tx)
-    put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
-    n = len(plan.leaves)
-    lowp, master = [None] * n, [None] * n
-    host_masters = jax.tree.leaves(adam.master) if adam is not None else None
-    lowp_specs = jax.tree.leaves(specs.params)
-    for i in sorted(range(n), key=lambda i: -math.prod(plan.leaves[i].shape)):
-      layout = plan.leaves[i]
-      flat = layout.flatten(draw_leaf(i))
-      lowp[i] = put(step_lib.lowp_from_master(plan, layout, flat), lowp_specs[i])
-      device_part, host_part = layout.split(flat)
-      if plan.has_device_state:
-        master[i] = put(device_part, layout.spec(plan.axis))
-      if adam is not None and layout.on_host:
-        copy_to_host(host_part, host_masters[i])
-      del flat, device_part, host_part
-    treedef = jax.tree.structure(plan.layouts, is_leaf=is_layout)
-    master = jax.tree.unflatten(treedef, master) if plan.has_device_state else None
-    opt_state = None
+    sharding = lambda spec: NamedSharding(self.mesh, spec)
+    zeros = lambda shape, dtype, spec: jax.jit(lambda: jnp.zeros(shape, dtype),
+                                               out_shardings=sharding(spec))()
+    lowp_shape = lambda l: l.flat_shape if plan.sharded_lowp else l.shape
+    lowp = jax.tree.map(lambda l, s: zeros(lowp_shape(l), plan.compute_dtype, s),
+                        plan.layouts, specs.params, is_leaf=is_layout)
+    master = opt_state = None
     if plan.has_device_state:
+      master = jax.tree.map(lambda l, s: zeros(l.part_shape(l.on_device), jnp.float32, s),
+                            plan.layouts, specs.master, is_leaf=is_layout)
       init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
                                    out_specs=specs.opt_state))
       opt_state = init(master)
     grads = None  # offload: the step's outputs until they are downloaded
     if not plan.offload:
       grads = jax.tree.map(
-          lambda l, s: put(jnp.zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype), s),
+          lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
           plan.layouts, specs.grads, is_leaf=is_layout)
-    scalar = lambda x: put(x, P())
+    lowp, treedef = jax.tree.flatten(lowp)
+    master = jax.tree.leaves(master) if master is not None else None
+    host_masters = jax.tree.leaves(adam.master) if adam is not None else None
+    lowp_specs, master_specs = jax.tree.leaves(specs.params), jax.tree.leaves(specs.master)
+    for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
+      layout = plan.leaves[i]
+      flat = layout.flatten(draw_leaf(i))
+      new = jax.device_put(step_lib.lowp_from_master(plan, layout, flat), lowp[i].sharding)
+      lowp[i] = _write_into(lowp[i], new)
+      device_part, host_part = layout.split(flat)
+      if master is not None:
+        master[i] = _write_into(master[i], jax.device_put(device_part, sharding(master_specs[i])))
+      if adam is not None and layout.on_host:
+        copy_to_host(host_part, host_masters[i])
+      del flat, new, device_part, host_part
+    if master is not None:
+      master = jax.tree.unflatten(treedef, master)
+    scalar = lambda x: jax.device_put(x, sharding(P()))
     return EngineState(jax.tree.unflatten(treedef, lowp), master, opt_state, grads,
                        jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
                        scalar(jnp.int32(0)), scalar(jnp.int32(0)))
@@ -295,6 +307,12 @@ class ZeroEngine:
       return 0
     landing = self.host_update.landing_peak if self.host_update is not None else 0
     return sum(x.nbytes for x in self.host.arrays()) + landing
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_into(buffer: jax.Array, values: jax.Array) -> jax.Array:
+  """`values` written into `buffer` (donated: the result is buffer's memory)."""
+  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
 
 
 def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> None:

@@ -112,11 +112,12 @@ def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------ the weights
-def lowp_from_master(plan: Plan, layout: LeafLayout, flat_master: np.ndarray) -> np.ndarray:
+def lowp_from_master(plan: Plan, layout: LeafLayout, flat_master):
   """The compute-dtype params the forward uses, from a flat float32 master
-  (numpy; the same rounding as the step and the host kernel: to nearest even)."""
-  lowp = np.asarray(flat_master).astype(plan.compute_dtype)
-  return lowp if plan.sharded_lowp else np.asarray(layout.unflatten(lowp))
+  (numpy or a jax array, and the same kind back; the same rounding as the
+  step and the host kernel: to nearest even)."""
+  lowp = flat_master.astype(plan.compute_dtype)
+  return lowp if plan.sharded_lowp else layout.unflatten(lowp)
 
 
 def write_part(plan: Plan, layout: LeafLayout, params, part, start: int):
