@@ -174,18 +174,24 @@ class ZeroEngine:
     lowp, treedef = jax.tree.flatten(lowp)
     master = jax.tree.leaves(master) if master is not None else None
     host_masters = jax.tree.leaves(adam.master) if adam is not None else None
-    lowp_specs, master_specs = jax.tree.leaves(specs.params), jax.tree.leaves(specs.master)
+    master_specs = jax.tree.leaves(specs.master)
     for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
       layout = plan.leaves[i]
-      flat = layout.flatten(draw_leaf(i))
-      new = jax.device_put(step_lib.lowp_from_master(plan, layout, flat), lowp[i].sharding)
-      lowp[i] = _write_into(lowp[i], new)
-      device_part, host_part = layout.split(flat)
-      if master is not None:
-        master[i] = _write_into(master[i], jax.device_put(device_part, sharding(master_specs[i])))
-      if adam is not None and layout.on_host:
+      c, k = layout.on_device, layout.shard_size
+      flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
+      new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
+      lowp[i] = _write_into(lowp[i], jax.device_put(new, lowp[i].sharding))
+      del new
+      # Whole leaves go as they are; only a split leaf's parts are copies.
+      in_order = not layout.per_layer or layout.shards == 1
+      device_part, host_part = ((flat, None) if c == k else (None, flat) if c == 0 and in_order
+                                else layout.split(flat))
+      if master is not None and c:
+        master[i] = _write_into(master[i], jax.device_put(device_part,
+                                                          sharding(master_specs[i])))
+      if adam is not None and c < k:
         copy_to_host(host_part, host_masters[i])
-      del flat, new, device_part, host_part
+      del flat, device_part, host_part
     if master is not None:
       master = jax.tree.unflatten(treedef, master)
     scalar = lambda x: jax.device_put(x, sharding(P()))
@@ -332,20 +338,23 @@ def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> 
 
 def _leaf_sources(params, device):
   """(shapes, draw) for params given as a tree or as a function returning
-  one: draw(i) is leaf i as a float32 array on `device`. A function is
-  traced for its shapes, then each leaf is computed alone (XLA drops the
-  rest of the function), so no whole float32 copy is ever held."""
+  one: draw(i, fn) is fn(leaf i as float32) computed on `device` in one
+  program, so fn's result is the only copy made. A function is traced for
+  its shapes, then each leaf is computed alone (XLA drops the rest of the
+  function), so no whole float32 copy is ever held."""
   if callable(params):
     shapes = jax.eval_shape(params)
 
-    def draw(i):
+    def draw(i, fn):
       with jax.default_device(device):
-        return jax.jit(lambda: jax.tree.leaves(params())[i].astype(jnp.float32))()
+        return jax.jit(lambda: fn(jax.tree.leaves(params())[i].astype(jnp.float32)))()
   else:
     leaves = jax.tree.leaves(params)
     shapes = params
-    # A copy: the state is donated each step and must not alias the caller's arrays.
-    draw = lambda i: jnp.array(jax.device_put(leaves[i], device), jnp.float32, copy=True)
+    # A new buffer (jit does not hand back its input): the state is donated
+    # each step and must not alias the caller's arrays.
+    draw = lambda i, fn: jax.jit(lambda x: fn(x.astype(jnp.float32)))(
+        jax.device_put(leaves[i], device))
   if not jax.tree.leaves(shapes):
     raise ValueError("params has no leaves")
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):

@@ -165,10 +165,14 @@ class Plan:
             "landing": n * self.grad_dtype.itemsize}
 
   def build_bytes(self) -> int:
-    """Bytes on the first device while the engine draws the largest leaf:
-    its float32 values, the random bits they are drawn from, its
-    low-precision copy and its host part on the way down (a float32 copy)."""
-    return 14 * max(math.prod(l.shape) for l in self.leaves)
+    """Bytes on the first device, beside the state (`device_bytes()`),
+    while the engine draws a leaf: its float32 values and their
+    low-precision copy (XLA draws random numbers in the same fusion that
+    scales them: the compiled draw of gpt2-10b's largest leaf has no
+    temporaries), and for a split leaf a float32 copy of each part."""
+    split = lambda l: 0 < l.on_device < l.shard_size
+    return max(6 * math.prod(l.shape) + (4 * l.shards * _rows(l) * l.shard_size if split(l) else 0)
+               for l in self.leaves)
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -271,8 +275,11 @@ def auto_layouts(plan_of, base, device_memory: int, activations: int):
   then the largest part of one more leaf that still fits; the rest on the
   host. `plan_of(layouts)` builds the plan."""
   budget = device_memory * (1 - DEVICE_HEADROOM)
-  fits = lambda leaves: sum(plan_of(jax.tree.unflatten(treedef, leaves))
-                            .device_peak(activations).values()) <= budget
+
+  def fits(leaves) -> bool:
+    plan = plan_of(jax.tree.unflatten(treedef, leaves))
+    return (sum(plan.device_peak(activations).values()) <= budget
+            and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
   leaves, treedef = jax.tree.flatten(base, is_leaf=is_layout)
   on_device = [l.place(None) for l in leaves]
   if fits(on_device):
@@ -317,10 +324,12 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"{device_memory / GiB:.2f} GiB available"
           + ("; offload more of the optimizer state (offload=... or 'auto')"
              if plan.offload and plan.offloaded_fraction < 1 else ""))
-    if plan.build_bytes() > device_memory:
+    state = sum(plan.device_bytes().values())
+    if state + plan.build_bytes() > device_memory:
       raise PlacementError(
-          f"cannot draw the largest parameter leaf on a device: needs "
-          f"{plan.build_bytes() / GiB:.2f} GiB, {device_memory / GiB:.2f} GiB available")
+          f"cannot draw the weights on a device beside the state: needs "
+          f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the largest "
+          f"leaf drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
   if plan.offload and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES

@@ -90,16 +90,24 @@ def writable_view(array: jax.Array) -> np.ndarray:
 
 
 def copy_to_host(x: jax.Array, out: np.ndarray) -> None:
-  """Copies a single-device array into the numpy array `out` (same size)
-  through pinned host memory, in chunks of BUILD_CHUNK_BYTES, so the host
-  holds one chunk beside `out` and the copy runs at PCIe speed."""
-  flat, dest = x.reshape(-1), out.reshape(-1)
-  if flat.size != dest.size:
-    raise ValueError(f"copy of {flat.size} elements into {dest.size}")
+  """Copies a single-device array into the numpy array `out` (same number
+  of elements, in the same order) through pinned host memory, in chunks of
+  BUILD_CHUNK_BYTES: the device makes one chunk at a time, the host holds
+  one chunk beside `out`, and the copy runs at PCIe speed."""
+  dest = out.reshape(-1)
+  if x.size != dest.size:
+    raise ValueError(f"copy of {x.size} elements into {dest.size}")
   device = list(x.devices())[0]
   pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
   step = max(1, BUILD_CHUNK_BYTES // dest.itemsize)
-  for start in range(0, flat.size, step):
-    size = min(step, flat.size - start)  # a traced start: one compiled slice per size
-    chunk = jax.device_put(jax.lax.dynamic_slice_in_dim(flat, start, size), pinned)
-    np.copyto(dest[start:start + size], np.asarray(chunk), casting="same_kind")
+  for start in range(0, x.size, step):
+    size = min(step, x.size - start)
+    chunk = _chunk(x, start, size)  # a traced start: one compiled slice per size
+    np.copyto(dest[start:start + size], np.asarray(jax.device_put(chunk, pinned)),
+              casting="same_kind")
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _chunk(x: jax.Array, start, size: int) -> jax.Array:
+  """Elements [start, start + size) of x in row-major order (the reshape is free in a program)."""
+  return jax.lax.dynamic_slice_in_dim(x.reshape(-1), start, size)

@@ -1,0 +1,9 @@
+import functools, jax, jax.numpy as jnp
+from models import gpt
+config = gpt.PRESETS["gpt2-10b"]
+init = functools.partial(gpt.init_params, config, jax.random.PRNGKey(0))
+shapes = jax.eval_shape(init)
+leaves = jax.tree.leaves(shapes)
+i = max(range(len(leaves)), key=lambda i: leaves[i].size)
+m = jax.jit(lambda: jax.tree.leaves(init())[i].astype(jnp.float32).reshape(-1)).lower().compile().memory_analysis()
+print("draw of leaf", leaves[i].shape, "output GiB", m.output_size_in_bytes / 2**30, "temp GiB", m.temp_size_in_bytes / 2**30, flush=True)
