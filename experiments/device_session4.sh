@@ -31,6 +31,7 @@ A)
   build
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $log
   JAX_PLATFORMS=cuda,cpu timeout 150 python3 -m pytest -q tests/test_offload_gpu.py 2>&1 | tail -5 | tee -a $log
+  timeout 100 python3 experiments/draw_memory.py gpt2-10b 2>&1 | tail -1 | tee -a $log
   LIMIT=300 recipe gpt2-10b ${STEPS:-24}
   [ -n "${BENCH:-}" ] && timeout 260 python3 experiments/offload_bench.py --model gpt2-10b --configs auto_dpu --steps 4 --json $OUT/bench_10b.json 2>&1 | tail -4 | tee -a $log;;
 B)

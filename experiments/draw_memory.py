@@ -1,6 +1,13 @@
+"""XLA's memory for drawing the largest leaf of a GPT preset alone (how the
+engine builds its state): the output and the temporaries of the compiled draw.
+
+  python experiments/draw_memory.py gpt2-10b
+"""
+import sys
+
 import functools, jax, jax.numpy as jnp
 from models import gpt
-config = gpt.PRESETS["gpt2-10b"]
+config = gpt.PRESETS[sys.argv[1] if len(sys.argv) > 1 else "gpt2-10b"]
 init = functools.partial(gpt.init_params, config, jax.random.PRNGKey(0))
 shapes = jax.eval_shape(init)
 leaves = jax.tree.leaves(shapes)

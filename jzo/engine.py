@@ -182,16 +182,18 @@ class ZeroEngine:
       new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
       lowp[i] = _write_into(lowp[i], jax.device_put(new, lowp[i].sharding))
       del new
-      # Whole leaves go as they are; only a split leaf's parts are copies.
-      in_order = not layout.per_layer or layout.shards == 1
-      device_part, host_part = ((flat, None) if c == k else (None, flat) if c == 0 and in_order
-                                else layout.split(flat))
+      # One device reads each part straight out of the draw; several need
+      # the parts as arrays of their own (copies) to spread them over the mesh.
+      part = lambda side: (lambda x: layout.split(x)[side])
       if master is not None and c:
-        master[i] = _write_into(master[i], jax.device_put(device_part,
-                                                          sharding(master_specs[i])))
+        if self.mesh.devices.size == 1:
+          master[i] = _write_into(master[i], flat, part(0))
+        else:
+          master[i] = _write_into(master[i], jax.device_put(
+              jax.jit(part(0))(flat), sharding(master_specs[i])))
       if adam is not None and c < k:
-        copy_to_host(host_part, host_masters[i])
-      del flat, device_part, host_part
+        copy_to_host(flat, host_masters[i], part(1))
+      del flat
     if master is not None:
       master = jax.tree.unflatten(treedef, master)
     scalar = lambda x: jax.device_put(x, sharding(P()))
@@ -315,10 +317,12 @@ class ZeroEngine:
     return sum(x.nbytes for x in self.host.arrays()) + landing
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write_into(buffer: jax.Array, values: jax.Array) -> jax.Array:
-  """`values` written into `buffer` (donated: the result is buffer's memory)."""
-  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _write_into(buffer: jax.Array, values: jax.Array, of=lambda x: x) -> jax.Array:
+  """of(values) written into `buffer` (donated: the result is buffer's
+  memory; `of`, a slice say, is computed in the same program, not apart)."""
+  return jax.lax.dynamic_update_slice(buffer, of(values).astype(buffer.dtype),
+                                      (0,) * buffer.ndim)
 
 
 def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> None:

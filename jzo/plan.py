@@ -167,12 +167,11 @@ class Plan:
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
     while the engine draws a leaf: its float32 values and their
-    low-precision copy (XLA draws random numbers in the same fusion that
-    scales them: the compiled draw of gpt2-10b's largest leaf has no
-    temporaries), and for a split leaf a float32 copy of each part."""
-    split = lambda l: 0 < l.on_device < l.shard_size
-    return max(6 * math.prod(l.shape) + (4 * l.shards * _rows(l) * l.shard_size if split(l) else 0)
-               for l in self.leaves)
+    low-precision copy, and on several devices a float32 copy of a split
+    leaf's device part on its way to them."""
+    copy = lambda l: (4 * l.shards * _rows(l) * l.on_device
+                      if self.n_devices > 1 and 0 < l.on_device < l.shard_size else 0)
+    return max(6 * math.prod(l.shape) + copy(l) for l in self.leaves)
 
   def __str__(self) -> str:
     return format_plan(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import jax
 import numpy as np
@@ -89,25 +90,28 @@ def writable_view(array: jax.Array) -> np.ndarray:
   return np.frombuffer(raw, dtype).reshape(shape)
 
 
-def copy_to_host(x: jax.Array, out: np.ndarray) -> None:
-  """Copies a single-device array into the numpy array `out` (same number
-  of elements, in the same order) through pinned host memory, in chunks of
-  BUILD_CHUNK_BYTES: the device makes one chunk at a time, the host holds
-  one chunk beside `out`, and the copy runs at PCIe speed."""
+def copy_to_host(x: jax.Array, out: np.ndarray, part=None) -> None:
+  """Copies part(x) (default: x) of a single-device array into the numpy
+  array `out` (same number of elements, in the same order) through pinned
+  host memory, in chunks of BUILD_CHUNK_BYTES: the device makes one chunk
+  at a time (a part that is a contiguous slice is never copied whole), the
+  host holds one chunk beside `out`, and the copy runs at PCIe speed."""
   dest = out.reshape(-1)
-  if x.size != dest.size:
-    raise ValueError(f"copy of {x.size} elements into {dest.size}")
+  size = math.prod(jax.eval_shape(part, x).shape) if part is not None else x.size
+  if size != dest.size:
+    raise ValueError(f"copy of {size} elements into {dest.size}")
   device = list(x.devices())[0]
   pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
   step = max(1, BUILD_CHUNK_BYTES // dest.itemsize)
-  for start in range(0, x.size, step):
-    size = min(step, x.size - start)
-    chunk = _chunk(x, start, size)  # a traced start: one compiled slice per size
-    np.copyto(dest[start:start + size], np.asarray(jax.device_put(chunk, pinned)),
+  for start in range(0, size, step):
+    n = min(step, size - start)
+    chunk = _chunk(x, start, n, part)  # a traced start: one compiled slice per size
+    np.copyto(dest[start:start + n], np.asarray(jax.device_put(chunk, pinned)),
               casting="same_kind")
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _chunk(x: jax.Array, start, size: int) -> jax.Array:
-  """Elements [start, start + size) of x in row-major order (the reshape is free in a program)."""
-  return jax.lax.dynamic_slice_in_dim(x.reshape(-1), start, size)
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _chunk(x: jax.Array, start, size: int, part) -> jax.Array:
+  """Elements [start, start + size) of part(x) in row-major order."""
+  whole = x if part is None else part(x)
+  return jax.lax.dynamic_slice_in_dim(whole.reshape(-1), start, size)
