@@ -102,16 +102,30 @@ def copy_to_host(x: jax.Array, out: np.ndarray, part=None) -> None:
     raise ValueError(f"copy of {size} elements into {dest.size}")
   device = list(x.devices())[0]
   pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-  step = max(1, BUILD_CHUNK_BYTES // dest.itemsize)
-  for start in range(0, size, step):
-    n = min(step, size - start)
-    chunk = _chunk(x, start, n, part)  # a traced start: one compiled slice per size
-    np.copyto(dest[start:start + n], np.asarray(jax.device_put(chunk, pinned)),
+  # Chunks are whole rows of a (size // _ROW, _ROW) view: a dynamic offset
+  # is a 32-bit index, too small for the elements of a 10B model's leaf.
+  rows = max(1, BUILD_CHUNK_BYTES // (dest.itemsize * _ROW))
+  main = size // _ROW * _ROW
+  for row in range(0, size // _ROW, rows):
+    n = min(rows, size // _ROW - row)
+    chunk = _rows_of(x, row, n, part)  # a traced start: one compiled slice per size
+    np.copyto(dest[row * _ROW:(row + n) * _ROW], np.asarray(jax.device_put(chunk, pinned)),
               casting="same_kind")
+  if main < size:
+    tail = jax.jit(lambda x: _flat(x, part)[main:])(x)
+    np.copyto(dest[main:], np.asarray(jax.device_put(tail, pinned)), casting="same_kind")
+
+
+_ROW = 1 << 16
+
+
+def _flat(x: jax.Array, part) -> jax.Array:
+  return (x if part is None else part(x)).reshape(-1)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _chunk(x: jax.Array, start, size: int, part) -> jax.Array:
-  """Elements [start, start + size) of part(x) in row-major order."""
-  whole = x if part is None else part(x)
-  return jax.lax.dynamic_slice_in_dim(whole.reshape(-1), start, size)
+def _rows_of(x: jax.Array, row, n: int, part) -> jax.Array:
+  """Rows [row, row + n) of part(x) seen as (size // _ROW, _ROW), flat."""
+  whole = _flat(x, part)
+  grid = whole[:whole.size // _ROW * _ROW].reshape(-1, _ROW)
+  return jax.lax.dynamic_slice_in_dim(grid, row, n).reshape(-1)
