@@ -75,10 +75,20 @@ def run_one(args) -> dict:
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None)
   build_s = time.perf_counter() - start
   rss_built = psutil.Process().memory_info().rss
+  gib = lambda b: round(b / 2**30, 2)
+  stats = jax.devices()[0].memory_stats() or {}
+  print("built:", {k: gib(v) for k, v in engine.memory_per_device().items()}, "in use",
+        gib(stats.get("bytes_in_use", 0)), "peak", gib(stats.get("peak_bytes_in_use", 0)),
+        "limit", gib(stats.get("bytes_limit", 0)), "rss", gib(rss_built), file=sys.stderr)
   print(engine.plan, file=sys.stderr)
   batch_size = args.batch * args.grad_accum
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
                                         0, config.vocab_size, jnp.int32)}
+  if args.compiled_memory:
+    m = engine.lower(batch).compile().memory_analysis()
+    print("compiled step: arguments", gib(m.argument_size_in_bytes), "outputs",
+          gib(m.output_size_in_bytes), "aliased", gib(m.alias_size_in_bytes), "temporaries",
+          gib(m.temp_size_in_bytes), file=sys.stderr, flush=True)
   for _ in range(3):  # compile, warm up, and start the delayed updates
     jax.block_until_ready(engine.step(batch).loss)
   times, timings = [], []
@@ -139,6 +149,8 @@ def parse_args():
                       help="dtype of the Adam moments (bf16: 20 instead of 28 host bytes a param)")
   parser.add_argument("--host-memory-gb", type=float,
                       help="host RAM offload may use (default: what the OS reports available)")
+  parser.add_argument("--compiled-memory", action="store_true",
+                      help="print the compiled step's memory analysis first")
   parser.add_argument("--json")
   parser.add_argument("--config", help=argparse.SUPPRESS)  # child process: one run
   return parser.parse_args()
@@ -155,6 +167,8 @@ def main():
            "--seq-len", str(args.seq_len), "--batch", str(args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--moments", args.moments, "--remat", args.remat]
+    if args.compiled_memory:
+      cmd.append("--compiled-memory")
     if args.host_memory_gb:
       cmd += ["--host-memory-gb", str(args.host_memory_gb)]
     out = subprocess.run(cmd, capture_output=True, text=True)
