@@ -72,7 +72,8 @@ def run_one(args) -> dict:
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
       activation_memory=activations,
-      host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None)
+      host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None,
+      device_memory=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
   build_s = time.perf_counter() - start
   rss_built = psutil.Process().memory_info().rss
   gib = lambda b: round(b / 2**30, 2)
@@ -151,6 +152,8 @@ def parse_args():
                       help="host RAM offload may use (default: what the OS reports available)")
   parser.add_argument("--compiled-memory", action="store_true",
                       help="print the compiled step's memory analysis first")
+  parser.add_argument("--device-memory-gb", type=float,
+                      help="device memory the plan may use (default: the allocator's limit)")
   parser.add_argument("--json")
   parser.add_argument("--config", help=argparse.SUPPRESS)  # child process: one run
   return parser.parse_args()
@@ -169,6 +172,8 @@ def main():
            "--moments", args.moments, "--remat", args.remat]
     if args.compiled_memory:
       cmd.append("--compiled-memory")
+    if args.device_memory_gb:
+      cmd += ["--device-memory-gb", str(args.device_memory_gb)]
     if args.host_memory_gb:
       cmd += ["--host-memory-gb", str(args.host_memory_gb)]
     out = subprocess.run(cmd, capture_output=True, text=True)
