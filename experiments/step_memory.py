@@ -55,6 +55,9 @@ def main():
   parser.add_argument("--offload", type=planner.parse_offload, nargs="+", default=["auto"])
   parser.add_argument("--device-gb", type=float, default=75.6)
   parser.add_argument("--pinned-grads", action="store_true")
+  parser.add_argument("--run", action="store_true",
+                      help="also run the step once on zero-filled state and report the device's "
+                           "peak memory (no host state is made)")
   args = parser.parse_args()
   config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
   acts = gpt.activation_bytes(config, args.batch, args.seq_len)
@@ -93,6 +96,16 @@ def main():
             f"{gib(m.output_size_in_bytes)}, aliased {gib(m.alias_size_in_bytes)}, temporaries "
             f"{gib(m.temp_size_in_bytes)}, in all {gib(peak)} GiB; planned "
             f"{gib(sum(plan.device_peak(acts).values()))} GiB", flush=True)
+      if args.run and name == "grads on device":
+        zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+        real = jax.tree.map(zeros, state)
+        tokens = jnp.zeros(batch["tokens"].shape, jnp.int32)
+        stats = lambda: jax.devices()[0].memory_stats()
+        before = stats()["bytes_in_use"]
+        out = jax.block_until_ready(fn(real, {"tokens": tokens}))
+        print(f"  ran: in use before {gib(before)}, peak {gib(stats()['peak_bytes_in_use'])}, "
+              f"after {gib(stats()['bytes_in_use'])} GiB", flush=True)
+        del out, real
 
 
 if __name__ == "__main__":
