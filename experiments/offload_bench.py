@@ -90,8 +90,12 @@ def run_one(args) -> dict:
     print("compiled step: arguments", gib(m.argument_size_in_bytes), "outputs",
           gib(m.output_size_in_bytes), "aliased", gib(m.alias_size_in_bytes), "temporaries",
           gib(m.temp_size_in_bytes), file=sys.stderr, flush=True)
-  for _ in range(3):  # compile, warm up, and start the delayed updates
+  for i in range(3):  # compile, warm up, and start the delayed updates
     jax.block_until_ready(engine.step(batch).loss)
+    stats = jax.devices()[0].memory_stats() or {}
+    print(f"step {i}: in use", gib(stats.get("bytes_in_use", 0)), "peak",
+          gib(stats.get("peak_bytes_in_use", 0)), "rss",
+          gib(psutil.Process().memory_info().rss), file=sys.stderr, flush=True)
   times, timings = [], []
   for _ in range(args.steps):
     start = time.perf_counter()
