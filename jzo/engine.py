@@ -134,9 +134,12 @@ class ZeroEngine:
       decay = decay_flags(hyper.mask, shapes)
       self.tx = cpu_adamw_with(hyper, decay)
       adam = HostAdam(self.plan, hyper, decay)
+    if self.plan.has_host_state:
+      transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype)
+      transfer.reserve()  # before the build pins its chunks
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
-      self.host_update = HostUpdate(adam, ShardTransfer(mesh, axis, self.plan.layouts))
+      self.host_update = HostUpdate(adam, transfer)
       self._install_fn = step_lib.host_part_installer(self.plan, mesh)
     self.host = adam  # the host part's state and kernel (None without offload)
     self._step_fns: dict = {}

@@ -17,6 +17,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -34,10 +35,11 @@ class ShardTransfer:
     mesh: a mesh whose only axis of size > 1 is `axis`.
     axis: the data axis.
     layouts: tree of LeafLayout with placement, one per parameter leaf.
+    dtype: of the landing buffers (the gradients and the weights both).
   """
 
-  def __init__(self, mesh: Mesh, axis: str, layouts):
-    self._mesh, self._axis = mesh, axis
+  def __init__(self, mesh: Mesh, axis: str, layouts, dtype):
+    self._mesh, self._axis, self._dtype = mesh, axis, np.dtype(dtype)
     self.layouts: list[LeafLayout] = jax.tree.leaves(layouts, is_leaf=is_layout)
     specs = [l.spec(axis) for l in self.layouts]
     self._on_device = [NamedSharding(mesh, s) for s in specs]
@@ -48,7 +50,22 @@ class ShardTransfer:
     (`grad`: the step's local flat gradients, `flat_shape`) into a new
     landing buffer in pinned host memory (`part_shape(k - c)`); returns it
     at once (the copy completes in the background)."""
+    if not self.layouts[i].on_device:  # the whole shard: a plain copy, nothing made on the device
+      return jax.device_put(grad, self._pinned[i])
     return self._host_part_fn(i)(grad)
+
+  def reserve(self) -> None:
+    """Makes XLA's pinned host pool hold one set of landing buffers in one
+    piece, before anything else is pinned. The pool grows by regions of
+    doubling size and never shrinks: allocated leaf by leaf, gpt2-10b's
+    15.6 GiB of landing buffers took regions of 8 + 8 + 16 GiB, and the
+    host killed the run; reserved at once, one region of 16 GiB."""
+    total = self._dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
+                                       for l in self.layouts if l.on_host)
+    if total:
+      device = self._mesh.devices.flat[0]
+      pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+      jax.jit(lambda: jnp.zeros(total, jnp.uint8), out_shardings=pinned)().delete()
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`);
