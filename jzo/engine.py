@@ -214,7 +214,7 @@ class ZeroEngine:
     if self.host_update is not None:
       delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
       grads = jax.tree.leaves(self.state.grads)
-      self.state = self.state._replace(grads=None)  # freed once downloaded
+      self.state = self.state._replace(grads=None)  # each freed once it is down
       self.host_update.exchange(grads, metrics.skipped, grad_scale, delayed=delayed,
                                 install=self._install)
     return metrics
@@ -237,10 +237,11 @@ class ZeroEngine:
     if self.host_update is not None:
       self.host_update.finish(self._install)
 
-  def _install(self, i: int, uploaded: jax.Array) -> None:
+  def _install(self, i: int, uploaded: jax.Array) -> jax.Array:
     leaves, treedef = jax.tree.flatten(self.state.params)
     leaves[i] = self._install_fn(i, leaves[i], uploaded)
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
+    return leaves[i]
 
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead)."""

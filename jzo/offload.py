@@ -148,11 +148,15 @@ class HostUpdate:
     Args:
       grads: per leaf (jax.tree.leaves order), the step's local flat
         gradients on the devices (leaves without a host part: ignored).
+        Each entry is set to None once its copy down is under way, so its
+        device memory is freed as soon as the copy is done: the caller
+        must keep no other reference.
       skipped, grad_scale: the step's device scalars.
       delayed: leave this step's update in flight (the delayed update);
         otherwise it is applied before this returns.
       install: install(i, uploaded) writes leaf i's new host parts (on the
-        devices, flat `part_shape(k - c)`) into the params.
+        devices, flat `part_shape(k - c)`) into the params and returns the
+        new params leaf.
     """
     start = time.perf_counter()
     jax.block_until_ready(grads)  # the step is done: its peak has passed
@@ -164,6 +168,7 @@ class HostUpdate:
     for i in self._host_leaves:
       if i not in landing:
         landing[i] = self.transfer.download(i, grads[i])
+        grads[i] = None
     # The gradients leave the devices before the next step allocates its memory.
     jax.block_until_ready(list(landing.values()))
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
@@ -188,9 +193,12 @@ class HostUpdate:
     while (i := pending.done.get()) is not None:
       if isinstance(i, BaseException):
         pending.future.result()  # re-raises with the update thread's traceback
-      install(i, self.transfer.upload(i, pending.landing.pop(i)))
+      # One leaf at a time: its new weights are in the params, and the
+      # uploaded copy freed, before the next leaf's come up.
+      jax.block_until_ready(install(i, self.transfer.upload(i, pending.landing.pop(i))))
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
+        next_grads[i] = None
     pending.future.result()
     self.timings["update"] = pending.kernel_s
     self.timings["upload"] = time.perf_counter() - pending.kernel_done
