@@ -199,6 +199,8 @@ class HostUpdate:
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
+        if self.transfer.layouts[i].on_device:  # its host part was sliced out into a copy
+          jax.block_until_ready(landing[i])
     pending.future.result()
     self.timings["update"] = pending.kernel_s
     self.timings["upload"] = time.perf_counter() - pending.kernel_done

@@ -156,7 +156,10 @@ def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
       fn = jax.shard_map(lambda p, u: write_part(plan, l, p, u, l.on_device), mesh=mesh,
                          in_specs=(specs[i], l.spec(plan.axis)), out_specs=specs[i],
                          check_vma=False)
-      compiled[i] = jax.jit(fn, donate_argnums=0)
+      # keep_unused: a whole host part never reads the old weights, and an
+      # unused argument would be dropped, with it the donation (and the
+      # new weights would take a second buffer beside the old).
+      compiled[i] = jax.jit(fn, donate_argnums=0, keep_unused=True)
     return compiled[i](params_leaf, uploaded)
   return install
 
