@@ -149,11 +149,13 @@ class Plan:
     itemsize = self.grad_dtype.itemsize
     host_leaves = [l for l in self.leaves if l.on_host]
     kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves)
-    # One leaf at a time: its new weights come up while its next gradient
-    # (sliced out of the shard when the leaf is split) goes down.
-    moving = max(lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
-                 + (itemsize * _rows(l) * l.on_host if l.on_device else 0)
-                 for l in host_leaves)
+    # A leaf's new weights come up while the previous leaf's next gradient
+    # (sliced out of the shard when the leaf is split) may still be on its
+    # way down: room for two leaves' host parts (gpt2-10b on an H100 ran out
+    # of memory at the exchange with room for one).
+    part = lambda l: (lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
+                      + (itemsize * _rows(l) * l.on_host if l.on_device else 0))
+    moving = 2 * max(part(l) for l in host_leaves)
     exchange = {"grads to the host": kept, "leaf in transfer": moving}
     bigger = step if sum(step.values()) >= sum(exchange.values()) else exchange
     return {**self.device_bytes(), **bigger}
