@@ -60,6 +60,8 @@ class TrainConfig:
   offload_fraction: str = _opt("with --offload, the share of the optimizer state in host RAM: "
                                "auto (as much on the devices as fits; all of it on CPUs) or a "
                                "number in [0, 1]", "auto")
+  device_memory_gb: float = _opt("GiB of one device's memory the placement may plan for (0: what "
+                                 "its allocator reports)", 0.0)
   moments: str = _opt("dtype of the Adam moments: fp32, or bf16 (half the memory)", "fp32")
   delayed_update: bool = _opt("offload: one-step delayed parameter update", False)
   precision: str = _opt("compute precision: bf16 or fp16", "bf16")
@@ -108,6 +110,8 @@ def check(cfg: TrainConfig) -> None:
     raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
   if cfg.remat not in gpt.REMAT_POLICIES:
     raise UserError(f"--remat must be one of {', '.join(gpt.REMAT_POLICIES)}, got {cfg.remat!r}")
+  if cfg.device_memory_gb < 0:
+    raise UserError(f"--device-memory-gb must be >= 0, got {cfg.device_memory_gb}")
   if cfg.peak_tflops < 0:
     raise UserError(f"--peak-tflops must be >= 0, got {cfg.peak_tflops}")
   if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
@@ -207,7 +211,8 @@ def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngi
       grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
       offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
       layers="blocks" if cfg.stage == 3 else None,
-      activation_memory=gpt.activation_bytes(model, cfg.batch_size // len(devices), cfg.seq_len))
+      activation_memory=gpt.activation_bytes(model, cfg.batch_size // len(devices), cfg.seq_len),
+      device_memory=int(cfg.device_memory_gb * 2**30) or None)
 
 
 def build_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
