@@ -174,7 +174,7 @@ class HostUpdate:
         grads[i] = None
     # The gradients leave the devices before the next step allocates its memory.
     jax.block_until_ready(list(landing.values()))
-    _wait_released(device, in_use - gradient_bytes)
+    _wait_released(device, None if in_use is None else in_use - gradient_bytes)
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
     self._pending = _Update(landing, float(grad_scale))
     self._pending.future = self._executor.submit(self._run, self._pending)
