@@ -180,7 +180,7 @@ def test_estimate_cli_help_and_bad_input():
 
 def test_estimate_agrees_with_the_engine():
   params = init_params()
-  est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=10**9)
+  est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=10**10)
   engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.4, mesh=mesh_of(8))
   assert est.fits and est.plan.host_bytes() == engine.plan.host_bytes()
   assert est.plan.device_bytes() == engine.plan.device_bytes()
