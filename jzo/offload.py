@@ -142,7 +142,7 @@ class HostUpdate:
     return sum(x.nbytes for x in self.landing_buffers().values())
 
   def exchange(self, grads: list, skipped, grad_scale, *, delayed: bool,
-               install: Callable[[int, jax.Array], None]) -> None:
+               install: Callable[[int, jax.Array], jax.Array]) -> None:
     """The host side of one step.
 
     Args:
@@ -161,9 +161,6 @@ class HostUpdate:
     start = time.perf_counter()
     jax.block_until_ready(grads)  # the step is done: its peak has passed
     waited = time.perf_counter()
-    device = self.transfer.device
-    in_use = _bytes_in_use(device)
-    gradient_bytes = sum(x.addressable_shards[0].data.nbytes for x in grads if x is not None)
     skip = bool(skipped)
     landing = self._finish(install, None if skip else grads)
     if skip:
@@ -174,7 +171,6 @@ class HostUpdate:
         grads[i] = None
     # The gradients leave the devices before the next step allocates its memory.
     jax.block_until_ready(list(landing.values()))
-    _wait_released(device, None if in_use is None else in_use - gradient_bytes)
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
     self._pending = _Update(landing, float(grad_scale))
     self._pending.future = self._executor.submit(self._run, self._pending)
@@ -182,7 +178,7 @@ class HostUpdate:
     if not delayed:
       self._finish(install, None)
 
-  def finish(self, install: Callable[[int, jax.Array], None]) -> None:
+  def finish(self, install: Callable[[int, jax.Array], jax.Array]) -> None:
     """Applies the update in flight, if any (see `exchange`)."""
     self._finish(install, None)
 
@@ -227,24 +223,6 @@ class HostUpdate:
   def close(self) -> None:
     """Stops the update thread (call `finish` first to apply an update in flight)."""
     self._executor.shutdown()
-
-
-def _bytes_in_use(device) -> int | None:
-  return (device.memory_stats() or {}).get("bytes_in_use") if device else None
-
-
-def _wait_released(device, target: int | None, timeout: float = 2.0) -> None:
-  """Waits (at most `timeout` s) until the device's allocator holds at most
-  `target` bytes. A buffer's memory returns to the allocator on a callback
-  after its last use (here, the copy down), a little after the copy is
-  done; a step launched before that could not allocate (gpt2-10b on an
-  H100 ran out of memory with the previous step's 17 GiB of gradients
-  still held). No-op where the device reports no statistics (CPU)."""
-  if target is None:
-    return
-  deadline = time.perf_counter() + timeout
-  while _bytes_in_use(device) > target and time.perf_counter() < deadline:
-    time.sleep(0.001)
 
 
 class _Update:

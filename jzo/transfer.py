@@ -45,11 +45,6 @@ class ShardTransfer:
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
 
-  @property
-  def device(self):
-    """The mesh's first device (the others hold the same sizes)."""
-    return self._mesh.devices.flat[0]
-
   def download(self, i: int, grad: jax.Array) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
     (`grad`: the step's local flat gradients, `flat_shape`) into a new
