@@ -6,6 +6,7 @@ calls are wrapped; the engine is unchanged).
 """
 
 import argparse
+import collections
 import dataclasses
 import functools
 import sys
@@ -54,7 +55,18 @@ def main():
   batch = {"tokens": jnp.zeros((args.batch, 1025), jnp.int32)}
   for step in range(args.steps):
     print(f"step {step}: before {gib()} GiB", file=sys.stderr, flush=True)
-    jax.block_until_ready(engine.step(batch).loss)
+    live_before = {id(x): x for x in jax.live_arrays() if x.sharding.memory_kind == "device"}
+    try:
+      jax.block_until_ready(engine.step(batch).loss)
+    except Exception as e:  # what held the device memory when the step failed
+      print(f"step {step} failed: {e}", file=sys.stderr)
+      counts = collections.Counter(
+          (tuple(x.shape), str(x.dtype), id(x) in live_before, x.is_deleted())
+          for x in jax.live_arrays() if x.sharding.memory_kind == "device")
+      for (shape, dtype, before, deleted), n in counts.most_common(20):
+        print(f"  live: {n} x {shape} {dtype} (alive before the step: {before}, "
+              f"deleted: {deleted})", file=sys.stderr)
+      raise
   engine.close()
 
 
