@@ -1,5 +1,6 @@
 """Optimizer state split between device and host memory, and the planner."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import plan as plan_lib
+from jzo import partition, plan as plan_lib
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
@@ -87,12 +88,18 @@ def test_auto_fills_the_device_and_offloads_the_rest():
   tight = jzo.ZeroEngine(loss_fn, params, TX(), device_memory=budget, **kw)
   assert 0 < tight.plan.offloaded_fraction < 1
   assert len([l for l in tight.plan.leaves if 0 < l.on_device < l.shard_size]) <= 1
-  # Filled to within one aligned block of 16 elements' state (12 B each) at
-  # the step's peak or while the weights are drawn beside the state.
-  plan = tight.plan
-  bound = max(sum(plan.device_peak(1000).values()),
-              sum(plan.device_bytes().values()) + plan.build_bytes())
-  assert budget * (1 - plan_lib.DEVICE_HEADROOM) - 16 * 12 * 2 < bound <= budget
+  # It fits (the step's peak, the exchange after it, the draw beside the
+  # state), and one more aligned block of 16 elements of the largest host
+  # leaf on the device would not.
+  plan, limit = tight.plan, budget * (1 - plan_lib.DEVICE_HEADROOM)
+  need = lambda p: max(sum(p.device_peak(1000).values()),
+                       sum(p.device_bytes().values()) + p.build_bytes())
+  assert need(plan) <= limit
+  leaves, treedef = jax.tree.flatten(plan.layouts, is_leaf=partition.is_layout)
+  i = max(range(len(leaves)), key=lambda i: leaves[i].on_host)
+  leaves[i] = leaves[i].place(leaves[i].on_device + 16)
+  more = dataclasses.replace(plan, layouts=jax.tree.unflatten(treedef, leaves))
+  assert need(more) > limit
   for b in batches(3):
     tight.step(b)
 
