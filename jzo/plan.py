@@ -19,11 +19,11 @@ buffer the step keeps, float32 masters and moments of the device part, and
 the larger of two moments: the step's peak (the backward pass's gradients,
 an fp32 accumulator when grad_accum > 1, activations given by the model)
 and, with offload, the exchange after the step (the gradients of the leaves
-with a host part wait on the device until they are down, one leaf's new
-weights come up and its host part is sliced). Host (all devices' shards):
-masters and moments of the host part and one landing buffer per leaf, which
-carries the gradients down and the new weights up. Building draws one leaf
-at a time in float32 on the first device, largest first.
+with a host part wait on the device until they are down while leaves' new
+weights come up). Host (all devices' shards): masters and moments of the
+host part and one landing buffer per leaf, which carries the gradients down
+and the new weights up, in XLA's pinned pool; the runtime. Building draws
+one leaf at a time in float32 on the first device, largest first.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ HOST_UPDATE_PARAMS_PER_S = 4.5e9
 # Share of the device memory the planner leaves free for what it does not
 # model (XLA's fragmentation, cuDNN and cuBLAS workspaces).
 DEVICE_HEADROOM = 0.06
-# Host RAM of the process besides the offloaded state: CUDA, XLA, Python
-# and the rounding of XLA's pinned pool (measured on the H100 machine with
-# offload: host RSS - state = 4.0 GiB at 4.24B, 4.9 at 1.56B, 4.7 at 10.28B).
+# Host RAM of the process besides the offloaded state and the pinned pool:
+# CUDA, XLA, Python (measured on the H100 machine with offload: host RSS -
+# state - pool = 3.8 GiB at 1.56B, 3.9 at 4.24B, 4.2 at 10.28B, 4.7 at 12.85B).
 HOST_RUNTIME_BYTES = int(4.5 * 2**30)
 
 
@@ -168,7 +168,7 @@ class Plan:
     part = lambda l: (lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
                       + (itemsize * _rows(l) * l.on_host if l.on_device else 0))
     moving = 2 * max(part(l) for l in host_leaves)
-    exchange = {"grads to the host": kept, "leaf in transfer": moving}
+    exchange = {"grads to the host": kept, "leaves in transfer": moving}
     bigger = step if sum(step.values()) >= sum(exchange.values()) else exchange
     return {**self.device_bytes(), **bigger}
 
