@@ -145,6 +145,43 @@ def test_low_precision_copy_rounds_like_numpy(level, lowp_dtype):
 
 
 @pytest.mark.parametrize("level", X86_LEVELS)
+@pytest.mark.parametrize("lowp_dtype", [BF16, np.float16])
+def test_new_weights_written_over_the_gradient_equal_a_separate_copy(level, lowp_dtype):
+  """lowp_out may be the gradient array itself (offload's landing buffer):
+  every gradient is read before its weight is stored, at any alignment."""
+  rng = np.random.default_rng(5)
+  n = 3 * kernels_chunk() + 37  # several threads' ranges, a vector tail
+  for offset in (0, 1, 7):
+    base = rng.standard_normal(n + offset).astype(lowp_dtype)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    m0 = np.abs(rng.standard_normal(n)).astype(np.float32) * 1e-2
+    v0 = np.abs(rng.standard_normal(n)).astype(np.float32) * 1e-3
+    (p1, m1, v1), (p2, m2, v2) = ([x.copy() for x in (p0, m0, v0)] for _ in range(2))
+    grad = base[offset:].copy()
+    separate = np.empty(n, lowp_dtype)
+    in_place = base.copy()[offset:]  # a misaligned view, written over
+    want_grad = in_place.copy()
+    with simd(level):
+      kernels.adam_step_(p1, grad, m1, v1, count=3, learning_rate=1e-2, weight_decay=0.1,
+                         lowp_out=separate)
+      kernels.adam_step_(p2, in_place, m2, v2, count=3, learning_rate=1e-2, weight_decay=0.1,
+                         lowp_out=in_place)
+    np.testing.assert_array_equal(grad, want_grad)  # same gradients went in
+    for a, b in ((p1, p2), (m1, m2), (v1, v2)):
+      np.testing.assert_array_equal(a, b)
+    assert in_place.view(np.uint16).tolist() == separate.view(np.uint16).tolist()
+
+
+def test_lowp_out_overlapping_the_gradient_in_part_is_refused():
+  n = 64
+  p, m, v = (np.zeros(n, np.float32) for _ in range(3))
+  buf = np.ones(2 * n, BF16)
+  with pytest.raises(ValueError, match="overlap"):
+    kernels.adam_step_(p, buf[:n], m, v, count=1, learning_rate=1e-2, lowp_out=buf[n // 2:][:n])
+  assert not p.any() and (buf == 1).all()
+
+
+@pytest.mark.parametrize("level", X86_LEVELS)
 def test_alignment_does_not_change_results(level):
   """Arrays starting at any element offset give the bits of aligned ones,
   whether or not the copy-out is aligned for streaming stores."""
