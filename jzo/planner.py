@@ -2,7 +2,7 @@
 
 `jzo.estimate(...)` and `python -m jzo.estimate --model gpt2-10b` compute,
 per device and for the host, the bytes of weights, gradients, master
-weights, moments, staging buffers and activations of a training
+weights, moments, landing buffers and activations of a training
 configuration, whether it fits, and the placement of the optimizer state the
 engine would use. Shapes come from `jax.eval_shape`: no weight is drawn, so
 it runs in seconds on a laptop for any preset. The engine and the recipe
