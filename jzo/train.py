@@ -14,6 +14,7 @@ measured at start-up (the ceiling a JAX program can reach there).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -253,6 +254,15 @@ class Throughput:
     """Times from now on: called after each log line, so evaluation is not counted."""
     self._start = time.perf_counter()
 
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves the time spent inside out of the interval (a checkpoint write)."""
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._start += time.perf_counter() - start
+
   def measure(self, step: int) -> tuple[float, float]:
     """Tokens/s and model TFLOPS of the steps up to `step` since the last call."""
     elapsed = time.perf_counter() - self._start
@@ -424,7 +434,8 @@ def train(cfg: TrainConfig) -> dict:
         done = step + 1
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
           # The batch order is a function of the step, so the step is the data position.
-          checkpoint.save(manager, engine, done)
+          with meter.paused():
+            checkpoint.save(manager, engine, done)
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
         if done % cfg.log_every and not is_eval:
           continue

@@ -1,6 +1,7 @@
 """`python -m jzo.train`: a few steps end to end, and what bad input gets."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,24 @@ def test_recipe_runs_with_offload_on_two_devices(tmp_path, capsys):
   assert json.loads((tmp_path / "config.json").read_text())["devices"] == 2
   out = capsys.readouterr().out
   assert "2 cpu device(s), stage 2 + offload" in out and "--- sample" in out
+
+
+def test_throughput_counts_training_steps_only(tmp_path, monkeypatch):
+  """A slow checkpoint write (1 s here) and the evaluation stay out of the
+  logged tokens/s: each interval's time, recovered from it, is shorter."""
+  save = train.checkpoint.save
+
+  def slow_save(*args, **kwargs):
+    time.sleep(1.0)
+    return save(*args, **kwargs)
+  monkeypatch.setattr(train.checkpoint, "save", slow_save)
+  args = FAST + ["--checkpoint-every", "2", "--steps", "6", "--eval-every", "2",
+                 "--sample-tokens", "0", "--out", str(tmp_path)]
+  assert train.main(args) == 0
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  tokens = 4 * 32 * 2  # batch x seq x steps per interval
+  seconds = [tokens / l["tokens_per_s"] for l in lines]
+  assert len(seconds) == 3 and max(seconds[1:]) < 1.0, seconds
 
 
 def test_loss_falls_on_the_embedded_corpus(tmp_path):
