@@ -14,7 +14,6 @@ measured at start-up (the ceiling a JAX program can reach there).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -237,55 +236,44 @@ def evaluate(model: gpt.GPTConfig, params, batches: data_lib.Batches, n: int) ->
 
 
 class Throughput:
-  """Training speed over the steps since the previous log line.
+  """Training speed over the steps since the last log line, from the steps'
+  own seconds (so evaluations and checkpoint writes between them do not count).
 
   Attributes:
     peak: bf16 TFLOPS of all the devices together, for MFU (0: unknown).
   """
 
-  def __init__(self, cfg: TrainConfig, model: gpt.GPTConfig, first_step: int, peak: float):
+  def __init__(self, cfg: TrainConfig, model: gpt.GPTConfig, peak: float):
     self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     self.flops_per_step = self.tokens_per_step * model.flops_per_token()
     self.peak = peak
-    self._step = first_step
-    self.restart()
+    self._steps, self._seconds = 0, 0.0
 
-  def restart(self) -> None:
-    """Times from now on: called after each log line, so evaluation is not counted."""
-    self._start = time.perf_counter()
+  def add(self, seconds: float) -> None:
+    """Counts one optimizer step that took `seconds`."""
+    self._steps += 1
+    self._seconds += seconds
 
-  @contextlib.contextmanager
-  def paused(self):
-    """Leaves the time spent inside out of the interval (a checkpoint write)."""
-    start = time.perf_counter()
-    try:
-      yield
-    finally:
-      self._start += time.perf_counter() - start
-
-  def measure(self, step: int) -> tuple[float, float]:
-    """Tokens/s and model TFLOPS of the steps up to `step` since the last call."""
-    elapsed = time.perf_counter() - self._start
-    steps, self._step = step - self._step, step
-    return (self.tokens_per_step * steps / elapsed,
-            self.flops_per_step * steps / elapsed / 1e12)
+  def rates(self) -> dict:
+    """Tokens/s, model TFLOPS (and MFU) of the steps counted since the last call."""
+    tokens_per_s = self.tokens_per_step * self._steps / self._seconds
+    tflops = self.flops_per_step * self._steps / self._seconds / 1e12
+    self._steps, self._seconds = 0, 0.0
+    out = {"tokens_per_s": tokens_per_s, "model_tflops": tflops}
+    if self.peak:
+      out["mfu"] = tflops / self.peak
+    return out
 
 
-def log_record(step: int, metrics: jzo.StepMetrics, engine: jzo.ZeroEngine, lr: float,
-               meter: Throughput) -> dict:
-  """One metrics.jsonl entry after `step` optimizer steps (without the evaluation)."""
-  loss = float(metrics.loss)  # host sync, once per log line: the clock then covers the steps
-  tokens_per_s, tflops = meter.measure(step)
-  record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
-            "model_tflops": tflops, "grad_norm": float(metrics.grad_norm),
-            "skipped": int(engine.state.skipped)}
-  if meter.peak:
-    record["mfu"] = tflops / meter.peak
-  return record
+def step_record(step: int, metrics: jzo.StepMetrics, lr: float) -> dict:
+  """One metrics.jsonl entry after `step` optimizer steps (reading it waits for the step)."""
+  return {"step": step, "loss": float(metrics.loss), "lr": lr,
+          "grad_norm": float(metrics.grad_norm), "loss_scale": float(metrics.loss_scale),
+          "skipped": bool(metrics.skipped)}
 
 
 def log_line(record: dict) -> str:
-  """The printed form of a `log_record` (with its evaluation, if any)."""
+  """The printed form of a log step's record (with its rates and evaluation, if any)."""
   return (f"step {record['step']}: loss {record['loss']:.4f}"
           + (f", eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
           + f", lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} tokens/s, "
@@ -403,7 +391,7 @@ def banner(cfg: TrainConfig, model: gpt.GPTConfig, data: Data, devices, peak: fl
 
 
 def train(cfg: TrainConfig) -> dict:
-  """Runs the recipe; returns the last log line's metrics ({} if none was due)."""
+  """Runs the recipe; returns the last step's record ({} if no step was run)."""
   check(cfg)
   devices = jax.devices()[:cfg.devices or None]
   data = load_data(cfg, devices)
@@ -424,30 +412,32 @@ def train(cfg: TrainConfig) -> dict:
     print(banner(cfg, model, data, devices, peak))
     print(engine.plan)
     schedule = lr_schedule(cfg)
-    meter = Throughput(cfg, model, first, peak * len(devices))
+    meter = Throughput(cfg, model, peak * len(devices))
     last = {}
     with open(out / "metrics.jsonl", "a") as log, \
          tqdm.tqdm(total=cfg.steps, initial=first, unit="step") as bar:
+      started = time.perf_counter()
       for step in range(first, cfg.steps):
         metrics = engine.step({"tokens": data.batches[step]})
-        bar.update()
         done = step + 1
+        last = step_record(done, metrics, float(schedule(step)))  # waits for the step
+        last["step_s"] = time.perf_counter() - started
+        meter.add(last["step_s"])
+        bar.update()
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
           # The batch order is a function of the step, so the step is the data position.
-          with meter.paused():
-            checkpoint.save(manager, engine, done)
+          checkpoint.save(manager, engine, done)
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
-        if done % cfg.log_every and not is_eval:
-          continue
-        last = log_record(done, metrics, engine, float(schedule(step)), meter)
-        if is_eval:
-          last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
-                                       cfg.eval_batches)
+        if is_eval or done % cfg.log_every == 0:
+          last.update(meter.rates())
+          if is_eval:
+            last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
+                                         cfg.eval_batches)
+          bar.write(log_line(last))
         history.append(last)
         log.write(json.dumps(last) + "\n")
         log.flush()
-        bar.write(log_line(last))
-        meter.restart()  # the next interval times training only, not this evaluation
+        started = time.perf_counter()  # the next step's clock: not this bookkeeping
   engine.close()
   plot(history, out / "loss.png")
   if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:

@@ -17,8 +17,13 @@ def test_recipe_runs_with_offload_on_two_devices(tmp_path, capsys):
   code = train.main(FAST + ["--offload", "--out", str(tmp_path)])
   assert code == 0
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [l["step"] for l in lines] == [2, 4]
-  assert np.isfinite(lines[-1]["loss"]) and "eval_loss" in lines[-1]
+  # A line per step; the log steps (2, 4) carry the rates, the last the evaluation.
+  assert [l["step"] for l in lines] == [1, 2, 3, 4]
+  for l in lines:
+    assert np.isfinite(l["loss"]) and l["step_s"] > 0 and l["skipped"] is False
+    assert {"lr", "grad_norm", "loss_scale"} <= set(l)
+    assert ("tokens_per_s" in l) == (l["step"] % 2 == 0)
+  assert "eval_loss" in lines[-1]
   assert (tmp_path / "loss.png").stat().st_size > 1000
   assert json.loads((tmp_path / "config.json").read_text())["devices"] == 2
   out = capsys.readouterr().out
@@ -27,7 +32,8 @@ def test_recipe_runs_with_offload_on_two_devices(tmp_path, capsys):
 
 def test_throughput_counts_training_steps_only(tmp_path, monkeypatch):
   """A slow checkpoint write (1 s here) and the evaluation stay out of the
-  logged tokens/s: each interval's time, recovered from it, is shorter."""
+  logged tokens/s and of the steps' seconds: each interval's time,
+  recovered from its tokens/s, is shorter."""
   save = train.checkpoint.save
 
   def slow_save(*args, **kwargs):
@@ -39,8 +45,9 @@ def test_throughput_counts_training_steps_only(tmp_path, monkeypatch):
   assert train.main(args) == 0
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   tokens = 4 * 32 * 2  # batch x seq x steps per interval
-  seconds = [tokens / l["tokens_per_s"] for l in lines]
+  seconds = [tokens / l["tokens_per_s"] for l in lines if "tokens_per_s" in l]
   assert len(seconds) == 3 and max(seconds[1:]) < 1.0, seconds
+  assert max(l["step_s"] for l in lines[1:]) < 1.0
 
 
 def test_loss_falls_on_the_embedded_corpus(tmp_path):
@@ -98,7 +105,7 @@ def test_preset_file_then_command_line(tmp_path):
 def run_log(out):
   """The metrics of a run without its wall-clock fields."""
   lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-  return [{k: v for k, v in l.items() if k not in ("tokens_per_s", "model_tflops")}
+  return [{k: v for k, v in l.items() if k not in ("tokens_per_s", "model_tflops", "step_s")}
           for l in lines]
 
 
