@@ -8,11 +8,9 @@
 # Output: $OUT/<part>.log, metrics and JSON files.
 set -uo pipefail
 part=$1
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 log=$OUT/$part.log
-build() {
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > $OUT/build.log 2>&1 || { tail -20 $OUT/build.log; exit 1; }
-}
+build() { source experiments/device_setup.sh || exit 1; }
 recipe() {  # model steps extra-flags...
   local model=$1 steps=$2; shift 2
   free -g | tee -a $log
@@ -28,8 +26,7 @@ recipe() {  # model steps extra-flags...
 }
 case $part in
 A)
-  build
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $log
+  build > $log; cat $log
   JAX_PLATFORMS=cuda,cpu timeout 150 python3 -m pytest -q tests/test_offload_gpu.py 2>&1 | tail -5 | tee -a $log
   timeout 100 python3 experiments/draw_memory.py gpt2-10b 2>&1 | tail -1 | tee -a $log
   LIMIT=300 recipe gpt2-10b ${STEPS:-24}

@@ -33,8 +33,8 @@ def abstract_state(plan, tx, mesh):
                                                         sharding=NamedSharding(mesh, spec))
   on = lambda f, tree: jax.tree.map(f, plan.layouts, tree, is_leaf=is_layout)
   lowp = plan.compute_dtype
-  params = on(lambda l, s: sds(l.local_shape if plan.sharded_lowp else l.shape, lowp, s)
-              if not plan.sharded_lowp else sds(l.flat_shape, lowp, s), specs.params)
+  params = on(lambda l, s: sds(l.flat_shape if plan.sharded_lowp else l.shape, lowp, s),
+              specs.params)
   master = opt = None
   if plan.has_device_state:
     master = on(lambda l, s: sds(l.part_shape(l.on_device), jnp.float32, s), specs.master)

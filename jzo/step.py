@@ -103,9 +103,8 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
 
 
 def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
-  """Global shape of the gradient buffer of one leaf."""
-  if plan.offload:
-    return layout.flat_shape if layout.on_host else layout.part_shape(0)
+  """Global shape of the gradient buffer the state keeps for one leaf
+  without offload (with offload the step's outputs are downloaded, not kept)."""
   if plan.stage == 1:
     return (plan.n_devices,) + layout.shape
   return layout.shape if plan.stage == 0 else layout.flat_shape

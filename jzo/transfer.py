@@ -44,6 +44,7 @@ class ShardTransfer:
     specs = [l.spec(axis) for l in self.layouts]
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
+    self._host_part_fns: dict[int, object] = {}  # leaf index -> its compiled slice
 
   def download(self, i: int, grad: jax.Array) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
@@ -52,7 +53,9 @@ class ShardTransfer:
     at once (the copy completes in the background)."""
     if not self.layouts[i].on_device:  # the whole shard: a plain copy, nothing made on the device
       return jax.device_put(grad, self._pinned[i])
-    return self._host_part_fn(i)(grad)
+    if i not in self._host_part_fns:
+      self._host_part_fns[i] = self._host_part_fn(i)
+    return self._host_part_fns[i](grad)
 
   def reserve(self) -> None:
     """Makes XLA's pinned host pool hold one set of landing buffers in one
@@ -83,7 +86,6 @@ class ShardTransfer:
       out[d] = writable_view(shard.data)
     return out
 
-  @functools.cache
   def _host_part_fn(self, i: int):
     layout = self.layouts[i]
     spec = layout.spec(self._axis)
