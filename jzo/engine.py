@@ -226,8 +226,11 @@ class ZeroEngine:
     it, then the host side; called alone (to time the device), the host
     parts' weights are not updated."""
     fn = self._step_fn(batch)
-    state = self.state._replace(grads=None) if self.plan.offload else self.state
-    self.state, metrics, grad_scale = fn(state, batch)
+    if self.plan.offload:
+      # The engine lets go of gradients not taken down (a step run alone)
+      # before the step allocates its own: gpt2-10b has no room for two sets.
+      self.state = self.state._replace(grads=None)
+    self.state, metrics, grad_scale = fn(self.state, batch)
     self._steps += 1
     return metrics, grad_scale
 

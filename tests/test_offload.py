@@ -63,6 +63,27 @@ def test_new_weights_are_written_into_the_params_in_place():
   assert where() == before
 
 
+def test_a_device_step_run_alone_lets_go_of_the_gradients_before_the_next():
+  """Steps run alone (to time the device) leave their gradients in the
+  state; the next step must not run while the engine still holds them (on
+  an H100 gpt2-10b has no room for two sets)."""
+  import weakref
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(1))
+  b = batches(1)[0]
+  engine.run_device_step(b)
+  previous = [weakref.ref(g) for g in jax.tree.leaves(engine.state.grads)]
+  assert previous
+  step = engine._step_fn(b)
+  held = []
+
+  def watched(state, batch):
+    held.append(sum(r() is not None for r in previous))
+    return step(state, batch)
+  engine._step_fns = {k: watched for k in engine._step_fns}
+  engine.run_device_step(b)
+  assert held == [0]
+
+
 def test_delayed_update_applies_each_update_one_step_late():
   params, data, warmup = init_params(), batches(12), 3
   engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, offload=True,
