@@ -53,12 +53,43 @@ DEVICE_HEADROOM = 0.06
 HOST_RUNTIME_BYTES = int(4.5 * 2**30)
 
 
+# XLA's pinned host pool on GPUs: its cap in GiB is read from this variable
+# when JAX starts its GPU backend (XLA's default: 64).
+PINNED_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+_XLA_PINNED_POOL_LIMIT_GIB = 64
+# Pinned memory besides the landing buffers: staging of the batches and checkpoint reads.
+PINNED_POOL_HEADROOM = 2 * 2**30
+
+
+def pinned_pool_limit() -> int:
+  """Bytes XLA's pinned host pool may hold (see PINNED_POOL_LIMIT_VAR)."""
+  value = os.environ.get(PINNED_POOL_LIMIT_VAR, "")
+  try:
+    return int(value) * 2**30 if value else _XLA_PINNED_POOL_LIMIT_GIB * 2**30
+  except ValueError:
+    raise ValueError(f"{PINNED_POOL_LIMIT_VAR} must be a whole number of GiB, "
+                     f"got {value!r}") from None
+
+
 def pinned_pool_bytes(landing: int) -> int:
   """Host bytes XLA's pinned pool takes for `landing` bytes of landing
-  buffers reserved in one piece: its regions grow in powers of two, and
-  pinned pages are resident (gpt2-13b's 21.6 GiB of landing buffers took a
-  32 GiB region: host RSS 123.2 GiB = state 86.5 + 32 + runtime)."""
-  return 1 << (landing - 1).bit_length() if landing else 0
+  buffers reserved in one piece: its regions grow in powers of two, up to
+  what its cap leaves, and pinned pages are resident (gpt2-13b's 21.6 GiB
+  of landing buffers took a 32 GiB region under the default 64 GiB cap:
+  host RSS 123.2 GiB = state 86.5 + 32 + runtime)."""
+  return min(1 << (landing - 1).bit_length(), pinned_pool_limit()) if landing else 0
+
+
+def limit_pinned_pool(landing: int) -> int:
+  """Caps XLA's pinned pool at `landing` bytes (the most landing buffers a
+  run can hold, e.g. every parameter's gradient in the compute dtype) plus
+  PINNED_POOL_HEADROOM, so that their region is not rounded up to a power
+  of two (it would be resident: 32 GiB for 21.6 GiB at gpt2-13b). Takes
+  effect only before JAX starts its GPU backend, and leaves a cap the user
+  set alone. Returns the cap in bytes."""
+  if PINNED_POOL_LIMIT_VAR not in os.environ:
+    os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil((landing + PINNED_POOL_HEADROOM) / 2**30))
+  return pinned_pool_limit()
 # Host part of a large split leaf: a multiple of this many elements (a cache
 # line of float32), so that the split falls on a cache-line boundary.
 _ALIGN = 16
@@ -161,13 +192,12 @@ class Plan:
     itemsize = self.grad_dtype.itemsize
     host_leaves = [l for l in self.leaves if l.on_host]
     kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves)
-    # A leaf's new weights come up while the previous leaf's next gradient
-    # (sliced out of the shard when the leaf is split) may still be on its
-    # way down: room for two leaves' host parts (gpt2-10b on an H100 ran out
-    # of memory at the exchange with room for one).
-    part = lambda l: (lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
-                      + (itemsize * _rows(l) * l.on_host if l.on_device else 0))
-    moving = 2 * max(part(l) for l in host_leaves)
+    # Leaf by leaf, its new weights come up (then go into the params in
+    # place) and its next gradient goes down: a whole leaf's gradient goes
+    # as it is, the split leaf's host part is first sliced into a copy.
+    upload = lambda l: lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
+    sliced = lambda l: itemsize * _rows(l) * l.on_host if l.on_device else 0
+    moving = max(map(upload, host_leaves)) + max(map(sliced, host_leaves))
     exchange = {"grads to the host": kept, "leaves in transfer": moving}
     bigger = step if sum(step.values()) >= sum(exchange.values()) else exchange
     return {**self.device_bytes(), **bigger}
@@ -350,6 +380,12 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
     host = plan.host_bytes()
+    if device_memory is not None and host["landing"] + BUILD_CHUNK_BYTES > pinned_pool_limit():
+      raise PlacementError(
+          f"the landing buffers need {host['landing'] / GiB:.2f} GiB of pinned host memory "
+          f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool is "
+          f"capped at {pinned_pool_limit() / GiB:.0f} GiB: set {PINNED_POOL_LIMIT_VAR} "
+          "higher before JAX starts (jzo.plan.limit_pinned_pool)")
     need, parts = _total_and_parts({**host, "building": building,
                                     "pool rounding": pinned_pool_bytes(host["landing"])
                                     - host["landing"], "runtime": HOST_RUNTIME_BYTES})

@@ -191,3 +191,30 @@ def test_estimate_agrees_with_the_engine():
   engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.4, mesh=mesh_of(8))
   assert est.fits and est.plan.host_bytes() == engine.plan.host_bytes()
   assert est.plan.device_bytes() == engine.plan.device_bytes()
+
+
+def test_the_pinned_pool_is_capped_at_the_landing_buffers(monkeypatch):
+  """XLA's pinned pool rounds a region up to a power of two unless its cap
+  stops it: the cap set from the landing bytes keeps the pool near them."""
+  GiB = 2**30
+  monkeypatch.delenv(plan_lib.PINNED_POOL_LIMIT_VAR, raising=False)
+  landing = int(21.6 * GiB)
+  assert plan_lib.pinned_pool_bytes(landing) == 32 * GiB  # under XLA's default cap of 64
+  assert plan_lib.limit_pinned_pool(landing) == 24 * GiB  # 21.6 + 2 of headroom, whole GiB
+  assert plan_lib.pinned_pool_bytes(landing) == 24 * GiB
+  # a cap the user chose is kept
+  monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "40")
+  assert plan_lib.limit_pinned_pool(landing) == 40 * GiB
+  monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "lots")
+  with pytest.raises(ValueError, match="whole number of GiB"):
+    plan_lib.pinned_pool_limit()
+
+
+def test_landing_buffers_beyond_the_pinned_pool_cap_are_refused(monkeypatch):
+  monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "1")
+  params = lambda: {"w": jnp.zeros(2**29)}  # 1 GiB of bf16 gradients; never drawn
+  est = jzo.estimate(params, offload=True, device_memory=80 * 2**30, host_memory=100 * 2**30)
+  assert not est.fits and "pinned pool is capped at 1 GiB" in est.error
+  with pytest.raises(MemoryError, match=plan_lib.PINNED_POOL_LIMIT_VAR):
+    jzo.ZeroEngine(lambda p, b: jnp.sum(p["w"]), params, jzo.cpu_adamw(1e-3), offload=True,
+                   device_memory=80 * 2**30, host_memory=100 * 2**30, mesh=mesh_of(1))
