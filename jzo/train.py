@@ -193,6 +193,13 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
   return float(cfg.offload_fraction)
 
 
+def cap_pinned_pool(cfg: TrainConfig) -> None:
+  """Caps XLA's pinned host pool at what the landing buffers can hold at
+  most, every parameter's gradient in the 2-byte compute dtype, so that it
+  does not round them up to a power of two (jzo.plan.limit_pinned_pool)."""
+  jzo.plan.limit_pinned_pool(2 * gpt.PRESETS[cfg.model].n_params)
+
+
 def make_engine(cfg: TrainConfig, model: gpt.GPTConfig, devices) -> jzo.ZeroEngine:
   # A function, not arrays: the engine checks its plan fits from the shapes,
   # then draws the float32 weights one leaf at a time in host memory.
@@ -393,6 +400,8 @@ def banner(cfg: TrainConfig, model: gpt.GPTConfig, data: Data, devices, peak: fl
 def train(cfg: TrainConfig) -> dict:
   """Runs the recipe; returns the last step's record ({} if no step was run)."""
   check(cfg)
+  if cfg.offload:
+    cap_pinned_pool(cfg)  # before JAX starts its GPU backend, which reads the cap
   devices = jax.devices()[:cfg.devices or None]
   data = load_data(cfg, devices)
   model = model_config(cfg, data.vocab)
