@@ -127,15 +127,20 @@ def run_one(args) -> dict:
     result["exchange_tail_s"] = statistics.median(t["upload"] for t in timings)
     result["host_update_gparam_s"] = (engine.plan.host_elements / result["host_update_s"] / 1e9)
     # The device step alone: forward, backward, device-part update.
+    print("timing the device step alone", file=sys.stderr, flush=True)
     result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
-    # The engine's transfers apart: every host part down, then up.
+    # The engine's transfers apart: every host part down, then up, one set
+    # of landing buffers at a time (a second set of gpt2-10b's does not fit
+    # the host).
+    print("timing the transfers", file=sys.stderr, flush=True)
     transfer, grads = engine.host_update.transfer, jax.tree.leaves(engine.state.grads)
     leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
-    down = lambda: {i: transfer.download(i, grads[i]) for i in leaves}
-    landing = jax.block_until_ready(down())
-    nbytes = sum(x.nbytes for x in landing.values())
-    result["d2h_gb_s"] = nbytes / timed(lambda: jax.block_until_ready(down())) / 1e9
-    result["h2d_gb_s"] = nbytes / timed(lambda: [transfer.upload(i, landing[i])
+    down = lambda: jax.block_until_ready({i: transfer.download(i, grads[i]) for i in leaves})
+    delete = lambda arrays: [x.delete() for x in arrays]
+    nbytes = sum(x.nbytes for x in down().values())
+    result["d2h_gb_s"] = nbytes / timed(lambda: delete(down().values())) / 1e9
+    landing = down()
+    result["h2d_gb_s"] = nbytes / timed(lambda: [transfer.upload(i, landing[i]).delete()
                                                   for i in leaves]) / 1e9
   engine.close()
   return result
@@ -182,7 +187,8 @@ def main():
       cmd += ["--host-memory-gb", str(args.host_memory_gb)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
-      print(f"{name} failed:\n{out.stderr[-3000:]}", flush=True)
+      # A negative exit is a signal: -9, the host out of memory.
+      print(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}", flush=True)
       continue
     print(out.stderr[-1500:], flush=True)  # the plan
     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
