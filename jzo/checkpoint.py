@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import step as step_lib
 from jzo.offload import HostAdam
-from jzo.partition import is_layout
+from jzo.partition import LeafLayout, is_layout
 from jzo.plan import Plan
 from jzo.precision import LossScaleState
 from jzo.step import EngineState
@@ -121,13 +121,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
       engine (other options or shapes).
   """
   folder = _folder(manager)
-  if step is None:
-    step = manager.latest_step()
-    if step is None:
-      raise CheckpointError(f"no checkpoint in {folder}", folder)
-  elif step not in manager.all_steps():
-    raise CheckpointError(f"no checkpoint {step} in {folder} (complete ones: "
-                          f"{sorted(manager.all_steps()) or 'none'})", folder, step)
+  step = _complete_step(manager, step)
   where = f"checkpoint {step} in {folder}"
   # The engine's own state as the target: orbax rebuilds the same tree types
   # (optax's named tuples) and dtypes.
@@ -141,11 +135,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     if differences:
       raise CheckpointError(f"{where} does not fit this engine (saved with other stage, "
                             f"offload, optimizer or model): {differences}", folder, step) from e
-    detail = str(e).splitlines()[0] if str(e) else ""
-    if len(detail) > _MAX_DETAIL:
-      detail = detail[:_MAX_DETAIL] + "..."
-    raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {detail}",
-                          folder, step) from e
+    raise _unreadable(e, folder, step) from e
   try:
     engine.load_state_dict(saved)
   except ValueError as e:  # same tree, other shapes or dtypes (e.g. another device count)
@@ -153,8 +143,107 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
   return step
 
 
+def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tuple[int, dict]:
+  """Reads the float32 master weights of a checkpoint alone: no engine, no
+  device, and none of the optimizer state is read from disk.
+
+  Args:
+    directory: the checkpoints folder (what `open_manager` opened); left
+      as it is (a missing folder is not created).
+    step: the checkpoint to read; None for the latest complete one.
+
+  Returns:
+    (step, masters): numpy float32 leaves as saved: in the params' shapes
+    with jzo's Adam (offload, any placement); with another optimizer flat and
+    padded as the devices keep them ((S*k,), or (L, S*k) for stage 3's
+    per-layer leaves), which `masters_in_shapes` undoes.
+
+  Raises:
+    CheckpointError: no such folder, no (such) complete checkpoint, or an
+      unreadable one.
+  """
+  folder = pathlib.Path(directory).absolute()
+  if not folder.is_dir():
+    raise CheckpointError(f"no checkpoints folder {folder}", folder, step)
+  # The tree handler (which StandardCheckpointHandler wraps: same files) can
+  # restore one entry of the saved dict.
+  with ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(create=False),
+                             item_handlers=ocp.PyTreeCheckpointHandler()) as manager:
+    step = _complete_step(manager, step)
+    try:
+      saved = manager.item_metadata(step).tree["master"]
+      as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+      restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+          {"master": saved}, restore_args={"master": as_numpy}, partial_restore=True))
+    except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
+      raise _unreadable(e, folder, step) from e
+  return step, restored["master"]
+
+
+def masters_in_shapes(masters: dict, shapes) -> dict:
+  """`read_masters`' masters in the params' full shapes.
+
+  Args:
+    masters: as saved (full shapes, or flat and padded).
+    shapes: the params' tree, with anything that has a `.shape` as leaves
+      (arrays, `jax.ShapeDtypeStruct`s).
+
+  Returns:
+    The masters as numpy arrays of `shapes`' shapes (a leaf already in its
+    shape is returned as it is).
+
+  Raises:
+    ValueError: other names, or a leaf that does not hold its shape's values.
+  """
+  if jax.tree.structure(masters) != jax.tree.structure(shapes):
+    saved, model = _names(masters), _names(shapes)
+    raise ValueError(f"the checkpoint's parameters are not the model's: "
+                     f"{', '.join(sorted(saved - model)) or 'none'} only in the checkpoint, "
+                     f"{', '.join(sorted(model - saved)) or 'none'} only in the model")
+
+  def one(path, saved, like):
+    shape = tuple(like.shape)
+    if saved.shape == shape:
+      return saved
+    # Flat: (S*k,), or (L, S*k) with a row per layer. Unflattening reads the
+    # full shape alone (the device count the padding was for does not matter).
+    layout = LeafLayout(shape, shards=1, per_layer=saved.ndim == 2)
+    if saved.shape[:-1] != layout.flat_shape[:-1] or saved.shape[-1] < layout.flat_shape[-1]:
+      raise ValueError(f"the checkpoint's {jax.tree_util.keystr(path)} is "
+                       f"{saved.dtype}{list(saved.shape)}, which does not hold the model's "
+                       f"{list(shape)}")
+    return np.asarray(layout.unflatten(saved))
+  return jax.tree_util.tree_map_with_path(one, masters, shapes)
+
+
+def _names(tree) -> set[str]:
+  return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def _folder(manager: ocp.CheckpointManager) -> pathlib.Path:
   return pathlib.Path(str(manager.directory))
+
+
+def _complete_step(manager: ocp.CheckpointManager, step: int | None) -> int:
+  """`step` if it is a complete checkpoint, the latest one if None; else CheckpointError."""
+  folder = _folder(manager)
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise CheckpointError(f"no checkpoint in {folder}", folder)
+  elif step not in manager.all_steps():
+    raise CheckpointError(f"no checkpoint {step} in {folder} (complete ones: "
+                          f"{sorted(manager.all_steps()) or 'none'})", folder, step)
+  return step
+
+
+def _unreadable(e: Exception, folder: pathlib.Path, step: int) -> CheckpointError:
+  """The error for a checkpoint that orbax failed to read with `e`."""
+  detail = str(e).splitlines()[0] if str(e) else ""
+  if len(detail) > _MAX_DETAIL:
+    detail = detail[:_MAX_DETAIL] + "..."
+  return CheckpointError(f"checkpoint {step} in {folder} is unreadable: {type(e).__name__}: "
+                         f"{detail}", folder, step)
 
 
 def _differences(manager: ocp.CheckpointManager, step: int, target) -> str:
