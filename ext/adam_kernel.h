@@ -8,8 +8,9 @@
 //   v_hat  = v * inv_bc2
 //   x      = m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * param
 //   update = -lr * x
-// then either param += update in place, or update is written to update_out;
-// the new param may also be written as bf16/fp16 into lowp_out.
+// then either param += update in place, or update is written to update_out,
+// or (moments_only) the pass ends after m and v are stored; the new param may
+// also be written as bf16/fp16 into lowp_out.
 // All arithmetic is float32 whatever the storage types. The bias corrections
 // are multiplied as reciprocals, leaving one division and one square root per
 // element: on hosts whose divider is shared by two hyperthreads, three
@@ -44,6 +45,7 @@ struct AdamBuffers {
   float* param = nullptr;            // f32; read for weight decay, written if update_param
   bool update_param = false;         // param += update in place
   float* update_out = nullptr;       // f32 update, when not applied in place
+  bool moments_only = false;         // write m and v only: the caller forms the update
   void* lowp_out = nullptr;          // optional low-precision copy of the new param; may be grad
   DType lowp_dtype = DType::kBF16;   // bf16 or f16
 };

@@ -94,6 +94,7 @@ inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   const F v = V::fmadd(c.b2, load<N>(b.nu, i), V::mul(c.omb2, V::mul(g, g)));
   store<M>(b.mu, i, m);
   store<N>(b.nu, i, v);
+  if (b.moments_only) return;
 
   const F m_hat = c.nesterov ? V::fmadd(c.b1, V::mul(m, c.inv_bc1_next),
                                         V::mul(c.omb1, V::mul(g, c.inv_bc1)))

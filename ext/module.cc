@@ -145,5 +145,7 @@ NB_MODULE(_ext, m) {
   m.def("simd_level", &jzo::simd_level);
   m.def("set_simd_level", &jzo::set_simd_level, nb::arg("level"));
   m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
+  m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
+  m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });
   m.attr("NUM_ADAM_SCALARS") = jzo::kNumAdamScalars;
 }

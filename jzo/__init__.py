@@ -6,12 +6,13 @@ Public API:
   gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
   LossScale: dynamic loss-scaling settings for float16.
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
+  adamw_step: their update and apply_updates as one in-place pass.
   kernels: the fused in-place host kernel and its thread/SIMD settings.
   `python -m jzo.train`: the GPT training recipe.
 """
 
 from jzo import kernels
-from jzo.cpu_adam import CpuAdamState, cpu_adam, cpu_adamw
+from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
 from jzo.planner import estimate
 from jzo.plan import Plan, PlacementError
@@ -20,5 +21,5 @@ from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
 __all__ = ["CpuAdamState", "EngineState", "LossScale", "PlacementError", "Plan", "StepMetrics",
-           "ZeroEngine", "cpu_adam", "cpu_adamw", "estimate", "gather_layer", "kernels"]
+           "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "estimate", "gather_layer", "kernels"]
 __version__ = "0.1.0"

@@ -62,40 +62,76 @@ def _moment_dtype(name: str, dtype) -> jnp.dtype:
   return dtype
 
 
-def _xla_update(g, m, v, p, scalars, *, nesterov: bool):
-  """The kernel's math as plain XLA operations (accelerators, reference)."""
-  lr, b1, omb1, b2, omb2, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale = scalars
+def _xla_moments(g, m, v, scalars):
+  """The new moments in float32, before rounding to their storage dtype."""
+  b1, omb1, b2, omb2, grad_scale = (scalars[i] for i in (1, 2, 3, 4, 11))
   g = g.astype(jnp.float32) * grad_scale
-  m_new = b1 * m.astype(jnp.float32) + omb1 * g
-  v_new = b2 * v.astype(jnp.float32) + omb2 * (g * g)
-  m_hat = b1 * (m_new * inv_bc1_next) + omb1 * (g * inv_bc1) if nesterov else m_new * inv_bc1
+  return b1 * m.astype(jnp.float32) + omb1 * g, b2 * v.astype(jnp.float32) + omb2 * (g * g)
+
+
+def _xla_update_from_moments(g, m_new, v_new, p, scalars, *, nesterov: bool):
+  """The float32 update from the new (float32) moments; p None: no weight decay."""
+  lr, b1, omb1, _, _, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale = scalars
+  if nesterov:
+    m_hat = b1 * (m_new * inv_bc1_next) + omb1 * (g.astype(jnp.float32) * grad_scale * inv_bc1)
+  else:
+    m_hat = m_new * inv_bc1
   x = m_hat / (jnp.sqrt(v_new * inv_bc2 + eps_root) + eps)
   if p is not None:
     x = x + wd * p.astype(jnp.float32)
-  return -lr * x, m_new.astype(m.dtype), v_new.astype(v.dtype)
+  return -lr * x
+
+
+def _xla_update(g, m, v, p, scalars, *, nesterov: bool):
+  """The kernel's math as plain XLA operations (accelerators, reference)."""
+  m_new, v_new = _xla_moments(g, m, v, scalars)
+  u = _xla_update_from_moments(g, m_new, v_new, p, scalars, nesterov=nesterov)
+  return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+
+def _xla_step(g, m, v, p, scalars, *, nesterov: bool):
+  """_xla_update applied to p, as optax.apply_updates would."""
+  u, m, v = _xla_update(g, m, v, p, scalars, nesterov=nesterov)
+  return p + u, m, v
+
+
+def _ffi(target: str, results, aliases: dict[int, int]):
+  return jax.ffi.ffi_call(target, tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results),
+                          input_output_aliases=aliases, vmap_method="sequential")
 
 
 def _host_update(g, m, v, p, scalars, *, nesterov: bool):
   """The update through the C++ kernel (CPU backend only)."""
+  if m.dtype == v.dtype == jnp.float32:
+    # The kernel updates the moments in place (20 bytes a parameter) and XLA
+    # forms the update from them in the loop of the caller's
+    # optax.apply_updates (16 bytes): the update array is never written out
+    # and read back, and needs no fresh buffer (whose first touch would cost
+    # more than the pass itself).
+    m, v = _ffi(kernels.ADAM_MOMENTS_TARGET, (m, v), {1: 0, 2: 1})(g, m, v, scalars)
+    return _xla_update_from_moments(g, m, v, p, scalars, nesterov=nesterov), m, v
+  # bfloat16 moments: the update comes from the unrounded moments, which only
+  # the kernel holds, so it writes the update out.
   p = jnp.zeros((0,), jnp.float32) if p is None else p.astype(jnp.float32)
-  call = jax.ffi.ffi_call(
-      kernels.ADAM_UPDATE_TARGET,
-      (jax.ShapeDtypeStruct(g.shape, jnp.float32), jax.ShapeDtypeStruct(m.shape, m.dtype),
-       jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      input_output_aliases={1: 1, 2: 2},  # moments updated in place
-      vmap_method="sequential")
-  return tuple(call(g, m, v, p, scalars, nesterov=nesterov))
+  update = jax.ShapeDtypeStruct(g.shape, jnp.float32)
+  return tuple(_ffi(kernels.ADAM_UPDATE_TARGET, (update, m, v), {1: 1, 2: 2})(
+      g, m, v, p, scalars, nesterov=nesterov))
 
 
-def _update_leaf(g, m, v, p, scalars, nesterov: bool):
-  def host(g, m, v, scalars, *p):
-    return _host_update(g, m, v, p[0] if p else None, scalars, nesterov=nesterov)
+def _host_step(g, m, v, p, scalars, *, nesterov: bool):
+  """p, m and v updated in place by the C++ kernel in one pass (CPU backend only)."""
+  return tuple(_ffi(kernels.ADAM_STEP_TARGET, (p, m, v), {3: 0, 1: 1, 2: 2})(
+      g, m, v, p, scalars, nesterov=nesterov))
 
-  def xla(g, m, v, scalars, *p):
-    return _xla_update(g, m, v, p[0] if p else None, scalars, nesterov=nesterov)
+
+def _on_platform(host, xla, g, m, v, p, scalars, nesterov: bool):
+  """host(...) where the arrays live on the CPU, xla(...) elsewhere; p may be None."""
+  def bind(fn):
+    return lambda g, m, v, scalars, *p: fn(g, m, v, p[0] if p else None, scalars,
+                                           nesterov=nesterov)
 
   args = (g, m, v, scalars) + (() if p is None else (p,))
-  return jax.lax.platform_dependent(*args, cpu=host, default=xla)
+  return jax.lax.platform_dependent(*args, cpu=bind(host), default=bind(xla))
 
 
 def _check_leaf(path, g, m, v, p) -> None:
@@ -119,6 +155,64 @@ def decay_flags(mask, tree):
   flags = mask(tree) if callable(mask) else mask
   # A prefix of the tree: spread each flag over its subtree.
   return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), flags, tree)
+
+
+def _no_decay(weight_decay) -> bool:
+  return isinstance(weight_decay, (int, float)) and weight_decay == 0
+
+
+def _apply_leaves(hyper: AdamHyperparams, leaf_fn, grads, state, params):
+  """Checks the inputs, then runs one Adam step leaf by leaf.
+
+  `leaf_fn(g, m, v, p, scalars, decay)` returns a leaf's (result, mu, nu),
+  the result being its update or its new params; p is None where params
+  were not given.
+
+  Returns:
+    (tree of the results, the new CpuAdamState).
+  """
+  if not isinstance(state, CpuAdamState):
+    raise TypeError(f"state must be a CpuAdamState from this transform's init, "
+                    f"got {type(state).__name__}")
+  no_decay = _no_decay(hyper.weight_decay)
+  if not no_decay and params is None:
+    raise ValueError("cpu_adamw with weight decay needs params: call update(grads, state, params)")
+  if jax.tree.structure(grads) != jax.tree.structure(state.mu):
+    raise ValueError("gradients and optimizer state have different tree structures: "
+                     f"{jax.tree.structure(grads)} vs {jax.tree.structure(state.mu)}")
+  if params is not None and jax.tree.structure(params) != jax.tree.structure(grads):
+    raise ValueError("params and gradients have different tree structures")
+  for name, tree, want in (("mu", state.mu, hyper.mu_dtype), ("nu", state.nu, hyper.nu_dtype)):
+    for leaf in jax.tree.leaves(tree):
+      if jnp.dtype(leaf.dtype) != want:
+        raise TypeError(f"state.{name} holds {leaf.dtype}, this transform keeps {want}")
+
+  def at_count(value):
+    return value(state.count) if callable(value) else value
+
+  count_inc = optax.safe_increment(state.count)
+  common = dict(lr=at_count(hyper.learning_rate), b1=hyper.b1, b2=hyper.b2, eps=hyper.eps,
+                eps_root=hyper.eps_root, count=count_inc)
+  with_decay = kernels.adam_scalars(weight_decay=at_count(hyper.weight_decay), **common)
+  without_decay = kernels.adam_scalars(weight_decay=0.0, **common)
+
+  if no_decay:
+    decays = jax.tree.map(lambda _: False, grads)
+  else:  # params and grads share one structure (checked above)
+    decays = decay_flags(hyper.mask, params)
+  p_tree = params if params is not None else jax.tree.map(lambda _: None, grads)
+
+  def leaf(path, g, m, v, p, decay):
+    _check_leaf(path, g, m, v, p)
+    return leaf_fn(g, m, v, p, with_decay if decay else without_decay, decay)
+
+  out = jax.tree_util.tree_map_with_path(leaf, grads, state.mu, state.nu, p_tree, decays,
+                                         is_leaf=lambda x: x is None)
+  treedef = jax.tree.structure(grads)
+  flat = treedef.flatten_up_to(out)
+  results, mu, nu = ([leaf[i] for leaf in flat] for i in range(3))
+  return treedef.unflatten(results), CpuAdamState(
+      count=count_inc, mu=treedef.unflatten(mu), nu=treedef.unflatten(nu))
 
 
 def cpu_adamw(
@@ -174,7 +268,9 @@ def cpu_adamw(
                                      eps_root=eps_root, weight_decay=weight_decay)
   mu_dtype = _moment_dtype("mu_dtype", mu_dtype)
   nu_dtype = _moment_dtype("nu_dtype", nu_dtype)
-  no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0
+  hyper = AdamHyperparams(learning_rate, b1, b2, eps, eps_root,
+                          0.0 if _no_decay(weight_decay) else weight_decay, mask, nesterov,
+                          mu_dtype, nu_dtype)
 
   def init_fn(params):
     def zeros(dtype):
@@ -184,53 +280,12 @@ def cpu_adamw(
                         nu=jax.tree.map(zeros(nu_dtype), params))
 
   def update_fn(updates, state, params=None):
-    if not isinstance(state, CpuAdamState):
-      raise TypeError(f"state must be a CpuAdamState from this transform's init, "
-                      f"got {type(state).__name__}")
-    if not no_decay and params is None:
-      raise ValueError("cpu_adamw with weight decay needs params: call update(grads, state, params)")
-    if jax.tree.structure(updates) != jax.tree.structure(state.mu):
-      raise ValueError("gradients and optimizer state have different tree structures: "
-                       f"{jax.tree.structure(updates)} vs {jax.tree.structure(state.mu)}")
-    if params is not None and jax.tree.structure(params) != jax.tree.structure(updates):
-      raise ValueError("params and gradients have different tree structures")
-    for name, tree, want in (("mu", state.mu, mu_dtype), ("nu", state.nu, nu_dtype)):
-      for leaf in jax.tree.leaves(tree):
-        if jnp.dtype(leaf.dtype) != want:
-          raise TypeError(f"state.{name} holds {leaf.dtype}, this transform keeps {want}")
+    def leaf(g, m, v, p, scalars, decay):
+      return _on_platform(_host_update, _xla_update, g, m, v, p if decay else None, scalars,
+                          nesterov)
+    return _apply_leaves(hyper, leaf, updates, state, params)
 
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    wd = weight_decay(state.count) if callable(weight_decay) else weight_decay
-    count_inc = optax.safe_increment(state.count)
-    common = dict(lr=lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count_inc)
-    with_decay = kernels.adam_scalars(weight_decay=wd, **common)
-    without_decay = kernels.adam_scalars(weight_decay=0.0, **common)
-
-    if no_decay:
-      decays = jax.tree.map(lambda _: False, updates)
-    else:  # params and updates share one structure (checked above)
-      decays = decay_flags(mask, params)
-    p_tree = params if params is not None else jax.tree.map(lambda _: None, updates)
-
-    def leaf(path, g, m, v, p, decay):
-      _check_leaf(path, g, m, v, p)
-      if decay:
-        return _update_leaf(g, m, v, p, with_decay, nesterov)
-      return _update_leaf(g, m, v, None, without_decay, nesterov)
-
-    out = jax.tree_util.tree_map_with_path(
-        leaf, updates, state.mu, state.nu, p_tree, decays,
-        is_leaf=lambda x: x is None)
-    treedef = jax.tree.structure(updates)
-    flat = treedef.flatten_up_to(out)
-    new_updates = treedef.unflatten([u for u, _, _ in flat])
-    mu = treedef.unflatten([m for _, m, _ in flat])
-    nu = treedef.unflatten([v for _, _, v in flat])
-    return new_updates, CpuAdamState(count=count_inc, mu=mu, nu=nu)
-
-  update_fn.adam_hyperparams = AdamHyperparams(
-      learning_rate, b1, b2, eps, eps_root, 0.0 if no_decay else weight_decay, mask, nesterov,
-      mu_dtype, nu_dtype)
+  update_fn.adam_hyperparams = hyper  # read by adamw_step and the offload engine
   return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -251,6 +306,60 @@ def cpu_adam(
   """
   return cpu_adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay=0.0,
                    nesterov=nesterov, nu_dtype=nu_dtype)
+
+
+def adamw_step(tx: optax.GradientTransformation, grads, state: CpuAdamState, params):
+  r"""`tx.update` and `optax.apply_updates` as one in-place pass over memory.
+
+  For loops that own their step: the same result as
+
+  .. code-block:: python
+
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+
+  but on the CPU the C++ kernel reads each parameter's gradient, moments and
+  weight once and writes the new weight and moments over the old ones (28
+  bytes a float32 parameter, against 36 through the optax contract, which
+  hands the update to `apply_updates`). Under `jax.jit` with params and state
+  donated nothing is copied; without donation XLA copies them first. Traced
+  for an accelerator, the same math runs as XLA operations.
+
+  Args:
+    tx: the transform returned by :func:`cpu_adamw` or :func:`cpu_adam` (not
+      a chain: its hyperparameters, schedules and mask are used).
+    grads: gradients, params' tree and shapes; float32, bfloat16 or float16.
+    state: `tx.init(params)` or a state this function or `tx.update` returned.
+    params: float32 params (the kernel updates float32 weights).
+
+  Returns:
+    (new params, new CpuAdamState).
+
+  Raises:
+    TypeError: `tx` is not a jzo Adam transform, or a dtype is unsupported.
+    ValueError: trees or shapes do not match.
+
+  Example:
+    >>> tx = jzo.cpu_adamw(3e-4, weight_decay=0.1)
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda p, s, g: jzo.adamw_step(tx, g, s, p), donate_argnums=(0, 1))
+    >>> params, state = step(params, state, grads)
+  """
+  hyper = getattr(getattr(tx, "update", None), "adam_hyperparams", None)
+  if hyper is None:
+    raise TypeError("adamw_step takes the transform jzo.cpu_adamw or jzo.cpu_adam returned "
+                    f"(not an optax chain), got {type(tx).__name__}")
+  if params is None:
+    raise ValueError("adamw_step needs params: it returns them updated")
+  for path, p in jax.tree_util.tree_leaves_with_path(params):
+    if jnp.dtype(p.dtype) != jnp.float32:
+      raise TypeError(f"params {jax.tree_util.keystr(path) or '<root>'} has dtype {p.dtype}; "
+                      "adamw_step updates float32 params")
+
+  def leaf(g, m, v, p, scalars, decay):
+    del decay  # scalars carry weight decay 0 where the mask is False
+    return _on_platform(_host_step, _xla_step, g, m, v, p, scalars, hyper.nesterov)
+  return _apply_leaves(hyper, leaf, grads, state, params)
 
 
 def cpu_adamw_with(hyper: AdamHyperparams, mask) -> optax.GradientTransformation:

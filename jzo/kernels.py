@@ -20,8 +20,15 @@ import numpy as np
 
 from jzo import _ext
 
+# XLA FFI targets of the CPU backend (ext/ffi_adam.cc): the update for
+# optax's contract, the moments alone, and the in-place step.
 ADAM_UPDATE_TARGET = "jzo_adam_update"
-jax.ffi.register_ffi_target(ADAM_UPDATE_TARGET, _ext.adam_update_ffi(), platform="cpu")
+ADAM_MOMENTS_TARGET = "jzo_adam_moments"
+ADAM_STEP_TARGET = "jzo_adam_step"
+for _target, _handler in ((ADAM_UPDATE_TARGET, _ext.adam_update_ffi),
+                          (ADAM_MOMENTS_TARGET, _ext.adam_moments_ffi),
+                          (ADAM_STEP_TARGET, _ext.adam_step_ffi)):
+  jax.ffi.register_ffi_target(_target, _handler(), platform="cpu")
 
 # Dtype codes shared with the C++ side (DType in ext/adam_kernel.h).
 _DTYPE_CODES = {
