@@ -80,6 +80,10 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
            dtype: str = "float32", overwrite: bool = False) -> Exported:
   """Writes the weights of one of a run's checkpoints to `out_dir` (see the module docstring).
 
+  The work is the host's, but orbax starts JAX's backends (it asks for the
+  process layout): beside a GPU training run, set JAX_PLATFORMS=cpu first,
+  as the command line does.
+
   Args:
     run_dir: the training run's folder (the recipe's --out).
     out_dir: where to write; created, or replaced if it is an empty folder
