@@ -144,6 +144,7 @@ class ZeroEngine:
     self.host = adam  # the host part's state and kernel (None without offload)
     self._step_fns: dict = {}
     self._steps = 0  # steps run (decides when delayed updates start)
+    self._closed = False
 
   # ------------------------------------------------------------ building
   def _build_state(self, draw_leaf, adam: HostAdam | None) -> EngineState:
@@ -209,6 +210,10 @@ class ZeroEngine:
     """One optimizer step on a global batch (leading axis: examples).
 
     The leading size must divide into devices x grad_accum micro-batches.
+
+    Raises:
+      RuntimeError: the engine is closed, or an earlier host update failed
+        (its exception is the cause; the engine cannot go on).
     """
     metrics, grad_scale = self.run_device_step(batch)
     if self.host_update is not None:
@@ -225,6 +230,8 @@ class ZeroEngine:
     `state.grads`; returns (metrics, the host's grad scale). `step` calls
     it, then the host side; called alone (to time the device), the host
     parts' weights are not updated."""
+    if self._closed:
+      raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
     if self.plan.offload:
       # The engine lets go of gradients not taken down (a step run alone)
@@ -252,10 +259,19 @@ class ZeroEngine:
     return self._step_fn(batch).lower(state, batch)
 
   def close(self) -> None:
-    """Applies a delayed update in flight and stops the update thread."""
-    self.wait()
+    """Applies a delayed update in flight (unless an earlier host update
+    failed) and stops the update thread. Later calls do nothing; `step`
+    then raises, while the params and `state_dict` stay readable (unless a
+    host update failed: they raise its error)."""
+    if self._closed:
+      return
+    self._closed = True
     if self.host_update is not None:
-      self.host_update.close()
+      try:
+        if self.host_update.failure is None:
+          self.wait()
+      finally:
+        self.host_update.close()
 
   def _step_fn(self, batch):
     leaves = jax.tree.leaves(batch)

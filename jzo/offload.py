@@ -25,6 +25,7 @@ holds one set of landing buffers.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import time
 from typing import Callable, Iterator
@@ -126,6 +127,9 @@ class HostUpdate:
     self.timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
     self._pending: _Update | None = None
+    # The first exception of an update: the host state may then be half
+    # updated, so every later call refuses to go on (see `_guard`).
+    self.failure: BaseException | None = None
     self.landing_peak = 0  # bytes: the most landing buffers held at once so far
     self._host_leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
 
@@ -158,6 +162,10 @@ class HostUpdate:
         devices, flat `part_shape(k - c)`) into the params and returns the
         new params leaf.
     """
+    with self._guard():
+      self._exchange(grads, skipped, grad_scale, delayed, install)
+
+  def _exchange(self, grads, skipped, grad_scale, delayed, install) -> None:
     start = time.perf_counter()
     jax.block_until_ready(grads)  # the step is done: its peak has passed
     waited = time.perf_counter()
@@ -180,7 +188,24 @@ class HostUpdate:
 
   def finish(self, install: Callable[[int, jax.Array], jax.Array]) -> None:
     """Applies the update in flight, if any (see `exchange`)."""
-    self._finish(install, None)
+    with self._guard():
+      self._finish(install, None)
+
+  @contextlib.contextmanager
+  def _guard(self):
+    """Refuses to start once an update has failed, and records a failure:
+    the host state (masters, moments, the params' host parts) may then be
+    half updated, and only a checkpoint can restore a consistent state."""
+    if self.failure is not None:
+      raise RuntimeError(
+          "an earlier host update failed, so the host part of the optimizer state may be "
+          f"half updated ({type(self.failure).__name__}: {self.failure}); restore the last "
+          "checkpoint into a new engine") from self.failure
+    try:
+      yield
+    except BaseException as e:
+      self.failure = e
+      raise
 
   def _finish(self, install, next_grads) -> dict:
     """Uploads and installs the update in flight leaf by leaf; with

@@ -307,7 +307,7 @@ def place(layouts, offload, *, stage: int, n_devices: int):
     k = l.shard_size
     host = round(f * k)
     if k >= 64 * _ALIGN:  # large shards: keep the host part's start aligned
-      host = _ALIGN * round(f * k / _ALIGN)
+      host = min(k, _ALIGN * round(f * k / _ALIGN))
     whole_only = stage in (1, 2) and n_devices > 1 and l.padded
     if whole_only and 0 < host < k:
       host = k if f >= 0.5 else 0

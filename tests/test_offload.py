@@ -202,3 +202,56 @@ def test_host_update_yields_leaves_largest_first_with_their_new_weights():
       assert not np.array_equal(master[d], layouts[i].split(flat[i])[1][d])  # it moved
   assert host.count == 1 and len(sizes) == len(layouts)
   assert sizes == sorted(sizes, reverse=True)
+
+
+def _failing_after_one_leaf(update_leaves):
+  """update_leaves that finishes one leaf, then raises inside the update thread."""
+  def failing(grads_of, grad_scale):
+    leaves = update_leaves(grads_of, grad_scale)
+    yield next(leaves)
+    raise OSError("injected fault in the host update")
+  return failing
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_a_fault_in_the_host_update_surfaces_and_stops_the_engine(delayed):
+  """The update thread's exception reaches the caller with its traceback (at
+  the same step, or the next one with the delayed update); the engine then
+  refuses to go on, since the host state may be half updated; nothing hangs."""
+  import faulthandler
+  import traceback
+  faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the run, with the stacks
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
+                          delayed_update=delayed, dpu_warmup=0)
+  data = batches(4)
+  engine.step(data[0])
+  engine.host.update_leaves = _failing_after_one_leaf(engine.host.update_leaves)
+  with pytest.raises(OSError, match="injected fault") as caught:
+    for b in data[1:3]:
+      engine.step(b)
+  frames = traceback.extract_tb(caught.value.__traceback__)
+  assert frames[-1].name == "failing"  # raised in the thread, re-raised here with its frames
+  with pytest.raises(RuntimeError, match="earlier host update failed.*OSError.*checkpoint"):
+    engine.step(data[3])
+  with pytest.raises(RuntimeError, match="earlier host update failed"):
+    engine.state_dict()
+  engine.close()  # stops the thread without raising again
+  engine.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    engine.step(data[3])
+  faulthandler.cancel_dump_traceback_later()
+
+
+def test_close_twice_and_step_after_close():
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(1),
+                          delayed_update=True, dpu_warmup=0)
+  for b in batches(3):
+    engine.step(b)
+  assert engine.host_update.in_flight
+  engine.close()
+  assert not engine.host_update.in_flight  # the update in flight was applied
+  params = engine.params
+  engine.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    engine.step(batches(1)[0])
+  jax.tree.map(np.testing.assert_array_equal, engine.params, params)
