@@ -255,3 +255,21 @@ def test_close_twice_and_step_after_close():
   with pytest.raises(RuntimeError, match="closed"):
     engine.step(batches(1)[0])
   jax.tree.map(np.testing.assert_array_equal, engine.params, params)
+
+
+def test_a_long_run_with_offload_and_the_delayed_update_does_not_grow():
+  """2,000 steps: after warm-up neither host RSS (within a few MiB) nor the
+  number of live arrays grows, so no buffer is kept per step."""
+  import psutil
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
+                          delayed_update=True, dpu_warmup=0)
+  data, process = batches(8), psutil.Process()
+  rss, arrays = [], []
+  for step in range(2000):
+    engine.step(data[step % len(data)])
+    if step in (400, 1999):
+      rss.append(process.memory_info().rss)
+      arrays.append(len(jax.live_arrays()))
+  engine.close()
+  assert rss[1] - rss[0] < 4 * 2**20, f"host RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB"
+  assert arrays[1] == arrays[0]
