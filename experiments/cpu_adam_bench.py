@@ -8,10 +8,16 @@ For N fp32 parameters, each system performs one AdamW step per call
                     weights written out (lowp_out);
   * torch fused:    torch.optim.AdamW(fused=True) on CPU tensors;
   * torch foreach:  torch.optim.AdamW(foreach=True);
-  * optax (XLA):    optax.adamw + apply_updates, jitted for the XLA CPU backend
-                    with params and state donated;
   * DeepSpeed:      DeepSpeedCPUAdam(adamw_mode=True), skipped if unavailable;
-                    its op is JIT-compiled on first use (a minute or two).
+                    its op is JIT-compiled on first use (a minute or two);
+and, on the XLA CPU backend, one jitted function per step, called with the
+params and state donated ("donated") or not:
+  * jzo cpu_adamw:  the optax drop-in as users call it, `tx.update(grads,
+                    state, params)` then `optax.apply_updates`;
+  * jzo adamw_step: `jzo.adamw_step(tx, grads, state, params)`, the in-place
+                    variant for loops that own their step;
+  * optax.adamw:    the same user loop as the drop-in, with optax.adamw.
+torch rows are skipped where torch is not installed.
 
 Reported: parameters updated per second (Gparam/s, 1e9 params/s) and memory
 traffic in GB/s (1e9 bytes/s) counting 28 bytes per parameter, the minimum a
@@ -20,6 +26,14 @@ fused step moves:
   * fp32 gradients: read param, grad, mu, nu (4 x 4 B), write param, mu, nu (3 x 4 B);
   * bf16 gradients: read param (4), grad (2), mu (4), nu (4), write param, mu,
     nu (12) and the bf16 weights (2).
+
+The optax contract moves more: the update leaves `tx.update` and is added in
+`apply_updates`. jzo's drop-in moves 36 bytes (the kernel reads grad, mu, nu
+and writes mu, nu: 20; XLA reads param, mu, nu and writes param in
+apply_updates' loop: 16); optax.adamw 40 (mu, nu and the update in three XLA
+loops). Without donation XLA also writes every output to a fresh buffer, and
+copies the moments the kernel updates in place first. The ratios the issue
+names (12) are printed after the table.
 
 Each is the median of `--rounds` x `--steps` timed steps after WARMUP untimed
 ones. All systems of one size are set up together and take turns, round after
@@ -46,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -61,14 +76,26 @@ import jax
 import ml_dtypes
 import numpy as np
 import optax
-import torch
 
+import jzo
 from jzo import kernels
+
+try:
+  import torch
+except ImportError:  # the torch and DeepSpeed rows are skipped
+  torch = None
 
 BYTES_PER_PARAM = 28
 WARMUP = 3
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 JZO_FP32 = "jzo fp32"  # the reference row
+DROP_IN, DROP_IN_DONATED = "jzo cpu_adamw", "jzo cpu_adamw donated"
+OPTAX, OPTAX_DONATED = "optax.adamw", "optax.adamw donated"
+ADAMW_STEP_DONATED = "jzo adamw_step donated"
+# (system, against, target) of issue 12; None: reported, no target.
+RATIOS = [(DROP_IN_DONATED, OPTAX_DONATED, 1.0), (DROP_IN_DONATED, JZO_FP32, 0.65),
+          (DROP_IN, OPTAX, 0.9), (ADAMW_STEP_DONATED, JZO_FP32, None),
+          (ADAMW_STEP_DONATED, OPTAX_DONATED, None)]
 
 
 @dataclasses.dataclass
@@ -147,31 +174,55 @@ def torch_system(n: int, *, impl: str) -> System:
   return System(f"torch AdamW {impl}", opt.step, BYTES_PER_PARAM * n)
 
 
-def optax_system(n: int) -> System:
-  """optax.adamw + apply_updates, one jitted XLA CPU computation, params and state donated."""
-  tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+def optax_contract_step(tx, params, state, grads):
+  """The user loop of the optax contract: the update, then apply_updates."""
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def adamw_step(tx, params, state, grads):
+  return jzo.adamw_step(tx, grads, state, params)
+
+
+def xla_system(name: str, n: int, tx: optax.GradientTransformation, step_fn, *,
+               donate: bool) -> System:
+  """`step_fn(tx, params, state, grads)` jitted for the XLA CPU backend, params
+  and state donated or not; moments zero until the warm-up steps."""
   cpu = jax.devices("cpu")[0]
   param_np, grad_np, _, _ = random_state(n, seed=0)
   carry = [jax.device_put(param_np, cpu)]
   grads = jax.device_put(grad_np, cpu)
-  carry.append(tx.init(carry[0]))  # moments zero until the warm-up steps
+  carry.append(tx.init(carry[0]))
   del param_np, grad_np
-
-  def update(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  update = jax.jit(update, donate_argnums=(0, 1))
+  update = jax.jit(functools.partial(step_fn, tx), donate_argnums=(0, 1) if donate else ())
 
   def step():
     carry[:] = update(*carry, grads)
     jax.block_until_ready(carry)
 
-  return System("optax.adamw (XLA CPU jit)", step, BYTES_PER_PARAM * n)
+  return System(name + (" donated" if donate else ""), step, BYTES_PER_PARAM * n)
+
+
+def xla_systems(n: int) -> list[System]:
+  """The optax drop-in, adamw_step and optax.adamw, with and without donation."""
+  def jzo_tx():
+    return jzo.cpu_adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+
+  def optax_tx():
+    return optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+
+  return [xla_system(name, n, make_tx(), step_fn, donate=donate)
+          for name, make_tx, step_fn, donations in (
+              (DROP_IN, jzo_tx, optax_contract_step, (True, False)),
+              ("jzo adamw_step", jzo_tx, adamw_step, (True, False)),
+              (OPTAX, optax_tx, optax_contract_step, (True, False)))
+          for donate in donations]
 
 
 def load_deepspeed_adam():
   """DeepSpeedCPUAdam, or the reason it cannot be used here."""
+  if torch is None:
+    return None, "torch is not installed"
   try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
   except Exception as e:  # ImportError, or any failure inside DeepSpeed's import
@@ -249,7 +300,7 @@ def machine_info(threads: int) -> dict:
       "cpus": os.cpu_count(),
       "threads": threads,
       "simd_level": kernels.simd_level(),
-      "torch_threads": torch.get_num_threads(),
+      "torch_threads": torch.get_num_threads() if torch is not None else None,
       "python": platform.python_version(),
       **{name: package_version(name) for name in
          ("jzo", "jax", "jaxlib", "optax", "numpy", "torch", "deepspeed")},
@@ -263,7 +314,8 @@ def use_threads(threads: int) -> None:
     raise SystemExit(f"--threads {threads}: only {len(allowed)} CPUs are available")
   os.sched_setaffinity(0, allowed[:threads])
   kernels.set_num_threads(threads)
-  torch.set_num_threads(threads)  # also DeepSpeed's op, which runs on torch's OpenMP
+  if torch is not None:
+    torch.set_num_threads(threads)  # also DeepSpeed's op, which runs on torch's OpenMP
 
 
 def print_table(results: list[Result], copy: Result) -> list[dict]:
@@ -285,6 +337,22 @@ def print_table(results: list[Result], copy: Result) -> list[dict]:
   return rows
 
 
+def print_ratios(results: list[Result]) -> list[dict]:
+  """Prints the ratios of issue 12 (Gparam/s over Gparam/s) per size; returns them."""
+  rate = {(r.system, r.n): r.gparams for r in results}
+  print(f"\n{'ratio':<52} {'N':>5} {'value':>6} {'target':>7}")
+  rows = []
+  for n in sorted({r.n for r in results}):
+    for system, against, target in RATIOS:
+      value = rate[system, n] / rate[against, n]
+      rows.append({"system": system, "against": against, "n": n, "ratio": value,
+                   "target": target, "met": None if target is None else value >= target})
+      verdict = "" if target is None else f"{target:7.2f} {'met' if value >= target else 'MISSED'}"
+      print(f"{system + ' / ' + against:<52} {'2^%d' % (n.bit_length() - 1):>5} {value:6.2f} "
+            f"{verdict}")
+  return rows
+
+
 def print_machine(info: dict) -> None:
   print("\n" + ", ".join(f"{key}: {value}" for key, value in info.items()))
 
@@ -300,6 +368,9 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
   parser.add_argument("--copy-gib", type=float, default=2.0,
                       help="size of the buffer copied for the bandwidth ceiling")
+  parser.add_argument("--systems", choices=("all", "optax"), default="all",
+                      help="all, or optax: the kernel and the XLA rows only (the optax drop-in, "
+                           "adamw_step and optax.adamw)")
   parser.add_argument("--json", metavar="PATH", help="also write the results here")
   return parser.parse_args()
 
@@ -309,16 +380,23 @@ def main() -> None:
   use_threads(args.threads)
   info = machine_info(args.threads)
   print_machine(info)
-  deepspeed_adam, deepspeed_skip = load_deepspeed_adam()
+  deepspeed_adam, deepspeed_skip = (load_deepspeed_adam() if args.systems == "all"
+                                    else (None, "not in --systems optax"))
   if deepspeed_skip:
     print(f"DeepSpeedCPUAdam skipped: {deepspeed_skip}")
+  if torch is None:
+    print("torch AdamW skipped: torch is not installed")
 
   results = []
   for log2_n in args.sizes:
     n = 2**log2_n
     print(f"\nN = 2^{log2_n} ({n * 4 / 2**30:.3g} GiB per fp32 array)", flush=True)
-    systems = [jzo_system(n, bf16_grads=False), jzo_system(n, bf16_grads=True),
-               torch_system(n, impl="fused"), torch_system(n, impl="foreach"), optax_system(n)]
+    systems = [jzo_system(n, bf16_grads=False)]
+    if args.systems == "all":
+      systems.append(jzo_system(n, bf16_grads=True))
+      if torch is not None:
+        systems += [torch_system(n, impl="fused"), torch_system(n, impl="foreach")]
+    systems += xla_systems(n)
     if deepspeed_adam is not None:
       systems.append(deepspeed_system(n, deepspeed_adam))
     results += measure(systems, n, args.rounds, args.steps)
@@ -328,6 +406,7 @@ def main() -> None:
   print(f"\nhost copy bandwidth ({args.copy_gib:g} GiB buffer)", flush=True)
   [copy] = measure([copy_system(args.copy_gib)], None, args.rounds, args.steps)
   rows = print_table(results, copy)
+  ratios = print_ratios(results)
   print_machine(info)
   if args.json:
     with open(args.json, "w") as f:
@@ -337,7 +416,7 @@ def main() -> None:
                  "copy": {"system": copy.system, "bytes": copy.bytes_moved,
                           "median_s": copy.seconds, "times_s": copy.times,
                           "gb_per_s": copy.gbytes},
-                 "results": rows}, f, indent=2)
+                 "results": rows, "ratios": ratios}, f, indent=2)
     print(f"wrote {args.json}")
 
 
