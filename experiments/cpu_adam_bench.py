@@ -95,7 +95,7 @@ ADAMW_STEP_DONATED = "jzo adamw_step donated"
 # (system, against, target) of issue 12; None: reported, no target.
 RATIOS = [(DROP_IN_DONATED, OPTAX_DONATED, 1.0), (DROP_IN_DONATED, JZO_FP32, 0.65),
           (DROP_IN, OPTAX, 0.9), (ADAMW_STEP_DONATED, JZO_FP32, None),
-          (ADAMW_STEP_DONATED, OPTAX_DONATED, None)]
+          (ADAMW_STEP_DONATED, OPTAX_DONATED, None), (DROP_IN + " eager", OPTAX + " eager", None)]
 
 
 @dataclasses.dataclass
@@ -184,39 +184,42 @@ def adamw_step(tx, params, state, grads):
   return jzo.adamw_step(tx, grads, state, params)
 
 
-def xla_system(name: str, n: int, tx: optax.GradientTransformation, step_fn, *,
-               donate: bool) -> System:
-  """`step_fn(tx, params, state, grads)` jitted for the XLA CPU backend, params
-  and state donated or not; moments zero until the warm-up steps."""
+def xla_system(name: str, n: int, tx: optax.GradientTransformation, step_fn, mode: str) -> System:
+  """`step_fn(tx, params, state, grads)` on the XLA CPU backend; mode 'donated'
+  (jitted, params and state donated), 'jit' (jitted) or 'eager' (op by op).
+  Moments are zero until the warm-up steps."""
   cpu = jax.devices("cpu")[0]
   param_np, grad_np, _, _ = random_state(n, seed=0)
   carry = [jax.device_put(param_np, cpu)]
   grads = jax.device_put(grad_np, cpu)
   carry.append(tx.init(carry[0]))
   del param_np, grad_np
-  update = jax.jit(functools.partial(step_fn, tx), donate_argnums=(0, 1) if donate else ())
+  update = functools.partial(step_fn, tx)
+  if mode != "eager":
+    update = jax.jit(update, donate_argnums=(0, 1) if mode == "donated" else ())
 
   def step():
     carry[:] = update(*carry, grads)
     jax.block_until_ready(carry)
 
-  return System(name + (" donated" if donate else ""), step, BYTES_PER_PARAM * n)
+  return System(name if mode == "jit" else f"{name} {mode}", step, BYTES_PER_PARAM * n)
 
 
 def xla_systems(n: int) -> list[System]:
-  """The optax drop-in, adamw_step and optax.adamw, with and without donation."""
+  """The optax drop-in, adamw_step and optax.adamw, with and without donation
+  (and the two optax-contract loops eagerly, as the issue measured them)."""
   def jzo_tx():
     return jzo.cpu_adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
 
   def optax_tx():
     return optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
 
-  return [xla_system(name, n, make_tx(), step_fn, donate=donate)
-          for name, make_tx, step_fn, donations in (
-              (DROP_IN, jzo_tx, optax_contract_step, (True, False)),
-              ("jzo adamw_step", jzo_tx, adamw_step, (True, False)),
-              (OPTAX, optax_tx, optax_contract_step, (True, False)))
-          for donate in donations]
+  return [xla_system(name, n, make_tx(), step_fn, mode)
+          for name, make_tx, step_fn, modes in (
+              (DROP_IN, jzo_tx, optax_contract_step, ("donated", "jit", "eager")),
+              ("jzo adamw_step", jzo_tx, adamw_step, ("donated", "jit")),
+              (OPTAX, optax_tx, optax_contract_step, ("donated", "jit", "eager")))
+          for mode in modes]
 
 
 def load_deepspeed_adam():

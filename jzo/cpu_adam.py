@@ -27,6 +27,7 @@ Differences from optax, all deliberate:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -133,6 +134,9 @@ def _host_step(g, m, v, p, scalars, *, nesterov: bool):
       g, m, v, p, scalars, nesterov=nesterov))
 
 
+# Compiled as one program when called eagerly (each operation of the XLA part
+# would otherwise write its own fresh array); inlined under an outer jit.
+@functools.partial(jax.jit, static_argnames=("host", "xla", "nesterov"))
 def _on_platform(host, xla, g, m, v, p, scalars, nesterov: bool):
   """host(...) where the arrays live on the CPU, xla(...) elsewhere; p may be None."""
   def bind(fn):

@@ -107,10 +107,12 @@ def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1
     float32[12]: lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, 1/bc1,
     1/bc2, 1/bc1_next (for nesterov), grad_scale.
   """
-  count = jnp.asarray(count, jnp.int32)
+  # A float exponent, as jit makes of a traced count anyway: called eagerly,
+  # an integer one would compile a new program for every step count.
+  t = jnp.asarray(count, jnp.int32).astype(jnp.float32)
   # `1 - b` is formed before the cast, like optax's `(1 - b1) * g`.
   values = [lr, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight_decay,
-            1 / (1 - b1**count), 1 / (1 - b2**count), 1 / (1 - b1**(count + 1)), grad_scale]
+            1 / (1 - b1**t), 1 / (1 - b2**t), 1 / (1 - b1**(t + 1)), grad_scale]
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
