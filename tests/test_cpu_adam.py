@@ -341,3 +341,29 @@ def test_adamw_step_bad_inputs():
     jzo.adamw_step(tx, params, optax.adam(1e-3).init(params)[0], params)
   with pytest.raises(TypeError, match="state.nu holds bfloat16"):
     jzo.adamw_step(tx, params, jzo.cpu_adamw(1e-3, nu_dtype=jnp.bfloat16).init(params), params)
+
+
+def test_eager_steps_compile_once():
+  """Called eagerly, later steps reuse the programs of the first (the step
+  count must not be baked into a compiled program)."""
+  tx = jzo.cpu_adamw(1e-3, weight_decay=0.1)
+  params = make_params({"w": (33,), "b": ()})
+  grads = gradient_pool(params, jnp.float32)[0]
+  state = tx.init(params)
+  compiles = []
+
+  def on_event(event, seconds, **kwargs):
+    if event.endswith("backend_compile_duration"):
+      compiles.append(event)
+
+  def step(params, state):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  params, state = step(*step(params, state))
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    for _ in range(3):
+      params, state = step(params, state)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
+  assert compiles == []
