@@ -42,8 +42,8 @@ _SUPPORTED_MOMENTS = tuple(jnp.dtype(d) for d in kernels.MOMENT_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class AdamHyperparams:
-  """cpu_adamw's arguments, kept for the offload engine, which runs the same
-  update itself on host-resident state (see jzo.offload)."""
+  """cpu_adamw's arguments, kept for adamw_step and for the offload engine,
+  which runs the same update itself on host-resident state (see jzo.offload)."""
   learning_rate: optax.ScalarOrSchedule
   b1: float
   b2: float

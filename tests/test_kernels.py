@@ -315,3 +315,31 @@ def test_extension_refuses_read_only_and_converted_arrays():
     _ext.adam_step(p, g, 1, m, 0, v, 0, None, 1, scalars, False, 0)
   with pytest.raises(ValueError, match="scalars"):
     _ext.adam_step(p, g, 0, m, 0, v, 0, None, 1, scalars[:3], False, 0)
+
+
+def ffi_case(target, aliases, n_scalars=_ext.NUM_ADAM_SCALARS):
+  """Arguments and outputs of one call of `target` on 10 elements."""
+  x = jnp.ones((10,), jnp.float32)
+  scalars = jnp.zeros((n_scalars,), jnp.float32)
+  if target == kernels.ADAM_MOMENTS_TARGET:
+    args, results = (x, x, x, scalars), (x, x)
+  else:  # update (update, mu, nu) and step (param, mu, nu): param is operand 3
+    args, results = (x, x, x, x, scalars), (x, x, x)
+  call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results],
+                          input_output_aliases=aliases)
+  kwargs = {} if target == kernels.ADAM_MOMENTS_TARGET else {"nesterov": False}
+  return lambda: jax.block_until_ready(jax.jit(lambda *a: call(*a, **kwargs))(*args))
+
+
+@pytest.mark.parametrize("target, aliases, n_scalars, message", [
+    (kernels.ADAM_MOMENTS_TARGET, {}, 12, "mu and nu must alias"),
+    (kernels.ADAM_MOMENTS_TARGET, {1: 0, 2: 1}, 3, "12 scalars"),
+    (kernels.ADAM_UPDATE_TARGET, {}, 12, "mu and nu must alias"),
+    (kernels.ADAM_STEP_TARGET, {1: 1, 2: 2}, 12, "param must alias"),
+    (kernels.ADAM_STEP_TARGET, {3: 0, 1: 1, 2: 2}, 11, "12 scalars"),
+])
+def test_ffi_targets_refuse_calls_that_break_their_contract(target, aliases, n_scalars, message):
+  """A custom call whose outputs would not overwrite their inputs fails
+  naming the target, instead of writing where XLA does not expect."""
+  with pytest.raises(jax.errors.JaxRuntimeError, match=f"{target}: .*{message}"):
+    ffi_case(target, aliases, n_scalars)()
