@@ -54,10 +54,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import safetensors.numpy
-import tyro
 from flax import traverse_util
 
-from jzo import checkpoint
+from jzo import checkpoint, config as config_lib
 from models import gpt
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -223,12 +222,9 @@ class ExportConfig:
   """replace --out if it holds files"""
 
 
-def parse(argv: list[str] | None) -> ExportConfig:
-  return tyro.cli(ExportConfig, args=argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-  cfg = parse(argv)
+  cfg = config_lib.parse(ExportConfig, argv, description=ExportConfig.__doc__,
+                         prog="python -m jzo.export")
   # Reading and writing weights needs no accelerator: leave a GPU (perhaps
   # training the next run) alone.
   jax.config.update("jax_platforms", "cpu")

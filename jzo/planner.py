@@ -15,15 +15,15 @@ build their plan with the same code (jzo.plan.make_plan).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzo import plan as plan_lib
+from jzo import config as config_lib, plan as plan_lib
 from jzo.plan import GiB, Plan, PlacementError
 from jzo.precision import resolve_precision
 
@@ -135,7 +135,11 @@ def estimate_gpt(model: str, *, batch_size: int = 8, seq_len: int = 1024,
 
 
 def parse_offload(text: str) -> bool | float | str:
-  """--offload values: auto, true/all, false/none, or a fraction in [0, 1]."""
+  """--offload values: auto, true/all, false/none, or a fraction in [0, 1].
+
+  Raises:
+    ValueError: anything else.
+  """
   lowered = text.lower()
   if lowered == "auto":
     return "auto"
@@ -146,55 +150,74 @@ def parse_offload(text: str) -> bool | float | str:
   try:
     value = float(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"--offload takes auto, true, false or a fraction in [0, 1], got {text!r}") from None
+    raise ValueError(f"--offload takes auto, true, false or a fraction in [0, 1], "
+                     f"got {text!r}") from None
   if not 0.0 <= value <= 1.0:
-    raise argparse.ArgumentTypeError(f"--offload fraction must be in [0, 1], got {text}")
+    raise ValueError(f"--offload fraction must be in [0, 1], got {text}")
   return value
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class EstimateConfig:
+  """`python -m jzo.estimate`'s options; the docstring under each field is its --help."""
+  model: str
+  """a preset of models/gpt.py (tiny, gpt2-124m, ..., gpt2-13b)"""
+  devices: int = 1
+  """GPUs on the data axis"""
+  batch_size: int = 8
+  """sequences per micro-batch, over all devices"""
+  seq_len: int = 1024
+  """tokens per sequence"""
+  remat: Literal["full", "dots", "none"] = "full"
+  """what the backward pass recomputes"""
+  stage: Literal[0, 1, 2, 3] = 2
+  """ZeRO stage"""
+  offload: str = "auto"
+  """auto, true, false, or the fraction of the state on the host"""
+  moments: Literal["fp32", "bf16"] = "fp32"
+  """dtype of the Adam moments"""
+  precision: Literal["bf16", "fp16"] = "bf16"
+  """compute precision"""
+  grad_accum: int = 1
+  """micro-batches per optimizer step"""
+  delayed_update: bool = False
+  """offload: one-step delayed parameter update"""
+  host_gb: float | None = None
+  """GiB of host RAM (default: what this machine has available)"""
+  device_gb: float | None = None
+  """GiB of one device (default: this machine's accelerator, else 80)"""
+
+
+def check_estimate_options(cfg: EstimateConfig) -> None:
+  """Raises ValueError naming an option out of range."""
   from models import gpt
-  parser = argparse.ArgumentParser(prog="python -m jzo.estimate",
-                                   description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--model", required=True, choices=list(gpt.PRESETS))
-  parser.add_argument("--devices", type=int, default=1, help="GPUs on the data axis")
-  parser.add_argument("--batch-size", type=int, default=8,
-                      help="sequences per micro-batch, over all devices")
-  parser.add_argument("--seq-len", type=int, default=1024)
-  parser.add_argument("--remat", choices=list(gpt.REMAT_POLICIES), default="full")
-  parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2)
-  parser.add_argument("--offload", type=parse_offload, default="auto",
-                      help="auto, true, false, or the fraction of the state on the host")
-  parser.add_argument("--moments", choices=["fp32", "bf16"], default="fp32")
-  parser.add_argument("--precision", choices=["bf16", "fp16"], default="bf16")
-  parser.add_argument("--grad-accum", type=int, default=1)
-  parser.add_argument("--delayed-update", action=argparse.BooleanOptionalAction, default=False)
-  parser.add_argument("--host-gb", type=float,
-                      help="GiB of host RAM (default: what this machine has available)")
-  parser.add_argument("--device-gb", type=float,
-                      help=f"GiB of one device (default: this machine's accelerator, else "
-                           f"{DEFAULT_DEVICE_GIB:.0f})")
-  args = parser.parse_args(argv)
+  if cfg.model not in gpt.PRESETS:
+    raise ValueError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
   for name in ("devices", "batch_size", "seq_len", "grad_accum"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(cfg, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
   for name in ("host_gb", "device_gb"):
-    if getattr(args, name) is not None and getattr(args, name) <= 0:
-      parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if getattr(cfg, name) is not None and not getattr(cfg, name) > 0:
+      raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  cfg = config_lib.parse(EstimateConfig, argv, description=__doc__.splitlines()[0],
+                         prog="python -m jzo.estimate")
   gib = lambda x: None if x is None else int(x * GiB)
   try:
-    result = estimate_gpt(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
-                          remat=args.remat, devices=args.devices, stage=args.stage,
-                          offload=args.offload, moments=args.moments, precision=args.precision,
-                          grad_accum=args.grad_accum, delayed_update=args.delayed_update,
-                          device_memory=gib(args.device_gb), host_memory=gib(args.host_gb))
+    check_estimate_options(cfg)
+    result = estimate_gpt(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                          remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
+                          offload=parse_offload(cfg.offload), moments=cfg.moments,
+                          precision=cfg.precision, grad_accum=cfg.grad_accum,
+                          delayed_update=cfg.delayed_update, device_memory=gib(cfg.device_gb),
+                          host_memory=gib(cfg.host_gb))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"{args.model}, micro-batch {args.batch_size} x seq {args.seq_len}, remat {args.remat}, "
-        f"{args.moments} moments")
+  print(f"{cfg.model}, micro-batch {cfg.batch_size} x seq {cfg.seq_len}, remat {cfg.remat}, "
+        f"{cfg.moments} moments")
   print(result)
   return 0 if result.fits else 1
 

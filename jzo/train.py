@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import sys
 import time
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,48 +39,76 @@ from jzo import data as data_lib
 from models import gpt
 
 
-def _opt(help_text: str, default):
-  return dataclasses.field(default=default, metadata={"help": help_text})
+Preset = Literal[tuple(gpt.PRESETS)]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  model: str = _opt(f"preset: {', '.join(gpt.PRESETS)}", "tiny")
-  data: str = _opt("'' for the embedded corpus, a text file or folder, or a .bin of uint16 "
-                   "tokens (then give --vocab-size)", "")
-  vocab_size: int = _opt("vocabulary of a .bin token file (0: the preset's)", 0)
-  seq_len: int = _opt("tokens per training sequence", 128)
-  batch_size: int = _opt("sequences per micro-batch, over all devices", 16)
-  grad_accum: int = _opt("micro-batches per optimizer step", 1)
-  steps: int = _opt("optimizer steps", 300)
-  lr: float = _opt("peak learning rate (linear warm-up, cosine decay to 10%)", 3e-3)
-  warmup: int = _opt("warm-up steps", 30)
-  weight_decay: float = _opt("AdamW weight decay", 0.1)
-  max_grad_norm: float = _opt("global gradient-norm clip", 1.0)
-  stage: int = _opt("ZeRO stage 0-3", 2)
-  offload: bool = _opt("keep optimizer state in host RAM (ZeRO-Offload)", True)
-  offload_fraction: str = _opt("with --offload, the share of the optimizer state in host RAM: "
-                               "auto (as much on the devices as fits; all of it on CPUs) or a "
-                               "number in [0, 1]", "auto")
-  device_memory_gb: float = _opt("GiB of one device's memory the placement may plan for (0: what "
-                                 "its allocator reports)", 0.0)
-  moments: str = _opt("dtype of the Adam moments: fp32, or bf16 (half the memory)", "fp32")
-  delayed_update: bool = _opt("offload: one-step delayed parameter update", False)
-  precision: str = _opt("compute precision: bf16 or fp16", "bf16")
-  devices: int = _opt("devices to use (0: all)", 0)
-  seed: int = _opt("seed of the initial weights and the batch order", 0)
-  log_every: int = _opt("steps between log lines", 25)
-  eval_every: int = _opt("steps between evaluations on the held-out split", 100)
-  eval_batches: int = _opt("batches per evaluation", 4)
-  sample_tokens: int = _opt("tokens of text to generate at the end", 200)
-  remat: str = _opt("what the backward pass recomputes: full (least memory), dots (keeps "
-                    "matmul outputs), none", "full")
-  peak_tflops: float = _opt("peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 "
-                            "matmul on GPUs, none on CPU)", 0.0)
-  checkpoint_every: int = _opt("steps between checkpoints (and one at the end; 0: none)", 100)
-  resume: bool = _opt("continue from the last complete checkpoint in --out", False)
-  sample: bool = _opt("only generate --sample-tokens of text from the checkpoint in --out", False)
-  out: str = _opt("output folder (metrics.jsonl, loss.png)", "runs/latest")
+  """The recipe's options; the docstring under each field is its --help."""
+  model: Preset = "tiny"
+  """preset of models/gpt.py"""
+  data: str = ""
+  """'' for the embedded corpus, a text file or folder, or a .bin of uint16 tokens (then give
+  --vocab-size)"""
+  vocab_size: int = 0
+  """vocabulary of a .bin token file (0: the preset's)"""
+  seq_len: int = 128
+  """tokens per training sequence"""
+  batch_size: int = 16
+  """sequences per micro-batch, over all devices"""
+  grad_accum: int = 1
+  """micro-batches per optimizer step"""
+  steps: int = 300
+  """optimizer steps"""
+  lr: float = 3e-3
+  """peak learning rate (linear warm-up, cosine decay to a tenth of it)"""
+  warmup: int | None = None
+  """warm-up steps (default: a tenth of --steps)"""
+  weight_decay: float = 0.1
+  """AdamW weight decay"""
+  max_grad_norm: float = 1.0
+  """global gradient-norm clip"""
+  stage: Literal[0, 1, 2, 3] = 2
+  """ZeRO stage"""
+  offload: bool = True
+  """keep optimizer state in host RAM (ZeRO-Offload)"""
+  offload_fraction: str = "auto"
+  """with --offload, the share of the optimizer state in host RAM: auto (as much on the devices
+  as fits; all of it on CPUs) or a number in [0, 1]"""
+  device_memory_gb: float = 0.0
+  """GiB of one device's memory the placement may plan for (0: what its allocator reports)"""
+  moments: Literal["fp32", "bf16"] = "fp32"
+  """dtype of the Adam moments (bf16: half the memory)"""
+  delayed_update: bool = False
+  """offload: one-step delayed parameter update"""
+  precision: Literal["bf16", "fp16"] = "bf16"
+  """compute precision"""
+  devices: int = 0
+  """devices to use (0: all)"""
+  seed: int = 0
+  """seed of the initial weights and the batch order"""
+  log_every: int = 25
+  """steps between log lines"""
+  eval_every: int = 100
+  """steps between evaluations on the held-out split"""
+  eval_batches: int = 4
+  """batches per evaluation"""
+  sample_tokens: int = 200
+  """tokens of text to generate at the end"""
+  remat: Literal[tuple(gpt.REMAT_POLICIES)] = "full"
+  """what the backward pass recomputes: full (least memory), dots (keeps matmul outputs), none"""
+  peak_tflops: float = 0.0
+  """peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 matmul on GPUs, none on CPU)"""
+  checkpoint_every: int = 100
+  """steps between checkpoints (and one at the end; 0: none)"""
+  resume: bool = False
+  """continue from the last complete checkpoint in --out (refused if there is none)"""
+  fresh_start_ok: bool = False
+  """with --resume: start at step 0 when --out has no checkpoint yet (a scheduler's requeue)"""
+  sample: bool = False
+  """only generate --sample-tokens of text from the checkpoint in --out"""
+  out: str = "runs/latest"
+  """output folder (config.json, metrics.jsonl, loss.png, checkpoints/)"""
 
 
 class UserError(Exception):
@@ -86,18 +116,21 @@ class UserError(Exception):
 
 
 def check(cfg: TrainConfig) -> None:
-  if cfg.model not in gpt.PRESETS:
-    raise UserError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
-  if cfg.precision not in ("bf16", "fp16"):
-    raise UserError(f"--precision must be bf16 or fp16, got {cfg.precision!r}")
+  """Refuses option values out of range (types and choices: the parser's)."""
   for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_every",
                "eval_batches"):
     if getattr(cfg, name) < 1:
       raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-  if cfg.checkpoint_every < 0:
-    raise UserError(f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}")
-  if cfg.moments not in ("fp32", "bf16"):
-    raise UserError(f"--moments must be fp32 or bf16, got {cfg.moments!r}")
+  for name in ("checkpoint_every", "devices", "vocab_size", "sample_tokens"):
+    if getattr(cfg, name) < 0:
+      raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+  for name in ("lr", "max_grad_norm"):
+    if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
+      raise UserError(f"--{name.replace('_', '-')} must be a number > 0, got {getattr(cfg, name)}")
+  for name in ("weight_decay", "device_memory_gb", "peak_tflops"):
+    if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
+      raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got "
+                      f"{getattr(cfg, name)}")
   if cfg.offload_fraction != "auto":
     try:
       fraction = float(cfg.offload_fraction)
@@ -106,17 +139,30 @@ def check(cfg: TrainConfig) -> None:
     if not 0.0 <= fraction <= 1.0:
       raise UserError(f"--offload-fraction must be auto or a number in [0, 1], got "
                       f"{cfg.offload_fraction!r}")
-  if not 0 <= cfg.warmup < cfg.steps:
+  if cfg.warmup is not None and not 0 <= cfg.warmup < cfg.steps:
     raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
-  if cfg.remat not in gpt.REMAT_POLICIES:
-    raise UserError(f"--remat must be one of {', '.join(gpt.REMAT_POLICIES)}, got {cfg.remat!r}")
-  if cfg.device_memory_gb < 0:
-    raise UserError(f"--device-memory-gb must be >= 0, got {cfg.device_memory_gb}")
-  if cfg.peak_tflops < 0:
-    raise UserError(f"--peak-tflops must be >= 0, got {cfg.peak_tflops}")
   if cfg.seq_len > gpt.PRESETS[cfg.model].seq_len:
     raise UserError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s context of "
                     f"{gpt.PRESETS[cfg.model].seq_len} tokens")
+  out = pathlib.Path(cfg.out)
+  if out.exists() and not out.is_dir():
+    raise UserError(f"--out {out} is a file, not a folder")
+  if cfg.fresh_start_ok and not cfg.resume:
+    raise UserError("--fresh-start-ok only applies with --resume")
+
+
+def warmup_steps(cfg: TrainConfig) -> int:
+  """--warmup, by default a tenth of the steps."""
+  return cfg.steps // 10 if cfg.warmup is None else cfg.warmup
+
+
+def pick_devices(cfg: TrainConfig) -> list:
+  """The first --devices local devices (all for 0); refuses more than there are."""
+  devices = jax.devices()
+  if cfg.devices > len(devices):
+    raise UserError(f"--devices {cfg.devices}: this machine has {len(devices)} "
+                    f"{devices[0].platform} device(s)")
+  return devices[:cfg.devices or None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +224,7 @@ def model_config(cfg: TrainConfig, vocab: int) -> gpt.GPTConfig:
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, cfg.steps,
+  return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup_steps(cfg), cfg.steps,
                                             end_value=0.1 * cfg.lr)
 
 
@@ -402,16 +448,23 @@ def train(cfg: TrainConfig) -> dict:
   check(cfg)
   if cfg.offload:
     cap_pinned_pool(cfg)  # before JAX starts its GPU backend, which reads the cap
-  devices = jax.devices()[:cfg.devices or None]
+  devices = pick_devices(cfg)
   data = load_data(cfg, devices)
   model = model_config(cfg, data.vocab)
-  engine = build_engine(cfg, model, devices)
   out = pathlib.Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
   with checkpoint.open_manager(out / "checkpoints") as manager:
+    # A typo in --out must not cost the time of building the engine, or a run from scratch.
+    if (cfg.sample or cfg.resume) and manager.latest_step() is None:
+      where = out.absolute() / "checkpoints"
+      if cfg.sample or not cfg.fresh_start_ok:
+        raise UserError(f"--{'sample' if cfg.sample else 'resume'}: no complete checkpoint in "
+                        f"{where}" + ("" if cfg.sample else
+                                      " (to start at step 0 then, add --fresh-start-ok)"))
+      print(f"--resume: no checkpoint in {where} yet: starting at step 0")
+    engine = build_engine(cfg, model, devices)
     if cfg.sample:
-      if restore_run(manager, engine, cfg, out) == 0:
-        raise UserError(f"--sample: no checkpoint in {out / 'checkpoints'}")
+      restore_run(manager, engine, cfg, out)
       print_sample(model, engine.params, data.val_tokens, cfg)
       engine.close()
       return {}
@@ -469,10 +522,11 @@ def main(argv: list[str] | None = None) -> int:
   # Large models need more of the GPU than XLA's default 75% preallocation;
   # jzo's planner keeps its own headroom.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0])
+  cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
+                         prog="python -m jzo.train")
   try:
     train(cfg)
-  except (UserError, FileNotFoundError) as e:
+  except (UserError, OSError) as e:  # the options, the data or the output folder
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
