@@ -8,6 +8,8 @@
 #      1.56B and 4.24B (offload + delayed update).
 #   C: gpt2-4b: jzo on the GPU alone and offload="auto", then DeepSpeed
 #      ZeRO-2 + offload_optimizer cpu (wheels in .whl), side by side.
+#   D: the command lines' tests on this machine's Python 3.12 (issue 12),
+#      and offload_bench's gpt2-10b auto_dpu again (its transfer timing).
 # Output: $OUT/<part>.log, metrics and JSON files.
 set -uo pipefail
 part=$1
@@ -46,4 +48,13 @@ C)
   LIMIT=300 bench gpt2-4b "device auto" 4
   timeout 240 python3 experiments/torch_baselines.py --model gpt2-4b --system deepspeed --steps 4 \
     --json $OUT/deepspeed_4b.json 2>&1 | tail -5 | tee -a $log;;
+D)
+  python3 --version | tee -a $log
+  for m in jzo.train jzo.estimate jzo.export; do
+    python3 -m $m --help > $OUT/help_${m#jzo.}.txt 2>&1; echo "$m --help: exit $?" | tee -a $log
+  done
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_export.py \
+    tests/test_placement.py -k "help or bad_options or out_naming or preset or warmup_follows \
+    or estimate_cli or cli_errors or cli_exports or real_entry_point" 2>&1 | tail -4 | tee -a $log
+  LIMIT=300 bench gpt2-10b auto_dpu 4;;
 esac
