@@ -272,4 +272,5 @@ def test_a_long_run_with_offload_and_the_delayed_update_does_not_grow():
       arrays.append(len(jax.live_arrays()))
   engine.close()
   assert rss[1] - rss[0] < 4 * 2**20, f"host RSS grew by {(rss[1] - rss[0]) / 2**20:.1f} MiB"
-  assert arrays[1] == arrays[0]
+  # A few arrays come and go with the update in flight; a per-step leak adds 1,600.
+  assert arrays[1] <= arrays[0] + 16, arrays

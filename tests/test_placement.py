@@ -1,6 +1,7 @@
 """Optimizer state split between device and host memory, and the planner."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -173,7 +174,7 @@ def test_state_dict_loads_into_another_placement_and_device_count():
 
 def run_estimate(*args):
   return subprocess.run([sys.executable, "-m", "jzo.estimate", *args], capture_output=True,
-                        text=True, timeout=300, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+                        text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def test_estimate_cli_on_the_10b_model_and_an_h100():
