@@ -295,6 +295,10 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
               "shards: the model must call jzo.gather_layer on them)")
     raise ValueError(f"loss_fn failed on the engine's params and batch: "
                      f"{type(e).__name__}: {e}{hint}") from e
+  if not hasattr(loss, "dtype") or not jnp.issubdtype(loss.dtype, jnp.floating):
+    kind = getattr(loss, "dtype", type(loss).__name__)
+    raise TypeError(f"loss_fn must return a floating-point scalar (it is differentiated), "
+                    f"got {kind}")
   if jnp.shape(loss) != ():
     raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
   if layer_layouts is not None and not gathered[0]:

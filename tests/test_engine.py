@@ -252,6 +252,11 @@ def test_bad_input():
 
   with pytest.raises(ValueError, match="scalar"):
     jzo.ZeroEngine(lambda p, b: b["x"] @ p["embed"], params, tx, mesh=mesh).step(batches(1)[0])
+  for constant in (lambda p, b: jnp.int32(1), lambda p, b: "loss"):  # nothing to differentiate
+    with pytest.raises(TypeError, match="floating-point scalar"):
+      jzo.ZeroEngine(constant, params, tx, mesh=mesh).step(batches(1)[0])
+  with pytest.raises(ValueError, match="loss_fn failed.*KeyError: 'y'"):
+    jzo.ZeroEngine(loss_fn, params, tx, mesh=mesh).step({"x": batches(1)[0]["x"]})
 
   def no_gather(params, batch):  # make_loss without jzo.gather_layer
     h = batch["x"] @ params["embed"]
