@@ -14,12 +14,14 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import pathlib
 import sys
 
 import tyro
 
-CONFIG_HELP = ("--config PATH reads option values from a JSON file first "
+# Begins with a letter: tyro would set a line that begins otherwise apart.
+CONFIG_HELP = ("Presets: --config PATH reads option values from a JSON file first "
                '({"option_name": value, ...}); the command line wins.')
 
 
@@ -40,7 +42,7 @@ def parse(cls, argv: list[str] | None = None, description: str = "", prog: str |
     return tyro.cli(cls, args=args, description=description, prog=prog)  # exits 0
   errors = io.StringIO()
   try:
-    with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(errors):
+    with _wide_terminal(), contextlib.redirect_stderr(errors), contextlib.redirect_stdout(errors):
       return tyro.cli(cls, args=args, description=description, prog=prog)
   except SystemExit as e:
     if e.code:
@@ -51,6 +53,22 @@ def parse(cls, argv: list[str] | None = None, description: str = "", prog: str |
 def _fail(message: str):
   print(f"error: {message}", file=sys.stderr)
   raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def _wide_terminal():
+  """tyro draws its report as wide as the terminal (shutil.get_terminal_size,
+  which reads COLUMNS first); a wide one keeps every line of the report whole,
+  so folding it never splits a word, a path or an option name."""
+  saved = os.environ.get("COLUMNS")
+  os.environ["COLUMNS"] = "100000"
+  try:
+    yield
+  finally:
+    if saved is None:
+      del os.environ["COLUMNS"]
+    else:
+      os.environ["COLUMNS"] = saved
 
 
 def _take_config(argv: list[str]) -> tuple[pathlib.Path | None, list[str]]:
@@ -90,22 +108,19 @@ def _preset_args(cls, path: pathlib.Path) -> list[str]:
 
 
 def _one_line(report: str) -> str:
-  """tyro's error report as one line, "title: message". tyro draws a box
-  (its title in the top border) on a terminal and plain text (the title on
-  a line of its own) elsewhere; rules divide the message from the help."""
-  title, sections = "", [[]]
+  """tyro's error report as one line, "title: message". Written to a file
+  rather than a terminal, the report is its title, a rule of dashes, the
+  message, then sections of help behind rules of their own; anything else
+  comes back whole, on one line."""
+  sections = [[]]
   for line in report.splitlines():
-    line = line.strip()
-    if line[:1] in ("╭", "+"):  # a box's top, with the title (rich draws ASCII without UTF-8)
-      title = line.strip("╭╮+─- ")
-      continue
-    text = line.strip("│|╰╯").strip()
-    if text and set(text) <= {"─", "-", "+", "╰", "╯"}:
+    text = line.strip()
+    if text and set(text) == {"-"}:
       sections.append([])
     elif text:
       sections[-1].append(text)
-  sections = [" ".join(s) for s in sections if s]
-  if not title and len(sections) > 1:
-    title = sections.pop(0)
-  message = sections[0] if sections else report.strip()
-  return message if not title or message.startswith(title) else f"{title}: {message}"
+  parts = [" ".join(section) for section in sections if section]
+  if len(parts) < 2:
+    return " ".join(report.split())
+  title, message = parts[:2]
+  return message if message.startswith(title) else f"{title}: {message}"

@@ -183,9 +183,9 @@ class EstimateConfig:
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
   host_gb: float | None = None
-  """GiB of host RAM (default: what this machine has available)"""
+  """GiB of host RAM (None: what this machine has available)"""
   device_gb: float | None = None
-  """GiB of one device (default: this machine's accelerator, else 80)"""
+  """GiB of one device (None: this machine's accelerator, else 80)"""
 
 
 def check_estimate_options(cfg: EstimateConfig) -> None:
@@ -199,6 +199,9 @@ def check_estimate_options(cfg: EstimateConfig) -> None:
   for name in ("host_gb", "device_gb"):
     if getattr(cfg, name) is not None and not getattr(cfg, name) > 0:
       raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
+  if cfg.delayed_update and parse_offload(cfg.offload) is False:
+    raise ValueError("--delayed-update delays the host's update: it needs --offload other than "
+                     "false")
 
 
 def main(argv: list[str] | None = None) -> int:

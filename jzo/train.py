@@ -48,8 +48,7 @@ class TrainConfig:
   model: Preset = "tiny"
   """preset of models/gpt.py"""
   data: str = ""
-  """'' for the embedded corpus, a text file or folder, or a .bin of uint16 tokens (then give
-  --vocab-size)"""
+  """'' (the embedded corpus), a text file or folder, or a .bin of uint16 tokens (--vocab-size)"""
   vocab_size: int = 0
   """vocabulary of a .bin token file (0: the preset's)"""
   seq_len: int = 128
@@ -63,7 +62,7 @@ class TrainConfig:
   lr: float = 3e-3
   """peak learning rate (linear warm-up, cosine decay to a tenth of it)"""
   warmup: int | None = None
-  """warm-up steps (default: a tenth of --steps)"""
+  """warm-up steps (None: a tenth of --steps)"""
   weight_decay: float = 0.1
   """AdamW weight decay"""
   max_grad_norm: float = 1.0
@@ -73,8 +72,7 @@ class TrainConfig:
   offload: bool = True
   """keep optimizer state in host RAM (ZeRO-Offload)"""
   offload_fraction: str = "auto"
-  """with --offload, the share of the optimizer state in host RAM: auto (as much on the devices
-  as fits; all of it on CPUs) or a number in [0, 1]"""
+  """with --offload, the host's share of the optimizer state: auto (what does not fit) or 0 to 1"""
   device_memory_gb: float = 0.0
   """GiB of one device's memory the placement may plan for (0: what its allocator reports)"""
   moments: Literal["fp32", "bf16"] = "fp32"
@@ -121,7 +119,7 @@ def check(cfg: TrainConfig) -> None:
                "eval_batches"):
     if getattr(cfg, name) < 1:
       raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-  for name in ("checkpoint_every", "devices", "vocab_size", "sample_tokens"):
+  for name in ("checkpoint_every", "devices", "vocab_size", "sample_tokens", "seed"):
     if getattr(cfg, name) < 0:
       raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
   for name in ("lr", "max_grad_norm"):
@@ -147,6 +145,11 @@ def check(cfg: TrainConfig) -> None:
   out = pathlib.Path(cfg.out)
   if out.exists() and not out.is_dir():
     raise UserError(f"--out {out} is a file, not a folder")
+  if cfg.offload and cfg.stage == 0:
+    raise UserError("--offload needs --stage 1, 2 or 3 (stage 0 replicates the optimizer "
+                    "state; or add --no-offload)")
+  if cfg.delayed_update and not cfg.offload:
+    raise UserError("--delayed-update delays the host's update: it needs --offload")
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 
@@ -390,6 +393,30 @@ def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.
     raise UserError(str(e)) from e
 
 
+def latest_checkpoint(out: pathlib.Path) -> int | None:
+  """The step of the last complete checkpoint in `out`, None if none (creating nothing)."""
+  if not (out / "checkpoints").is_dir():
+    return None
+  with checkpoint.open_manager(out / "checkpoints") as manager:
+    return manager.latest_step()
+
+
+def check_checkpoint_to_continue(cfg: TrainConfig, out: pathlib.Path) -> None:
+  """Refuses --resume and --sample with no complete checkpoint in `out`
+  (--resume --fresh-start-ok starts at step 0 instead, and says so), before
+  anything is built or written: a typo in --out must cost neither the
+  engine's build nor a run from scratch."""
+  if not (cfg.resume or cfg.sample) or latest_checkpoint(out) is not None:
+    return
+  where = out.absolute() / "checkpoints"
+  if cfg.sample:
+    raise UserError(f"--sample: no complete checkpoint in {where}")
+  if not cfg.fresh_start_ok:
+    raise UserError(f"--resume: no complete checkpoint in {where} (to start at step 0 then, "
+                    "add --fresh-start-ok)")
+  print(f"--resume: no checkpoint in {where} yet: starting at step 0")
+
+
 def start_log(cfg: TrainConfig, out: pathlib.Path, first: int) -> list[dict]:
   """Writes config.json and metrics.jsonl as of step `first`; returns the log so far."""
   (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -452,16 +479,9 @@ def train(cfg: TrainConfig) -> dict:
   data = load_data(cfg, devices)
   model = model_config(cfg, data.vocab)
   out = pathlib.Path(cfg.out)
+  check_checkpoint_to_continue(cfg, out)
   out.mkdir(parents=True, exist_ok=True)
   with checkpoint.open_manager(out / "checkpoints") as manager:
-    # A typo in --out must not cost the time of building the engine, or a run from scratch.
-    if (cfg.sample or cfg.resume) and manager.latest_step() is None:
-      where = out.absolute() / "checkpoints"
-      if cfg.sample or not cfg.fresh_start_ok:
-        raise UserError(f"--{'sample' if cfg.sample else 'resume'}: no complete checkpoint in "
-                        f"{where}" + ("" if cfg.sample else
-                                      " (to start at step 0 then, add --fresh-start-ok)"))
-      print(f"--resume: no checkpoint in {where} yet: starting at step 0")
     engine = build_engine(cfg, model, devices)
     if cfg.sample:
       restore_run(manager, engine, cfg, out)

@@ -1,0 +1,260 @@
+"""The command lines (jzo.config, the parser of jzo.train, jzo.estimate and
+jzo.export): --help lists every option with its help and default, presets
+load, and every mistake gets one line on stderr and status 2, no traceback.
+
+The real entry points run in subprocesses (--help, a mistake each, a short
+training run); the mistakes of each option run in this process, to keep the
+suite quick.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jzo import config as config_lib
+from jzo import export, planner, train
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+  """`python -m module args` on the CPU, with a terminal wide enough that
+  tyro's help wraps no line."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "1000"}
+  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                        timeout=300, env=env)
+
+
+def run_main(main, args: list[str]) -> tuple[int, list[str]]:
+  """(exit status, stderr's lines) of a CLI's main, as the shell sees them."""
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    try:
+      code = main(args)
+    except SystemExit as e:
+      code = e.code
+  return code, err.getvalue().splitlines()
+
+
+def field_help(cls) -> dict[str, str]:
+  """Each field's docstring, from the class's source: the help tyro shows."""
+  body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+  return {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
+          if isinstance(stmt, ast.AnnAssign) and isinstance(doc, ast.Expr)}
+
+
+def help_entry(field: dataclasses.Field, help_text: str) -> re.Pattern:
+  """An option's entry in --help: the flag (and --no-flag), a metavar, the
+  help, then the default (tyro shows '' for an empty string)."""
+  flag = field.name.replace("_", "-")
+  if field.default is dataclasses.MISSING:
+    tail = "(required)"
+  else:
+    tail = f"(default: {field.default if field.default != '' else repr('')})"
+  return re.compile(rf"--{flag}(, --no-{flag})?( \S+)? {re.escape(help_text)} "
+                    + re.escape(tail))
+
+
+def check_help_lists_every_option(cls, help_out: str) -> None:
+  """Every field of `cls` in `help_out` with its docstring and default."""
+  text = " ".join(" ".join(line.strip(" │|") for line in help_out.splitlines()).split())
+  docs = field_help(cls)
+  assert set(docs) == {f.name for f in dataclasses.fields(cls)}, "a field without help"
+  for field in dataclasses.fields(cls):
+    assert help_entry(field, docs[field.name]).search(text), (field.name, text)
+  assert config_lib.CONFIG_HELP in text
+
+
+@pytest.mark.parametrize("module, cls", [("jzo.train", train.TrainConfig),
+                                         ("jzo.estimate", planner.EstimateConfig)])
+def test_help_of_the_real_entry_points(module, cls):
+  done = run_module(module, "--help")
+  assert done.returncode == 0 and done.stderr == "", done.stderr
+  assert done.stdout.startswith(f"usage: python -m {module} ")
+  check_help_lists_every_option(cls, done.stdout)
+
+
+def test_help_of_export(capsys, monkeypatch):
+  monkeypatch.setenv("COLUMNS", "1000")
+  assert run_main(export.main, ["--help"]) == (0, [])
+  check_help_lists_every_option(export.ExportConfig, capsys.readouterr().out)
+
+
+def test_a_mistake_through_each_real_entry_point(tmp_path):
+  # One the recipe finds after JAX has started, one the parser finds.
+  done = run_module("jzo.train", "--lr", "-1", "--out", str(tmp_path))
+  assert (done.returncode, done.stderr) == (2, "error: --lr must be a number > 0, got -1.0\n")
+  done = run_module("jzo.estimate", "--model", "tiny", "--stage", "9")
+  assert done.returncode == 2 and done.stdout == ""
+  assert done.stderr == ("error: Invalid choice: invalid choice '9' for argument '--stage'. "
+                         "Expected one of ('0', '1', '2', '3').\n")
+
+
+def test_a_short_run_through_the_real_entry_point(tmp_path):
+  # --steps alone (the warm-up follows it); --resume in a folder with no
+  # checkpoint yet, allowed by --fresh-start-ok, as a scheduler's requeue would.
+  done = run_module("jzo.train", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                    "--log-every", "1", "--eval-every", "2", "--eval-batches", "1",
+                    "--sample-tokens", "0", "--checkpoint-every", "0", "--resume",
+                    "--fresh-start-ok", "--out", str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  assert "Traceback" not in done.stderr
+  where = tmp_path.absolute() / "checkpoints"
+  assert f"--resume: no checkpoint in {where} yet: starting at step 0" in done.stdout
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2]
+
+
+# Every option of the recipe with a mistake in it, and a part of the one line
+# that answers it. The recipe's arguments before them: TRAIN_BASE.
+TRAIN_BASE = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--devices", "2"]
+TRAIN_MISTAKES = [
+    ("model", ["--model", "gpt5"], "invalid choice 'gpt5' for argument '--model'"),
+    ("data", ["--data", "/no/such/file.txt"], "data path /no/such/file.txt does not exist"),
+    ("vocab_size", ["--vocab-size", "-1"], "--vocab-size must be >= 0, got -1"),
+    ("seq_len", ["--seq-len", "4096"], "--seq-len 4096 is beyond tiny's context of 128"),
+    ("seq_len", ["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    ("batch_size", ["--batch-size", "3", "--devices", "2"], "does not split over 2 devices"),
+    ("batch_size", ["--batch-size", "four"], "Error parsing --batch-size"),
+    ("grad_accum", ["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    ("steps", ["--steps", "many"], "Error parsing --steps: invalid literal for int()"),
+    ("steps", ["--steps", "0"], "--steps must be >= 1, got 0"),
+    ("lr", ["--lr", "-1"], "--lr must be a number > 0, got -1.0"),
+    ("lr", ["--lr", "nan"], "--lr must be a number > 0, got nan"),
+    ("warmup", ["--warmup", "9"], "--warmup must be in [0, --steps), got 9 with 4 steps"),
+    ("warmup", ["--warmup", "some"], "Error parsing --warmup"),
+    ("weight_decay", ["--weight-decay", "-0.1"], "--weight-decay must be a number >= 0"),
+    ("max_grad_norm", ["--max-grad-norm", "0"], "--max-grad-norm must be a number > 0, got 0.0"),
+    ("stage", ["--stage", "7"], "invalid choice '7' for argument '--stage'"),
+    ("stage", ["--stage", "0"], "--offload needs --stage 1, 2 or 3"),
+    ("offload", ["--offload", "yes"], "Unrecognized options: yes"),
+    ("offload_fraction", ["--offload-fraction", "2"], "auto or a number in [0, 1], got '2'"),
+    ("offload_fraction", ["--offload-fraction", "most"], "auto or a number in [0, 1]"),
+    ("device_memory_gb", ["--device-memory-gb", "-1"], "--device-memory-gb must be a number >= 0"),
+    ("moments", ["--moments", "fp8"], "invalid choice 'fp8' for argument '--moments'"),
+    ("delayed_update", ["--no-offload", "--delayed-update"], "it needs --offload"),
+    ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
+    # conftest.py gives this process 8 CPU devices.
+    ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
+    ("seed", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("log_every", ["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    ("eval_every", ["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
+    ("eval_batches", ["--eval-batches", "-2"], "--eval-batches must be >= 1, got -2"),
+    ("sample_tokens", ["--sample-tokens", "-5"], "--sample-tokens must be >= 0, got -5"),
+    ("remat", ["--remat", "some"], "invalid choice 'some' for argument '--remat'"),
+    ("peak_tflops", ["--peak-tflops", "fast"], "Error parsing --peak-tflops"),
+    ("checkpoint_every", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("resume", ["--resume"], "--resume: no complete checkpoint in"),
+    ("fresh_start_ok", ["--fresh-start-ok"], "--fresh-start-ok only applies with --resume"),
+    ("sample", ["--sample"], "--sample: no complete checkpoint in"),
+    ("out", ["--out", "/dev/null"], "--out /dev/null is a file, not a folder"),
+    (None, ["--stepz", "3"], "Unrecognized options: --stepz, 3"),
+    (None, ["--lr"], "Missing value for argument '--lr'"),
+]
+
+ESTIMATE_MISTAKES = [
+    ("model", ["--devices", "2"], "Missing from python -m jzo.estimate: --model"),
+    ("model", ["--model", "gpt5"], "unknown model 'gpt5'; presets: tiny, gpt2-124m"),
+    ("devices", ["--model", "tiny", "--devices", "0"], "--devices must be >= 1, got 0"),
+    ("batch_size", ["--model", "tiny", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    ("seq_len", ["--model", "tiny", "--seq-len", "long"], "Error parsing --seq-len"),
+    ("remat", ["--model", "tiny", "--remat", "some"], "invalid choice 'some' for argument"),
+    ("stage", ["--model", "tiny", "--stage", "5"], "invalid choice '5' for argument '--stage'"),
+    ("offload", ["--model", "tiny", "--offload", "1.5"], "fraction must be in [0, 1], got 1.5"),
+    ("offload", ["--model", "tiny", "--offload", "most"], "--offload takes auto, true, false"),
+    ("moments", ["--model", "tiny", "--moments", "fp8"], "invalid choice 'fp8' for argument"),
+    ("precision", ["--model", "tiny", "--precision", "fp8"], "invalid choice 'fp8' for argument"),
+    ("grad_accum", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    ("delayed_update", ["--model", "tiny", "--delayed-update", "--offload", "false"],
+     "it needs --offload other than false"),
+    ("host_gb", ["--model", "tiny", "--host-gb", "0"], "--host-gb must be > 0, got 0.0"),
+    ("device_gb", ["--model", "tiny", "--device-gb", "lots"], "Error parsing --device-gb"),
+]
+
+
+@pytest.mark.parametrize("cls, mistakes", [(train.TrainConfig, TRAIN_MISTAKES),
+                                           (planner.EstimateConfig, ESTIMATE_MISTAKES)],
+                         ids=["train", "estimate"])
+def test_every_option_has_its_mistakes_checked(cls, mistakes):
+  assert {name for name, *_ in mistakes} - {None} == {f.name for f in dataclasses.fields(cls)}
+
+
+def one_line_error(main, args: list[str], message: str) -> str:
+  """The one line `main` answers `args` with, after checking it is one line,
+  an error, status 2, and names `message`."""
+  code, lines = run_main(main, args)
+  assert code == 2 and len(lines) == 1, lines
+  assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+  return lines[0]
+
+
+@pytest.mark.parametrize("option, args, message", TRAIN_MISTAKES,
+                         ids=[" ".join(args) for _, args, _ in TRAIN_MISTAKES])
+def test_recipe_mistakes(option, args, message, tmp_path):
+  one_line_error(train.main, TRAIN_BASE + ["--out", str(tmp_path)] + args, message)
+
+
+@pytest.mark.parametrize("option, args, message", ESTIMATE_MISTAKES,
+                         ids=[" ".join(args) for _, args, _ in ESTIMATE_MISTAKES])
+def test_estimate_mistakes(option, args, message):
+  one_line_error(planner.main, args, message)
+
+
+def test_out_naming_a_file_is_left_alone(tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("mine")
+  one_line_error(train.main, TRAIN_BASE + ["--out", str(a_file)], "is a file, not a folder")
+  assert a_file.read_text() == "mine"
+
+
+def test_resume_without_a_checkpoint_names_where_it_looked(tmp_path):
+  typo = tmp_path / "typo"
+  line = one_line_error(train.main, TRAIN_BASE + ["--out", str(typo), "--resume"], "--resume")
+  assert line == (f"error: --resume: no complete checkpoint in {typo / 'checkpoints'} "
+                  "(to start at step 0 then, add --fresh-start-ok)")
+  assert not typo.exists()  # refused before anything was written
+
+
+def test_long_words_stay_whole_on_a_narrow_terminal(monkeypatch):
+  # tyro wraps its report at the terminal's width; folded, a wrapped word
+  # would come back split.
+  monkeypatch.setenv("COLUMNS", "30")
+  option = "--" + "x" * 300
+  assert one_line_error(train.main, [option], option) == f"error: Unrecognized options: {option}"
+  assert os.environ["COLUMNS"] == "30"
+
+
+def test_preset_files(tmp_path):
+  preset = tmp_path / "preset.json"
+  for content, message in ((json.dumps({"steps": 2, "learning_rate": 1e-3}),
+                            "has unknown options: learning_rate"),
+                           (json.dumps({"steps": "many"}), "Error parsing --steps"),
+                           ("{not json", "is not valid JSON"),
+                           ("[1, 2]", "must hold a JSON object")):
+    preset.write_text(content)
+    one_line_error(train.main, ["--config", str(preset)], message)
+  one_line_error(train.main, ["--config", str(tmp_path / "missing.json")],
+                 "cannot be read: No such file or directory")
+  one_line_error(train.main, ["--config", str(tmp_path)], "cannot be read: Is a directory")
+  one_line_error(train.main, ["--steps", "3", "--config"], "--config needs a path")
+
+
+def test_preset_file_then_command_line(tmp_path):
+  preset = tmp_path / "preset.json"
+  preset.write_text(json.dumps({"steps": 7, "lr": 1e-3}))
+  cfg = config_lib.parse(train.TrainConfig, ["--config", str(preset), "--steps", "9"])
+  assert cfg.steps == 9 and cfg.lr == 1e-3
+  preset.write_text(json.dumps({"offload": False, "delayed_update": True}))
+  cfg = config_lib.parse(train.TrainConfig, [f"--config={preset}", "--offload"])
+  assert cfg.offload and cfg.delayed_update
+  preset.write_text(json.dumps({"model": "gpt2-4b", "host_gb": 125}))
+  cfg = config_lib.parse(planner.EstimateConfig, ["--config", str(preset)])
+  assert (cfg.model, cfg.host_gb) == ("gpt2-4b", 125.0)
