@@ -20,13 +20,24 @@ import sys
 
 import tyro
 
-# Begins with a letter: tyro would set a line that begins otherwise apart.
+# Begins with a letter: tyro sets a line of a description that does not
+# apart with a second blank line.
 CONFIG_HELP = ("Presets: --config PATH reads option values from a JSON file first "
                '({"option_name": value, ...}); the command line wins.')
 
 
 def parse(cls, argv: list[str] | None = None, description: str = "", prog: str | None = None):
   """An instance of dataclass `cls` from its defaults, a preset file and argv.
+
+  The one parser of every jzo command line (`main(argv)` of jzo.train,
+  jzo.estimate, jzo.export): a mistake in `argv` is reported as one line
+  "error: ..." on stderr, and the program exits with status 2.
+
+  Args:
+    cls: a dataclass; each field an option, the docstring under it its help.
+    argv: the arguments (default: sys.argv[1:]).
+    description: the first paragraph of --help.
+    prog: the program's name in --help and errors (e.g. "python -m jzo.train").
 
   Raises:
     SystemExit: 0 after --help; 2 after printing a one-line error.

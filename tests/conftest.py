@@ -5,9 +5,21 @@ runs the cpu_adam tests with JAX_PLATFORMS=cuda,cpu to cover the XLA path).
 """
 
 import os
+from unittest import mock
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 if "JAX_PLATFORMS" not in os.environ:
   jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+  """Each test leaves os.environ as it found it. The recipe caps XLA's
+  pinned pool for its whole process through an environment variable
+  (jzo.plan.limit_pinned_pool, from jzo.train's main): left set, a later
+  test's subprocess would inherit a small model's cap."""
+  with mock.patch.dict(os.environ):
+    yield
