@@ -11,17 +11,27 @@ optimizer state, loss scale and counters, as host arrays) in the folder
 it when complete, so a run killed while saving leaves the previous one intact
 and an unfinished one is never restored.
 
-The engine is used only through `state_dict()` and `load_state_dict(saved)`.
+The engine is used through `state_dict()` and `load_state_dict(saved)`,
+and `restore` reads the shapes of what it loads from its plan and state.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
-whose message names the folder and the step.
+whose message names the folder and the step; a checkpoint that does not
+fit the engine is refused before any array is read, naming the first
+entries that differ (another model's parameters, shapes or optimizer).
 
 What is saved (`engine_state_dict`, `load_engine_state`, which the engine's
-methods call): with jzo's Adam (offload on, any placement) full-shape
-float32 masters and moments, whatever lives where, so a checkpoint loads
-into any placement, device count or ZeRO stage of the same model (the
-re-sharding is a reshape on the host); with another optax transformation
-the flat padded masters and that optimizer's state as the devices keep them
-(same stage and device count to load).
+methods call) depends on the optimizer:
+
+- Adam: jzo.cpu_adam/cpu_adamw (offload on or off, any placement) and
+  optax.adam/adamw (a chain of one Adam state and step counts). The float32
+  masters and both moments in the params' full shapes, and the step count,
+  whatever lives where. They load into any Adam engine of the same model:
+  any ZeRO stage, device count or placement, offload on or off (the
+  re-sharding is a reshape on the host). The moments carry over as they
+  are; learning rate and weight decay are the loading engine's.
+- Another optimizer: the flat padded masters and its optax state as the
+  devices keep them, which load into the same optimizer, stage and device
+  count. An Adam engine without offload also loads this format (its
+  checkpoints before the full-shape one).
 """
 
 from __future__ import annotations
@@ -30,10 +40,12 @@ import pathlib
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import step as step_lib
+from jzo.cpu_adam import CpuAdamState
 from jzo.offload import HostAdam
 from jzo.partition import LeafLayout, is_layout
 from jzo.plan import Plan
@@ -58,6 +70,11 @@ class CheckpointError(ValueError):
     super().__init__(message)
     self.directory = directory
     self.step = step
+
+
+class UnreadableCheckpointError(CheckpointError):
+  """A complete checkpoint whose files cannot be read (damaged, cut short,
+  missing): unlike one of another model, an earlier one may still serve."""
 
 
 def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.CheckpointManager:
@@ -108,8 +125,8 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
 
   Args:
     manager: from `open_manager`.
-    engine: a `ZeroEngine` that takes the saved state (the same model and the
-      options its `load_state_dict` names); its state is replaced.
+    engine: a `ZeroEngine` that takes the saved state (the same model, and
+      what its `load_state_dict` names); its state is replaced.
     step: the checkpoint to load; None for the latest complete one.
 
   Returns:
@@ -118,29 +135,56 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
   Raises:
     CheckpointError: the folder has no (such) complete checkpoint; the
       checkpoint cannot be read (damaged files); or it does not fit the
-      engine (other options or shapes).
+      engine (another model or optimizer: the message names the first
+      entries that differ, found before any array is read).
   """
   folder = _folder(manager)
   step = _complete_step(manager, step)
-  where = f"checkpoint {step} in {folder}"
-  # The engine's own state as the target: orbax rebuilds the same tree types
-  # (optax's named tuples) and dtypes.
-  target = engine.state_dict()
   try:
-    saved = manager.restore(step, args=ocp.args.StandardRestore(target))
+    saved = _outline(manager.item_metadata(step).tree)
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
-    # Orbax refuses a checkpoint of another tree with the same exception
-    # types as a damaged one; its metadata tells the two apart.
-    differences = _differences(manager, step, target)
-    if differences:
-      raise CheckpointError(f"{where} does not fit this engine (saved with other stage, "
-                            f"offload, optimizer or model): {differences}", folder, step) from e
     raise _unreadable(e, folder, step) from e
+  # The target is what the engine loads, as shapes: orbax reads numpy arrays
+  # into its tree types (optax's named tuples) and refuses other dtypes.
+  target = _expected(engine.plan, engine.state, engine.host, saved)
+  misfit = _misfit(saved, _outline(target))
+  if misfit:  # before any array is read
+    raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",
+                          folder, step)
   try:
-    engine.load_state_dict(saved)
-  except ValueError as e:  # same tree, other shapes or dtypes (e.g. another device count)
-    raise CheckpointError(f"{where} does not fit this engine: {e}", folder, step) from e
+    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+  except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
+    raise _unreadable(e, folder, step) from e
+  engine.load_state_dict(restored)
   return step
+
+
+def restore_readable(manager: ocp.CheckpointManager, engine
+                     ) -> tuple[int | None, list[UnreadableCheckpointError]]:
+  """Loads the latest complete checkpoint that can be read, going back past
+  unreadable ones (a damaged disk, files lost or cut short by hand).
+
+  Args:
+    manager: from `open_manager`.
+    engine: as for `restore`; its state is replaced only by a checkpoint that reads.
+
+  Returns:
+    (the step loaded, None if none could be read; the errors of the
+    checkpoints passed over, latest first).
+
+  Raises:
+    CheckpointError: the folder has no checkpoint, or one does not fit the
+      engine (the earlier ones, of the same run, would not either).
+  """
+  passed: list[UnreadableCheckpointError] = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      return restore(manager, engine, step), passed
+    except UnreadableCheckpointError as e:
+      passed.append(e)
+  if not passed:
+    raise CheckpointError(f"no checkpoint in {_folder(manager)}", _folder(manager))
+  return None, passed
 
 
 def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tuple[int, dict]:
@@ -154,7 +198,7 @@ def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tupl
 
   Returns:
     (step, masters): numpy float32 leaves as saved: in the params' shapes
-    with jzo's Adam (offload, any placement); with another optimizer flat and
+    with Adam (see the module docstring); with another optimizer flat and
     padded as the devices keep them ((S*k,), or (L, S*k) for stage 3's
     per-layer leaves), which `masters_in_shapes` undoes.
 
@@ -237,24 +281,19 @@ def _complete_step(manager: ocp.CheckpointManager, step: int | None) -> int:
   return step
 
 
-def _unreadable(e: Exception, folder: pathlib.Path, step: int) -> CheckpointError:
+def _unreadable(e: Exception, folder: pathlib.Path, step: int) -> UnreadableCheckpointError:
   """The error for a checkpoint that orbax failed to read with `e`."""
   detail = str(e).splitlines()[0] if str(e) else ""
   if len(detail) > _MAX_DETAIL:
     detail = detail[:_MAX_DETAIL] + "..."
-  return CheckpointError(f"checkpoint {step} in {folder} is unreadable: {type(e).__name__}: "
-                         f"{detail}", folder, step)
+  return UnreadableCheckpointError(f"checkpoint {step} in {folder} is unreadable: "
+                                  f"{type(e).__name__}: {detail}", folder, step)
 
 
-def _differences(manager: ocp.CheckpointManager, step: int, target) -> str:
-  """Where the saved tree differs from `target`, from the checkpoint's
-  metadata (no array is read); "" if it agrees or cannot be read."""
-  try:
-    saved = _outline(manager.item_metadata(step).tree)
-  except Exception:  # a damaged checkpoint: the caller reports it as unreadable
-    return ""
+def _misfit(saved, mine) -> str:
+  """Where two outlines (see `_outline`) differ, the first first; "" if they agree."""
   found: list[str] = []
-  _compare(saved, _outline(target), "", found)
+  _compare(saved, mine, "", found)
   return "; ".join(found[:_MAX_DIFFERENCES]) + ("; ..." if len(found) > _MAX_DIFFERENCES else "")
 
 
@@ -273,15 +312,17 @@ def _outline(tree):
 
 
 def _compare(saved, mine, path: str, found: list[str]) -> None:
-  """Appends to `found` a line per difference between two outlines."""
+  """Appends to `found` a line per difference between two outlines, in key order."""
   here = path or "the state"
   if isinstance(saved, dict) and isinstance(mine, dict):
-    if only := sorted(saved.keys() - mine.keys()):
-      found.append(f"{here} has {', '.join(only)} only in the checkpoint")
-    if only := sorted(mine.keys() - saved.keys()):
-      found.append(f"{here} has {', '.join(only)} only in this engine")
-    for k in sorted(saved.keys() & mine.keys()):
-      _compare(saved[k], mine[k], f"{path}[{k!r}]", found)
+    for k in sorted(saved.keys() | mine.keys()):
+      entry = f"{path}[{k!r}]"
+      if k not in mine:
+        found.append(f"{entry} only in the checkpoint")
+      elif k not in saved:
+        found.append(f"{entry} only in this engine")
+      else:
+        _compare(saved[k], mine[k], entry, found)
   elif isinstance(saved, list) and isinstance(mine, list):
     if len(saved) != len(mine):
       found.append(f"{here} has {len(saved)} entries in the checkpoint, {len(mine)} in this "
@@ -290,8 +331,18 @@ def _compare(saved, mine, path: str, found: list[str]) -> None:
       for i, (s, m) in enumerate(zip(saved, mine)):
         _compare(s, m, f"{path}[{i}]", found)
   elif saved != mine:
-    found.append(f"{here} is {saved or 'empty'} in the checkpoint, {mine or 'empty'} in this "
-                 "engine")
+    found.append(f"{here} is {_brief(saved)} in the checkpoint, {_brief(mine)} "
+                 "in this engine")
+
+
+def _brief(outline) -> str:
+  """An outline in a few words: an array's 'dtype[shape]', else its kind."""
+  if isinstance(outline, str):
+    return outline
+  if not outline:
+    return "empty"
+  n = len(outline)
+  return f"a {'dict' if isinstance(outline, dict) else 'list'} of {n} entr{'y' if n == 1 else 'ies'}"
 
 
 # ------------------------------------------------- the state as host arrays
@@ -308,44 +359,102 @@ def _parts(plan: Plan, device_tree, host_tree, dtype):
   return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
 
 
+def _full(plan: Plan, flat_tree):
+  """Full-shape numpy leaves from flat padded ones (global arrays, `flat_shape`)."""
+  return jax.tree.map(lambda l, x: np.asarray(l.unflatten(x)), plan.layouts,
+                      jax.device_get(flat_tree), is_leaf=is_layout)
+
+
+def _flat(plan: Plan, full_tree):
+  """Flat padded numpy leaves (`flat_shape`) from full-shape ones."""
+  return jax.tree.map(lambda l, x: l.flatten(np.asarray(x)), plan.layouts, full_tree,
+                      is_leaf=is_layout)
+
+
 def full_masters(plan: Plan, state: EngineState, host: HostAdam | None):
   """The float32 master weights in full shapes (numpy)."""
   if not plan.offload:
-    flat = jax.device_get(state.master)
-    return jax.tree.map(lambda l, m: np.asarray(l.unflatten(m)), plan.layouts, flat,
-                        is_leaf=is_layout)
+    return _full(plan, state.master)
   return _parts(plan, state.master, host.master, np.float32)
+
+
+def _is_adam(node) -> bool:
+  return isinstance(node, (optax.ScaleByAdamState, CpuAdamState))
+
+
+def _is_count(path, x) -> bool:
+  """A step count: an integer scalar in a field named count (a schedule's)."""
+  return (bool(path) and getattr(path[-1], "name", None) == "count" and x.ndim == 0
+          and np.issubdtype(x.dtype, np.integer))
+
+
+def _device_adam(plan: Plan, state: EngineState):
+  """The Adam state (count, mu and nu over flat shards) of an engine without
+  offload whose optimizer keeps one Adam state beside step counts at most
+  (jzo.cpu_adam(w), optax.adam/adamw, with a schedule); else None: other
+  state (another optimizer's, injected hyperparameters) has no place in the
+  full-shape format."""
+  if plan.offload:
+    return None
+  leaves = jax.tree_util.tree_leaves_with_path(state.opt_state, is_leaf=_is_adam)
+  adams = [x for _, x in leaves if _is_adam(x)]
+  if len(adams) == 1 and all(_is_adam(x) or _is_count(path, x) for path, x in leaves):
+    return adams[0]
+  return None
+
+
+def _with_adam(opt_state, count: int, mu, nu):
+  """`opt_state` (see `_device_adam`) as numpy, its Adam state's moments
+  replaced and every count set to `count` (a chain's counts advance together:
+  a skipped step keeps the whole state)."""
+  def one(path, x):
+    if _is_adam(x):
+      return x._replace(count=np.asarray(count, x.count.dtype), mu=mu, nu=nu)
+    return np.asarray(count, x.dtype)
+  return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=_is_adam)
 
 
 def engine_state_dict(plan: Plan, state: EngineState, host: HostAdam | None,
                       steps_run: int) -> dict:
   """Host numpy arrays of everything needed to continue exactly: masters,
-  optimizer state, loss scale and counters."""
+  optimizer state, loss scale and counters (see the module docstring)."""
   common = {"loss_scale": state.loss_scale.scale, "good_steps": state.loss_scale.good_steps,
             "step": state.step, "skipped": state.skipped,
             "steps_run": np.asarray(steps_run, np.int64)}
-  if not plan.offload:
+  device_adam = _device_adam(plan, state)
+  if plan.offload:
+    opt = state.opt_state
+    adam = {"master": full_masters(plan, state, host),
+            "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
+            "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype),
+            "count": host.count if plan.has_host_state else opt.count}
+  elif device_adam is not None:
+    adam = {"master": _full(plan, state.master), "mu": _full(plan, device_adam.mu),
+            "nu": _full(plan, device_adam.nu), "count": device_adam.count}
+  else:
     return jax.device_get({**common, "master": state.master, "opt_state": state.opt_state})
-  opt = state.opt_state
-  count = host.count if plan.has_host_state else int(opt.count)
-  return jax.device_get({
-      **common, "master": full_masters(plan, state, host),
-      "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
-      "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype),
-      "count": np.asarray(count, np.int64)})
+  return jax.device_get({**common, **adam,
+                         "count": np.asarray(jax.device_get(adam["count"]), np.int64)})
 
 
-def _expected(plan: Plan, state: EngineState, host: HostAdam | None):
-  """Shapes and dtypes `engine_state_dict` gives, without fetching anything."""
+def _expected(plan: Plan, state: EngineState, host: HostAdam | None, saved) -> dict:
+  """Shapes and dtypes (jax.ShapeDtypeStructs) of the saved tree this engine
+  loads, fetching nothing: the format it saves, or for an Adam engine
+  without offload the flat one of its older checkpoints if `saved` (a
+  state dict or its outline) has "opt_state"."""
   scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
              "skipped": np.int32, "steps_run": np.int64}
   tree = {k: jax.ShapeDtypeStruct((), v) for k, v in scalars.items()}
-  if not plan.offload:
-    return {**tree, "master": state.master, "opt_state": state.opt_state}
-  full = lambda dtype: jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, dtype),
-                                    plan.layouts, is_leaf=is_layout)
-  return {**tree, "master": full(np.float32), "mu": full(host.hyper.mu_dtype),
-          "nu": full(host.hyper.nu_dtype), "count": jax.ShapeDtypeStruct((), np.int64)}
+  device_adam = _device_adam(plan, state)
+  if not plan.offload and (device_adam is None or "opt_state" in saved):
+    flat = {"master": state.master, "opt_state": state.opt_state}
+    return {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), flat)}
+  full = lambda like: jax.tree.map(lambda l, x: jax.ShapeDtypeStruct(l.shape, x.dtype),
+                                   plan.layouts, like, is_leaf=is_layout)
+  # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
+  masters, adam = (host.master, host) if plan.offload else (state.master, device_adam)
+  return {**tree, "master": full(masters), "mu": full(adam.mu), "nu": full(adam.nu),
+          "count": jax.ShapeDtypeStruct((), np.int64)}
 
 
 def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: HostAdam | None,
@@ -354,28 +463,20 @@ def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: Host
   arrays are written in place.
 
   Raises:
-    ValueError: the saved tree does not fit this engine, naming the entry.
+    ValueError: the saved tree does not fit this engine, naming the first
+      entries that differ.
   """
-  mine = _expected(plan, state, host)
-  if jax.tree.structure(mine) != jax.tree.structure(saved):
-    raise ValueError("checkpoint does not match this engine's state: saved with other "
-                     "options (stage, offload, optimizer or model)")
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mine), jax.tree.leaves(saved)):
-    b = np.asarray(b)
-    if np.shape(a) != b.shape or np.dtype(a.dtype) != b.dtype:
-      raise ValueError(f"checkpoint entry {jax.tree_util.keystr(path)} is "
-                       f"{b.dtype}{list(b.shape)}, this engine needs "
-                       f"{np.dtype(a.dtype)}{list(np.shape(a))}")
+  misfit = _misfit(_outline(saved), _outline(_expected(plan, state, host, saved)))
+  if misfit:
+    raise ValueError(f"checkpoint does not fit this engine: {misfit}")
   specs = step_lib.state_specs(plan, tx)
   put = lambda x, spec: jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
   if plan.offload:
-    flat = lambda tree: jax.tree.map(lambda l, x: l.flatten(np.asarray(x)), plan.layouts,
-                                     tree, is_leaf=is_layout)
-    masters = flat(saved["master"])
+    masters = _flat(plan, saved["master"])
     master = opt_state = None
     device_parts = {}
     for name in ("master", "mu", "nu"):
-      split = jax.tree.map(lambda l, x: l.split(x), plan.layouts, flat(saved[name]),
+      split = jax.tree.map(lambda l, x: l.split(x), plan.layouts, _flat(plan, saved[name]),
                            is_leaf=is_layout)
       device_parts[name] = jax.tree.map(lambda l, s: s[0], plan.layouts, split,
                                         is_leaf=is_layout)
@@ -394,9 +495,14 @@ def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: Host
           mu=jax.tree.map(lambda x, s: put(np.array(x), s), device_parts["mu"], mu_spec),
           nu=jax.tree.map(lambda x, s: put(np.array(x), s), device_parts["nu"], nu_spec))
   else:
-    masters = saved["master"]
-    master = jax.tree.map(put, saved["master"], specs.master)
-    opt_state = jax.tree.map(put, saved["opt_state"], specs.opt_state)
+    if "opt_state" in saved:
+      masters, opt_state = saved["master"], saved["opt_state"]
+    else:  # Adam in full shapes: into this engine's flat shards
+      masters = _flat(plan, saved["master"])
+      opt_state = _with_adam(state.opt_state, int(saved["count"]), _flat(plan, saved["mu"]),
+                             _flat(plan, saved["nu"]))
+    master = jax.tree.map(put, masters, specs.master)
+    opt_state = jax.tree.map(put, opt_state, specs.opt_state)
   lowp = jax.tree.map(lambda l, m, spec: put(step_lib.lowp_from_master(plan, l, m), spec),
                       plan.layouts, masters, specs.params, is_leaf=is_layout)
   scalar = lambda x: put(x, P())

@@ -299,17 +299,22 @@ class ZeroEngine:
     return checkpoint.full_masters(self.plan, self.state, self.host)
 
   def state_dict(self) -> dict:
-    """Everything needed to continue training exactly, as host numpy arrays
-    (see jzo.checkpoint.engine_state_dict). A delayed update in flight is applied first."""
+    """Everything needed to continue training exactly, as host numpy arrays:
+    with Adam (jzo's or optax's) masters and moments in the params' full
+    shapes, with another optimizer as the devices keep them (see
+    jzo.checkpoint). A delayed update in flight is applied first."""
     self.wait()
     return checkpoint.engine_state_dict(self.plan, self.state, self.host, self._steps)
 
   def load_state_dict(self, saved: dict) -> None:
-    """Restores `state_dict()` output into this engine (same model and
-    stage; with offload, any placement and device count).
+    """Restores `state_dict()` output into this engine: the same model; an
+    Adam engine's into any Adam engine (any stage, device count, placement,
+    offload on or off), another optimizer's into the same optimizer, stage
+    and device count.
 
     Raises:
-      ValueError: the saved state does not fit this engine.
+      ValueError: the saved state does not fit this engine, naming the
+        first entries that differ.
     """
     self.wait()
     self.state, self._steps = checkpoint.load_engine_state(self.plan, self.mesh, self.tx,

@@ -6,19 +6,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import jzo
 from jzo import checkpoint
-from test_engine import batches, init_params, loss_fn, mesh_of
+from test_engine import DOUT, HIDDEN, assert_close, batches, init_params, loss_fn, mesh_of
 
 # An engine per kind of state: host masters and moments updated by the C++
-# kernel, with fp16's dynamic loss scale; and optax state sharded on the devices.
+# kernel, with fp16's dynamic loss scale; optax's Adam on the devices (both
+# saved in full shapes); and another optimizer's state as the devices keep it.
 SETUPS = {
     "offload-cpu_adamw-fp16": dict(tx=lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1),
                                    offload=True, stage=2, compute_dtype=jnp.float16),
     "device-optax.adam-bf16": dict(tx=lambda: optax.adam(1e-2), offload=False, stage=3,
                                    compute_dtype=jnp.bfloat16),
+    "device-sgd-bf16": dict(tx=lambda: optax.sgd(1e-2, momentum=0.9), offload=False, stage=2,
+                            compute_dtype=jnp.bfloat16),
 }
 
 
@@ -93,21 +97,106 @@ def test_restore_a_given_step_and_keep_two(tmp_path):
   engine.close()
 
 
+def test_adam_checkpoints_move_across_offload_device_counts_and_optimizers(tmp_path):
+  """Offload on 8 devices -> optax.adamw without offload on 4 (stage 3, per
+  layer) -> jzo.cpu_adamw with 0.4 offloaded on 2 (stage 1), through the
+  disk: each continues the uninterrupted run to float32 rounding."""
+  data = batches(6)
+  adamw = dict(learning_rate=1e-2, weight_decay=0.1)
+  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
+  run = jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(**adamw), offload=True, stage=2,
+                       mesh=mesh_of(8), **kw)
+  relay = [
+      (jzo.ZeroEngine(loss_fn, init_params(1), optax.adamw(**adamw), stage=3, layers="blocks",
+                      mesh=mesh_of(4), **kw), data[2:4]),
+      (jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(**adamw), offload=0.4, stage=1,
+                      mesh=mesh_of(2), **kw), data[4:])]
+  for b in data[:2]:
+    run.step(b)
+  writer = run
+  with checkpoint.open_manager(tmp_path) as manager:
+    for engine, part in relay:
+      step = int(run.state.step)
+      checkpoint.save(manager, writer, step)
+      with pytest.raises(AssertionError):  # so that the comparisons below can fail
+        assert_close(engine.params, run.params)
+      assert checkpoint.restore(manager, engine) == step
+      for b in part:
+        want, got = run.step(b), engine.step(b)
+        assert_close([got.loss, got.grad_norm], [want.loss, want.grad_norm])
+      assert_close(engine.params, run.params)
+      writer = engine
+  assert int(engine.state.step) == int(run.state.step) == 6
+  for engine in (run, *(e for e, _ in relay)):
+    engine.close()
+
+
+def test_an_adam_engine_without_offload_loads_its_older_flat_checkpoints(tmp_path):
+  """Before the full-shape format it saved its flat shards and optax state."""
+  engine = trained("device-optax.adam-bf16", 2)
+  full = engine.state_dict()
+  older = {**{k: v for k, v in full.items() if k not in ("master", "mu", "nu", "count")},
+           **jax.device_get({"master": engine.state.master, "opt_state": engine.state.opt_state})}
+  with checkpoint.open_manager(tmp_path) as manager:
+    assert manager.save(2, args=ocp.args.StandardSave(older))
+    manager.wait_until_finished()
+    fresh = make("device-optax.adam-bf16", seed=1)
+    assert checkpoint.restore(manager, fresh) == 2
+  assert_same(fresh.state_dict(), full)
+
+
+def another_model(change):
+  """init_params with a leaf renamed or reshaped."""
+  params = init_params()
+  if change == "renamed":
+    params["tok"] = params.pop("embed")
+  else:
+    params["head"] = jnp.zeros((HIDDEN, DOUT + 1))
+  return params
+
+
+@pytest.mark.parametrize("change, first", [
+    ("renamed", r"\['master'\]\['embed'\] only in the checkpoint; \['master'\]\['tok'\] only in "
+                r"this engine; \['mu'\]\['embed'\] only in the checkpoint; .*; \.\.\.$"),
+    ("reshaped", r"\['master'\]\['head'\] is float32\[12, 3\] in the checkpoint, "
+                 r"float32\[12, 4\] in this engine; \['mu'\]\['head'\] is .*"),
+])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_first_difference(tmp_path, change,
+                                                                              first):
+  engine = trained("offload-cpu_adamw-fp16", 1)
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, engine, 1)
+  # An Adam engine, which takes the checkpoint's format: only the model differs.
+  other = jzo.ZeroEngine(loss_fn, another_model(change), optax.adam(1e-2), mesh=mesh_of(2))
+  before = copy(other.state_dict())
+  with pytest.raises(ValueError, match="^checkpoint does not fit this engine: " + first):
+    other.load_state_dict(engine.state_dict())
+  with checkpoint.open_manager(tmp_path) as manager:
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(
+        f"checkpoint 1 in {tmp_path} does not fit this engine: ") + first):
+      checkpoint.restore(manager, other)
+  assert_same(other.state_dict(), before)  # nothing was loaded
+  engine.close()
+
+
 @pytest.mark.parametrize("saved, other, message", [
-    # Host state (masters, moments) against optax state on the devices, both ways.
-    ("offload-cpu_adamw-fp16", dict(offload=False, tx=lambda: optax.adamw(1e-2)),
-     r"\bmu\b.* only in the checkpoint.* opt_state only in this engine"),
-    ("device-optax.adam-bf16", dict(offload=True, stage=2, tx=lambda: jzo.cpu_adam(1e-2)),
-     r"opt_state only in the checkpoint.*\bmu\b.* only in this engine"),
-    # adamw chains one more (empty) state than adam: the same arrays, another tree.
-    ("device-optax.adam-bf16", dict(tx=lambda: optax.adamw(1e-2)),
-     r"\['opt_state'\] has 2 entries in the checkpoint, 3 in this engine"),
-    # Flat masters padded for 2 devices, for an engine over 8 (load_state_dict's check:
-    # orbax restores any shape).
-    ("device-optax.adam-bf16", dict(devices=8),
-     r"\['master'\]\['blocks'\]\['b'\] is float32\[36\], this engine needs float32\[40\]"),
-], ids=["offload-to-device", "device-to-offload", "adam-to-adamw", "2-to-8-devices"])
-def test_a_checkpoint_of_other_options_is_refused(tmp_path, saved, other, message):
+    # Adam's full shapes against another optimizer's flat state, both ways.
+    ("offload-cpu_adamw-fp16", dict(offload=False, tx=lambda: optax.sgd(1e-2, momentum=0.9)),
+     r"\['count'\] only in the checkpoint; \['master'\]\['blocks'\]\['b'\] is float32\[3, 12\] "
+     r"in the checkpoint, float32\[36\] in this engine"),
+    ("device-sgd-bf16", dict(offload=True, tx=lambda: jzo.cpu_adam(1e-2)),
+     r"\['count'\] only in this engine; \['master'\]\['blocks'\]\['b'\] is float32\[36\] "
+     r"in the checkpoint, float32\[3, 12\] in this engine"),
+    # sgd without momentum keeps an empty state where momentum keeps a trace.
+    ("device-sgd-bf16", dict(tx=lambda: optax.sgd(1e-2)),
+     r"\['opt_state'\]\[0\] is a dict of 1 entry in the checkpoint, empty in this engine$"),
+    # Flat state padded for 2 devices, for an engine over 8.
+    ("device-sgd-bf16", dict(devices=8),
+     r"\['master'\]\['blocks'\]\['b'\] is float32\[36\] in the checkpoint, float32\[40\] in this "
+     r"engine"),
+], ids=["adam-to-sgd", "sgd-to-adam", "momentum-to-none", "2-to-8-devices"])
+def test_a_checkpoint_of_another_optimizer_or_device_count_is_refused(tmp_path, saved, other,
+                                                                      message):
   engine = trained(saved, 2)
   with checkpoint.open_manager(tmp_path) as manager:
     checkpoint.save(manager, engine, 2)
@@ -116,7 +205,7 @@ def test_a_checkpoint_of_other_options_is_refused(tmp_path, saved, other, messag
   with checkpoint.open_manager(tmp_path) as manager:
     with pytest.raises(checkpoint.CheckpointError, match=message) as e:
       checkpoint.restore(manager, other_engine)
-  assert str(e.value).startswith(f"checkpoint 2 in {tmp_path} does not fit this engine")
+  assert str(e.value).startswith(f"checkpoint 2 in {tmp_path} does not fit this engine: ")
   assert e.value.step == 2 and e.value.directory == tmp_path
   assert len(str(e.value)) < 600, str(e.value)  # names the problem, dumps no arrays
   other_engine.close()

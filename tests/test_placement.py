@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jzo
@@ -156,20 +157,41 @@ def test_params_as_a_function_are_drawn_leaf_by_leaf_to_the_same_weights():
   assert_close(from_fn.params, from_tree.params)
 
 
-def test_state_dict_loads_into_another_placement_and_device_count():
-  params, data = init_params(), batches(8)
-  kw = dict(stage=2, compute_dtype=jnp.float32, max_grad_norm=1.0)
-  first = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, mesh=mesh_of(8), **kw)
-  for b in data[:4]:
-    first.step(b)
-  saved = first.state_dict()
-  second = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.5, mesh=mesh_of(4), **kw)
-  second.load_state_dict(saved)
-  for b in data[4:]:
-    first.step(b)
-    second.step(b)
-  assert_close(second.params, first.params)
-  assert int(second.state.step) == int(first.state.step) == 8
+# Where an offload state dict of 8 devices (stage 2) goes on: without
+# offload, optax's Adam on 4 devices (no weight-decay mask: the engine sizes
+# optax's state on a tree of its own, which a mask of the params does not
+# fit) and jzo's on one; another placement on 2 devices.
+RESHARDED = {
+    "optax.adamw-4-devices-stage-3": dict(
+        source=lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1),
+        tx=lambda: optax.adamw(1e-2, weight_decay=0.1), offload=False, n_dev=4, stage=3,
+        layers="blocks"),
+    "cpu_adamw-1-device-stage-0": dict(source=TX, tx=TX, offload=False, n_dev=1, stage=0),
+    "offload-0.4-2-devices-stage-1": dict(source=TX, tx=TX, offload=0.4, n_dev=2, stage=1),
+}
+
+
+@pytest.mark.parametrize("target", RESHARDED)
+def test_an_offload_state_dict_continues_in_another_layout(target):
+  options = dict(RESHARDED[target])
+  source, tx, n_dev = options.pop("source"), options.pop("tx"), options.pop("n_dev")
+  data = batches(6)
+  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
+  run = jzo.ZeroEngine(loss_fn, init_params(), source(), offload=True, stage=2,
+                       mesh=mesh_of(8), **kw)
+  for b in data[:3]:
+    run.step(b)
+  resumed = jzo.ZeroEngine(loss_fn, init_params(1), tx(), mesh=mesh_of(n_dev), **options, **kw)
+  with pytest.raises(AssertionError):  # so that the comparisons below can fail
+    assert_close(resumed.params, run.params)
+  resumed.load_state_dict(run.state_dict())
+  for b in data[3:]:
+    want, got = run.step(b), resumed.step(b)
+    assert_close([got.loss, got.grad_norm], [want.loss, want.grad_norm])
+  assert_close(resumed.params, run.params)
+  assert int(resumed.state.step) == int(run.state.step) == 6
+  run.close()
+  resumed.close()
 
 
 def run_estimate(*args):
