@@ -100,9 +100,10 @@ def test_restore_a_given_step_and_keep_two(tmp_path):
 def test_adam_checkpoints_move_across_offload_device_counts_and_optimizers(tmp_path):
   """Offload on 8 devices -> optax.adamw without offload on 4 (stage 3, per
   layer) -> jzo.cpu_adamw with 0.4 offloaded on 2 (stage 1), through the
-  disk: each continues the uninterrupted run to float32 rounding."""
+  disk: each continues the uninterrupted run to float32 rounding. The
+  schedule's count in optax's chain comes back with Adam's."""
   data = batches(6)
-  adamw = dict(learning_rate=1e-2, weight_decay=0.1)
+  adamw = dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 6), weight_decay=0.1)
   kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
   run = jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(**adamw), offload=True, stage=2,
                        mesh=mesh_of(8), **kw)
