@@ -12,7 +12,7 @@ it when complete, so a run killed while saving leaves the previous one intact
 and an unfinished one is never restored.
 
 The engine is used through `state_dict()` and `load_state_dict(saved)`,
-and `restore` reads the shapes of what it loads from its plan and state.
+and `restore` reads the shapes of what it loads from its plan, state and host.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
 fit the engine is refused before any array is read, naming the first

@@ -161,7 +161,7 @@ def another_model(change):
                 r"this engine; \['mu'\]\['embed'\] only in the checkpoint; .*; \.\.\.$"),
     ("reshaped", r"\['master'\]\['head'\] is float32\[12, 3\] in the checkpoint, "
                  r"float32\[12, 4\] in this engine; \['mu'\]\['head'\] is .*"),
-])
+], ids=["renamed", "reshaped"])
 def test_a_checkpoint_of_another_model_is_refused_naming_the_first_difference(tmp_path, change,
                                                                               first):
   engine = trained("offload-cpu_adamw-fp16", 1)
