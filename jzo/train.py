@@ -10,17 +10,25 @@ Each log line reports model TFLOPS = tokens/s x (6 N + 12 L D T) (PaLM,
 Chowdhery et al. 2022, appendix B) and MFU = that over the devices' peak
 bf16 rate: `--peak-tflops` per device, or on GPUs the bf16 matmul rate
 measured at start-up (the ceiling a JAX program can reach there).
+
+SIGINT (Ctrl-C) or SIGTERM finishes the step in flight, writes a checkpoint
+and exits with status 130 or 143, naming it; the same signal again exits at
+once. `--resume` continues from the last checkpoint that reads, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import pathlib
+import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Literal
 
@@ -98,11 +106,11 @@ class TrainConfig:
   peak_tflops: float = 0.0
   """peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 matmul on GPUs, none on CPU)"""
   checkpoint_every: int = 100
-  """steps between checkpoints (and one at the end; 0: none)"""
+  """steps between checkpoints, and one at the end (0: none but on SIGINT or SIGTERM)"""
   resume: bool = False
-  """continue from the last complete checkpoint in --out (refused if there is none)"""
+  """continue from the last complete checkpoint in --out that reads (refused if there is none)"""
   fresh_start_ok: bool = False
-  """with --resume: start at step 0 when --out has no checkpoint yet (a scheduler's requeue)"""
+  """with --resume: start at step 0 when --out has no checkpoint yet, or only unreadable ones"""
   sample: bool = False
   """only generate --sample-tokens of text from the checkpoint in --out"""
   out: str = "runs/latest"
@@ -379,18 +387,69 @@ def check_same_run(cfg: TrainConfig, out: pathlib.Path) -> None:
 
 
 def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.Path) -> int:
-  """Loads the run's last complete checkpoint into `engine`; returns its step (0: none).
+  """Loads the run's last complete checkpoint that reads into `engine`;
+  returns its step (0: none, or with --resume --fresh-start-ok none readable).
 
+  An unreadable checkpoint (damaged files) is passed over for an earlier
+  one, with a warning; to train on, the passed-over ones move to
+  `damaged_folder(out)` (later saves would collide with their steps).
+  Refused when none reads, unless --fresh-start-ok; nothing is moved then.
   `manager` is `checkpoint.open_manager(out / "checkpoints")`.
   """
-  step = manager.latest_step()
-  if step is None:
+  if manager.latest_step() is None:
     return 0
   check_same_run(cfg, out)  # first: it names the option, where the engine sees only shapes
   try:
-    return checkpoint.restore(manager, engine, step)
-  except checkpoint.CheckpointError as e:
+    step, unreadable = checkpoint.restore_readable(manager, engine)
+  except checkpoint.CheckpointError as e:  # one of another model
     raise UserError(str(e)) from e
+  folder = out.absolute() / "checkpoints"
+  if step is None and not (cfg.resume and cfg.fresh_start_ok):
+    flag = "--sample" if cfg.sample else "--resume"
+    hint = "" if cfg.sample else (f" (to start at step 0, with them moved to "
+                                  f"{damaged_folder(out)}, add --fresh-start-ok)")
+    raise UserError(f"{flag}: no checkpoint can be read: " + "; ".join(map(str, unreadable))
+                    + hint)
+  for e in unreadable:
+    if cfg.sample:
+      print(f"warning: {e}", file=sys.stderr)
+    else:
+      print(f"warning: {e}; moved to {set_aside(out, e.step)}", file=sys.stderr)
+  if unreadable and not cfg.sample:
+    manager.reload()
+  if step is None:
+    print(f"--resume: no checkpoint in {folder} can be read: starting at step 0")
+    return 0
+  print(f"{'sampling' if cfg.sample else 'resuming'} from checkpoint {step} in {folder}")
+  return step
+
+
+def damaged_folder(out: pathlib.Path) -> pathlib.Path:
+  """Where unreadable checkpoints go when a run trains on without them."""
+  return out.absolute() / "checkpoints-unreadable"
+
+
+def set_aside(out: pathlib.Path, step: int) -> pathlib.Path:
+  """Moves checkpoint `step` into `damaged_folder(out)`; returns where it went."""
+  aside, n = damaged_folder(out) / str(step), 1
+  while aside.exists():  # the same step unreadable again
+    n += 1
+    aside = damaged_folder(out) / f"{step}-{n}"
+  aside.parent.mkdir(exist_ok=True)
+  shutil.move(out / "checkpoints" / str(step), aside)
+  return aside
+
+
+def remove_partial_checkpoints(out: pathlib.Path) -> None:
+  """Deletes what a run stopped while writing a checkpoint left: orbax's
+  temporary folders, never read (a checkpoint is renamed into place whole),
+  but as large as a checkpoint each."""
+  partial = sorted((out / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+  for path in partial:
+    shutil.rmtree(path)
+  if partial:
+    print(f"removed {len(partial)} unfinished checkpoint(s) of a run stopped while writing: "
+          + ", ".join(p.name for p in partial))
 
 
 def latest_checkpoint(out: pathlib.Path) -> int | None:
@@ -418,15 +477,33 @@ def check_checkpoint_to_continue(cfg: TrainConfig, out: pathlib.Path) -> None:
 
 
 def start_log(cfg: TrainConfig, out: pathlib.Path, first: int) -> list[dict]:
-  """Writes config.json and metrics.jsonl as of step `first`; returns the log so far."""
-  (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-  # The log keeps what came before the checkpoint, so the curve stays whole.
+  """Writes config.json and metrics.jsonl as of step `first`; returns the log so far.
+
+  The log keeps its lines up to the checkpoint (the train loop writes a
+  step's line before the step's checkpoint, so they are all there) and
+  drops the later ones, which the run writes again; a last line cut short
+  by a kill is dropped with them. Both files are replaced whole, so a kill
+  here leaves the old ones.
+  """
+  write_whole(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
   history = []
   if first and (out / "metrics.jsonl").exists():
-    history = [h for h in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-               if h["step"] <= first]
-  (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # cut short: a step after the checkpoint's
+      if record["step"] <= first:
+        history.append(record)
+  write_whole(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
   return history
+
+
+def write_whole(path: pathlib.Path, text: str) -> None:
+  """Replaces `path` with `text` in one rename: the file is the old or the new, never half."""
+  part = path.with_name(path.name + ".part")
+  part.write_text(text)
+  os.replace(part, path)
 
 
 def print_sample(model: gpt.GPTConfig, params, val_tokens: np.ndarray, cfg: TrainConfig):
@@ -471,7 +548,13 @@ def banner(cfg: TrainConfig, model: gpt.GPTConfig, data: Data, devices, peak: fl
 
 
 def train(cfg: TrainConfig) -> dict:
-  """Runs the recipe; returns the last step's record ({} if no step was run)."""
+  """Runs the recipe; returns the last step's record ({} if no step was run).
+
+  Raises:
+    UserError: a mistake in the options or the data.
+    Interrupted: SIGINT or SIGTERM stopped the run (see `Interrupts`),
+      after the checkpoint of the step reached.
+  """
   check(cfg)
   if cfg.offload:
     cap_pinned_pool(cfg)  # before JAX starts its GPU backend, which reads the cap
@@ -481,13 +564,16 @@ def train(cfg: TrainConfig) -> dict:
   out = pathlib.Path(cfg.out)
   check_checkpoint_to_continue(cfg, out)
   out.mkdir(parents=True, exist_ok=True)
-  with checkpoint.open_manager(out / "checkpoints") as manager:
-    engine = build_engine(cfg, model, devices)
-    if cfg.sample:
+  if cfg.sample:
+    with checkpoint.open_manager(out / "checkpoints") as manager:
+      engine = build_engine(cfg, model, devices)
       restore_run(manager, engine, cfg, out)
       print_sample(model, engine.params, data.val_tokens, cfg)
       engine.close()
       return {}
+  remove_partial_checkpoints(out)
+  with Interrupts() as stop, checkpoint.open_manager(out / "checkpoints") as manager:
+    engine = build_engine(cfg, model, devices)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
     history = start_log(cfg, out, first)
     peak = peak_tflops(cfg, devices)
@@ -496,19 +582,19 @@ def train(cfg: TrainConfig) -> dict:
     schedule = lr_schedule(cfg)
     meter = Throughput(cfg, model, peak * len(devices))
     last = {}
+    done = saved = first  # steps done; the step of the last checkpoint (or the start)
     with open(out / "metrics.jsonl", "a") as log, \
          tqdm.tqdm(total=cfg.steps, initial=first, unit="step") as bar:
       started = time.perf_counter()
       for step in range(first, cfg.steps):
+        if stop.signum:
+          break
         metrics = engine.step({"tokens": data.batches[step]})
         done = step + 1
         last = step_record(done, metrics, float(schedule(step)))  # waits for the step
         last["step_s"] = time.perf_counter() - started
         meter.add(last["step_s"])
         bar.update()
-        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-          # The batch order is a function of the step, so the step is the data position.
-          checkpoint.save(manager, engine, done)
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
         if is_eval or done % cfg.log_every == 0:
           last.update(meter.rates())
@@ -517,15 +603,98 @@ def train(cfg: TrainConfig) -> dict:
                                          cfg.eval_batches)
           bar.write(log_line(last))
         history.append(last)
+        # The line before the checkpoint: a run resumed from it finds the log whole.
         log.write(json.dumps(last) + "\n")
         log.flush()
+        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+          # The batch order is a function of the step, so the step is the data position.
+          checkpoint.save(manager, engine, done)
+          saved = done
         started = time.perf_counter()  # the next step's clock: not this bookkeeping
+    if stop.signum:
+      if done > saved:  # with the handlers still in place: a second signal exits at once
+        checkpoint.save(manager, engine, done)
+      engine.close()
+      raise Interrupted(stop.signum, done,
+                        out.absolute() / "checkpoints" / str(done) if done else None)
   engine.close()
   plot(history, out / "loss.png")
   if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:
     print_sample(model, engine.params, data.val_tokens, cfg)
   print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last
+
+
+class Interrupted(Exception):
+  """SIGINT or SIGTERM stopped training after the checkpoint of `step`.
+
+  Attributes:
+    signum: the signal's number (main exits with 128 + it: 130, 143).
+    step: steps done.
+    path: the checkpoint of `step` (None: no step yet, nothing to save).
+  """
+
+  def __init__(self, signum: int, step: int, path: pathlib.Path | None):
+    name = signal.Signals(signum).name
+    where = (f"checkpoint {step} in {path}; --resume continues from it" if path else
+             "no step done, nothing to save")
+    super().__init__(f"interrupted by {name} after step {step}: {where}")
+    self.signum, self.step, self.path = signum, step, path
+
+
+class Interrupts:
+  """SIGINT (Ctrl-C) and SIGTERM (which schedulers send before they kill)
+  while a run trains: the first sets `signum`, which the loop reads between
+  steps, so the step in flight finishes and a checkpoint is written; a
+  second exits at once (status 128 + its number; the last complete
+  checkpoint stays, the one being written is never read).
+
+  The handler only sets a flag: stopped in the middle of an exchange with
+  its update thread, an engine could not go on (jzo.offload's `_guard`), nor
+  write its state. Installed from the main thread only (where Python runs
+  signal handlers); the previous handlers come back on exit.
+
+  Attributes:
+    signum: the first signal received (0: none).
+  """
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.signum = 0
+    self._previous = {}
+
+  def __enter__(self) -> Interrupts:
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if self.signum:
+      _say(f"jzo: {name} again: exiting at once, without a checkpoint of the step reached "
+           f"(--resume continues from the last complete one)")
+      for stream in (sys.stdout, sys.stderr):
+        try:
+          stream.flush()
+        except Exception:  # the interrupted code was writing to it: what it held is lost
+          pass
+      os._exit(128 + signum)
+    self.signum = signum
+    _say(f"jzo: {name}: finishing the step in flight, then writing a checkpoint "
+         f"({name} again: exit at once)")
+
+
+def _say(message: str) -> None:
+  """A line on stderr from a signal handler: written whole, bypassing the
+  buffered stream the interrupted code may be in the middle of using."""
+  os.write(2, f"\n{message}\n".encode())
 
 
 def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
@@ -538,6 +707,25 @@ def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
   return engine.state.params
 
 
+@contextlib.contextmanager
+def quiet_closed_loop_callbacks():
+  """Drops the "Event loop is closed" RuntimeErrors that tensorstore's late
+  callbacks raise after orbax failed to read a checkpoint (its event loop
+  ended with the first error): a traceback each, up to a dozen, around the
+  one line that says which checkpoint could not be read."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+
+
 def main(argv: list[str] | None = None) -> int:
   # Large models need more of the GPU than XLA's default 75% preallocation;
   # jzo's planner keeps its own headroom.
@@ -545,10 +733,14 @@ def main(argv: list[str] | None = None) -> int:
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
   try:
-    train(cfg)
+    with quiet_closed_loop_callbacks():
+      train(cfg)
   except (UserError, OSError) as e:  # the options, the data or the output folder
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Interrupted as e:
+    print(f"jzo: {e}", file=sys.stderr)
+    return 128 + e.signum  # as a shell reports a process the signal ended: 130, 143
   return 0
 
 
