@@ -68,18 +68,33 @@ def set_num_threads(n: int) -> None:
   _ext.set_num_threads(int(n))
 
 
-def _check_hyperparameter(name: str, value, *, upper: float | None = None) -> None:
-  """Rejects NaN, infinite or negative concrete values (traced ones pass)."""
-  if isinstance(value, jax.core.Tracer) or callable(value):
-    return
+# The kernel computes in float32: a larger value would be inf there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = 2**31 - 1  # the step count is int32, as in optax
+
+
+def _real(name: str, value) -> float:
+  """value as a float; TypeError unless it is a real number (a string is not)."""
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{name} must be a real number, got {value!r}")
   try:
-    x = float(value)
+    return float(value)
   except (TypeError, ValueError):
     raise TypeError(f"{name} must be a real number, got {value!r}") from None
-  if not math.isfinite(x) or x < 0:
-    raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
-  if upper is not None and x >= upper:
-    raise ValueError(f"{name} must be < {upper}, got {value!r}")
+
+
+def _check_hyperparameter(name: str, value, *, upper: float | None = None) -> None:
+  """Rejects NaN, infinite or negative concrete values, and values that
+  become infinite or reach `upper` in float32 (traced ones pass)."""
+  if isinstance(value, jax.core.Tracer) or callable(value):
+    return
+  x = _real(name, value)
+  if not 0 <= x <= _FLOAT32_MAX:
+    too_big = " (over float32's largest, 3.4e38)" if math.isfinite(x) and x > 0 else ""
+    raise ValueError(f"{name} must be finite and >= 0, got {value!r}{too_big}")
+  if upper is not None and np.float32(x) >= upper:
+    in_f32 = f" ({np.float32(x)} in float32, the kernel's precision)" if x < upper else ""
+    raise ValueError(f"{name} must be < {upper}, got {value!r}{in_f32}")
 
 
 def check_adam_hyperparameters(*, learning_rate, b1, b2, eps, eps_root, weight_decay) -> None:
@@ -116,6 +131,10 @@ def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _require_host_array(name: str, a, *, writable: bool) -> np.ndarray:
   if not isinstance(a, np.ndarray):
     raise TypeError(f"{name} must be a numpy array in host memory, got {type(a).__name__}")
@@ -149,8 +168,10 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
     mu, nu: first and second moments of param's size, float32 or bfloat16;
       updated in place.
     learning_rate, b1, b2, eps, eps_root, weight_decay, nesterov: as optax.adamw.
-    count: 1-based index of this step (for the bias corrections).
-    grad_scale: multiplies the gradients first (unscale and clip factor).
+    count: 1-based index of this step (for the bias corrections), at most
+      2**31 - 1 (int32, as optax counts).
+    grad_scale: multiplies the gradients first (unscale and clip factor); any
+      value finite in float32.
     lowp_out: optional bfloat16/float16 array of param's size that receives
       the new weights (for the device copy). It may be `grad` itself (the
       same memory, 16-bit): each gradient is read before its weight is
@@ -159,7 +180,9 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
     num_threads: threads to use (default: `num_threads()`).
 
   Raises:
-    TypeError, ValueError: naming the offending argument.
+    TypeError, ValueError: naming the offending argument, before anything is
+      written. Hyperparameters must stay finite (and b1, b2 below 1) in
+      float32, the precision the kernel computes in.
   """
   _require_host_array("param", param, writable=True)
   _require_host_array("grad", grad, writable=False)
@@ -181,14 +204,18 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
       raise TypeError(f"lowp_out must be bfloat16 or float16, got {lowp_out.dtype}")
     if lowp_out.shape != param.shape:
       raise ValueError(f"lowp_out has shape {lowp_out.shape}, param has shape {param.shape}")
-  check_adam_hyperparameters(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                             eps_root=eps_root, weight_decay=weight_decay)
-  if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
-    raise ValueError(f"count must be an integer >= 1, got {count!r}")
-  if not math.isfinite(float(grad_scale)):
-    raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
-  if num_threads is not None and (not isinstance(num_threads, (int, np.integer)) or num_threads < 1):
-    raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
+  hyper = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+               weight_decay=weight_decay)
+  for name, value in hyper.items():
+    if callable(value):  # check_adam_hyperparameters lets schedules pass
+      raise TypeError(f"{name} must be this step's value, not a schedule: got {value!r}")
+  check_adam_hyperparameters(**hyper)
+  if not _is_int(count) or not 1 <= count <= _INT32_MAX:
+    raise ValueError(f"count must be an integer in [1, 2**31 - 1], got {count!r}")
+  if not abs(_real("grad_scale", grad_scale)) <= _FLOAT32_MAX:
+    raise ValueError(f"grad_scale must be finite in float32, got {grad_scale!r}")
+  if num_threads is not None and (not _is_int(num_threads) or not 1 <= num_threads <= _INT32_MAX):
+    raise ValueError(f"num_threads must be an integer in [1, 2**31 - 1], got {num_threads!r}")
 
   scalars = _host_scalars(float(learning_rate), float(b1), float(b2), float(eps),
                           float(eps_root), float(weight_decay), int(count), float(grad_scale))
