@@ -424,17 +424,18 @@ def engine_state_dict(plan: Plan, state: EngineState, host: HostAdam | None,
   device_adam = _device_adam(plan, state)
   if plan.offload:
     opt = state.opt_state
+    count = host.count if plan.has_host_state else opt.count
     adam = {"master": full_masters(plan, state, host),
             "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
-            "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype),
-            "count": host.count if plan.has_host_state else opt.count}
+            "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype)}
   elif device_adam is not None:
+    count = device_adam.count
     adam = {"master": _full(plan, state.master), "mu": _full(plan, device_adam.mu),
-            "nu": _full(plan, device_adam.nu), "count": device_adam.count}
+            "nu": _full(plan, device_adam.nu)}
   else:
     return jax.device_get({**common, "master": state.master, "opt_state": state.opt_state})
-  return jax.device_get({**common, **adam,
-                         "count": np.asarray(jax.device_get(adam["count"]), np.int64)})
+  count = np.asarray(jax.device_get(count), np.int64)
+  return jax.device_get({**common, **adam, "count": count})
 
 
 def _expected(plan: Plan, state: EngineState, host: HostAdam | None, saved) -> dict:
