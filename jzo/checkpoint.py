@@ -27,7 +27,9 @@ methods call) depends on the optimizer:
   whatever lives where. They load into any Adam engine of the same model:
   any ZeRO stage, device count or placement, offload on or off (the
   re-sharding is a reshape on the host). The moments carry over as they
-  are; learning rate and weight decay are the loading engine's.
+  are; learning rate and weight decay are the loading engine's. No
+  optimizer name is saved: optax's others that keep a ScaleByAdamState
+  (adamax, yogi, radam, lamb) save this format too, and would load into Adam.
 - Another optimizer: the flat padded masters and its optax state as the
   devices keep them, which load into the same optimizer, stage and device
   count. An Adam engine without offload also loads this format (its
