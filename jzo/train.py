@@ -18,10 +18,10 @@ once. `--resume` continues from the last checkpoint that reads, bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -707,12 +707,13 @@ def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
   return engine.state.params
 
 
-@contextlib.contextmanager
-def quiet_closed_loop_callbacks():
-  """Drops the "Event loop is closed" RuntimeErrors that tensorstore's late
-  callbacks raise after orbax failed to read a checkpoint (its event loop
-  ended with the first error): a traceback each, up to a dozen, around the
-  one line that says which checkpoint could not be read."""
+def quiet_failed_reads() -> None:
+  """For the rest of the process (the command line's), drops the tracebacks
+  orbax leaves after it failed to read a checkpoint, whose first error the
+  run reports in one line: tensorstore's late callbacks into orbax's closed
+  event loop ("Event loop is closed", some at exit) and asyncio's "Task
+  exception was never retrieved" for the other reads that failed; up to a
+  dozen each."""
   previous = sys.unraisablehook
 
   def hook(unraisable):
@@ -720,10 +721,8 @@ def quiet_closed_loop_callbacks():
             and str(unraisable.exc_value) == "Event loop is closed"):
       previous(unraisable)
   sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    sys.unraisablehook = previous
+  logging.getLogger("asyncio").addFilter(
+      lambda record: not record.getMessage().startswith("Task exception was never retrieved"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -733,16 +732,16 @@ def main(argv: list[str] | None = None) -> int:
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
   try:
-    with quiet_closed_loop_callbacks():
-      train(cfg)
+    train(cfg)
   except (UserError, OSError) as e:  # the options, the data or the output folder
-    print(f"error: {e}", file=sys.stderr)
+    sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line
     return 2
   except Interrupted as e:
-    print(f"jzo: {e}", file=sys.stderr)
+    sys.stderr.write(f"jzo: {e}\n")
     return 128 + e.signum  # as a shell reports a process the signal ended: 130, 143
   return 0
 
 
 if __name__ == "__main__":
+  quiet_failed_reads()
   sys.exit(main())

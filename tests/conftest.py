@@ -15,11 +15,19 @@ if "JAX_PLATFORMS" not in os.environ:
   jax.config.update("jax_platforms", "cpu")
 
 
+# Each test, and each module's fixtures, leave os.environ as they found it.
+# The recipe caps XLA's pinned pool for its whole process through an
+# environment variable (jzo.plan.limit_pinned_pool, from jzo.train's main):
+# left set, a later test's subprocess would inherit a small model's cap
+# (test_export's module fixture runs the recipe in this process).
+
+@pytest.fixture(autouse=True, scope="module")
+def _environment_restored_per_module():
+  with mock.patch.dict(os.environ):
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
-  """Each test leaves os.environ as it found it. The recipe caps XLA's
-  pinned pool for its whole process through an environment variable
-  (jzo.plan.limit_pinned_pool, from jzo.train's main): left set, a later
-  test's subprocess would inherit a small model's cap."""
   with mock.patch.dict(os.environ):
     yield

@@ -149,9 +149,10 @@ def kill_at_random_moments(out: pathlib.Path, args: list[str], env: dict, kills:
                            rng: random.Random) -> list[str]:
   """Runs `args --resume --fresh-start-ok` again and again, each process
   killed with SIGKILL: during start-up (after a random delay), during
-  training (a random while after a random step's log line) or during a
+  training (a random while after a random step's log line), during a
   checkpoint write (once the next checkpoint's or the one after's temporary
-  folder exists, plus a few ms). Returns where each kill landed, as seen
+  folder exists, plus a few ms) or just after one (once it is renamed into
+  place). Returns where each kill landed, as seen
   after it: "write" (a temporary folder it made is left), "training" (it
   had logged a step) or "start-up"."""
   every = int(args[args.index("--checkpoint-every") + 1])
@@ -161,19 +162,23 @@ def kill_at_random_moments(out: pathlib.Path, args: list[str], env: dict, kills:
     before, partial = complete_steps(out), partial_writes(out)
     run = start(out, args + ["--resume", "--fresh-start-ok"], env, f"kill{i}")
     first = before[-1] if before else 0
-    aim = rng.choice(["start-up", "training", "write"])
+    aim = rng.choice(["start-up", "training", "write", "after a write"])
+    ahead = rng.randint(1, 2) if aim == "write" else 1
+    target = min(first - first % every + every * ahead, steps)  # a checkpoint's step
     if aim == "start-up":
-      at = run.started + rng.uniform(0.3, 5.0)
+      at = run.started + rng.uniform(0.3, 4.0)
       run.wait_for(lambda: time.monotonic() > at)
     elif aim == "training":
       step = min(first + rng.randint(1, 3), steps)
       if run.wait_for(lambda: step in run.steps_logged()):
         time.sleep(rng.uniform(0.0, 0.15))
-    else:
-      target = min(first - first % every + every * rng.randint(1, 2), steps)
+    elif aim == "write":
       tmp = f"{target}.orbax-checkpoint-tmp"
       if run.wait_for(lambda: any(n.startswith(tmp) for n, _ in partial_writes(out) - partial)):
         time.sleep(rng.uniform(0.0, 0.02))
+    else:  # between a checkpoint's rename and what follows it (old ones deleted, the next step)
+      if run.wait_for(lambda: target in complete_steps(out)):
+        time.sleep(rng.uniform(0.0, 0.01))
     assert run.proc.poll() is None, f"kill {i}: the run ended first:\n{run.text()[-3000:]}"
     run.proc.kill()
     assert run.exit_status() == -signal.SIGKILL
@@ -205,7 +210,7 @@ def assert_same_run(out: pathlib.Path, whole: pathlib.Path, steps: int) -> None:
 
 
 def test_sigkill_at_random_moments(tmp_path, env):
-  """21 SIGKILLs at random moments (seeded) with offload and the delayed
+  """20 SIGKILLs at random moments (seeded) with offload and the delayed
   update; beside them (a process starting keeps one core busy) the
   uninterrupted run, then 3 kills at stage 3 and its uninterrupted run."""
   def beside():
@@ -217,7 +222,7 @@ def test_sigkill_at_random_moments(tmp_path, env):
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     stage3 = pool.submit(beside)
-    landed = kill_at_random_moments(tmp_path / "killed", DELAYED, env, 21, random.Random(13))
+    landed = kill_at_random_moments(tmp_path / "killed", DELAYED, env, 20, random.Random(13))
     finish_after_kills(tmp_path / "killed", DELAYED, env)
     print("stage 3 kills landed:", stage3.result())
   print("kills landed:", {k: landed.count(k) for k in sorted(set(landed))})
