@@ -476,6 +476,19 @@ def check_checkpoint_to_continue(cfg: TrainConfig, out: pathlib.Path) -> None:
   print(f"--resume: no checkpoint in {where} yet: starting at step 0")
 
 
+def check_no_earlier_run(cfg: TrainConfig, out: pathlib.Path) -> None:
+  """Refuses a new run (no --resume or --sample) in a folder holding a run's
+  log or checkpoints: it would replace the log, then fail at its first
+  checkpoint behind the earlier run's latest."""
+  if cfg.resume or cfg.sample:
+    return
+  held = [name for name in ("metrics.jsonl", "checkpoints")
+          if (out / name).is_file() or any((out / name).glob("*"))]
+  if held:
+    raise UserError(f"--out {out.absolute()} holds an earlier run ({', '.join(held)}): "
+                    "--resume continues it; a new run needs another --out")
+
+
 def start_log(cfg: TrainConfig, out: pathlib.Path, first: int) -> list[dict]:
   """Writes config.json and metrics.jsonl as of step `first`; returns the log so far.
 
@@ -563,6 +576,7 @@ def train(cfg: TrainConfig) -> dict:
   model = model_config(cfg, data.vocab)
   out = pathlib.Path(cfg.out)
   check_checkpoint_to_continue(cfg, out)
+  check_no_earlier_run(cfg, out)
   out.mkdir(parents=True, exist_ok=True)
   if cfg.sample:
     with checkpoint.open_manager(out / "checkpoints") as manager:
