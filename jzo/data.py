@@ -12,6 +12,7 @@ function of (seed, i), so a run resumes exactly from its step count.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import sysconfig
@@ -31,26 +32,53 @@ def embedded_corpus() -> np.ndarray:
 
 
 def read_text(path: str | pathlib.Path) -> np.ndarray:
-  """A text file, or every file in a folder (sorted, recursively), as bytes (uint8)."""
+  """A text file, or every file in a folder (sorted, recursively), as bytes (uint8).
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+    ValueError: no bytes, or a file holds a NUL byte (binary: an image, an
+      archive, a token file without its .bin name), which no text holds.
+    OSError: a file cannot be read, named with the reason.
+  """
   path = pathlib.Path(path)
   if not path.exists():
     raise FileNotFoundError(f"data path {path} does not exist")
   files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-  data = b"".join(f.read_bytes() for f in files)
+  chunks = []
+  for f in files:
+    with _reading(f, "data file"):
+      chunks.append(f.read_bytes())
+    if (nul := chunks[-1].find(0)) >= 0:
+      raise ValueError(f"data file {f} is binary (a NUL byte at offset {nul}): --data takes "
+                       "text, or token ids in a .bin file")
+  data = b"".join(chunks)
   if not data:
     raise ValueError(f"data path {path} holds no bytes")
   return np.frombuffer(data, np.uint8)
 
 
+@contextlib.contextmanager
+def _reading(path: pathlib.Path, what: str):
+  """Re-raises an OSError as one of its type whose message is the one line
+  the command line prints: `what`, the path and the reason."""
+  try:
+    yield
+  except OSError as e:
+    raise type(e)(f"{what} {path} cannot be read: {e.strerror or e}") from None
+
+
 def read_tokens(path: str | pathlib.Path, vocab_size: int) -> np.ndarray:
   """A nanoGPT `.bin` file of uint16 token ids (memory-mapped), checked against the vocabulary."""
   path = pathlib.Path(path)
-  if not path.is_file():
+  if not path.exists():
     raise FileNotFoundError(f"token file {path} does not exist")
+  if not path.is_file():
+    raise ValueError(f"token file {path} is not a file")
   if path.stat().st_size == 0 or path.stat().st_size % 2:
     raise ValueError(f"token file {path} has {path.stat().st_size} bytes: not a non-empty "
                      "array of uint16 tokens")
-  tokens = np.memmap(path, np.uint16, mode="r")
+  with _reading(path, "token file"):
+    tokens = np.memmap(path, np.uint16, mode="r")
   top = int(tokens.max())
   if top >= vocab_size:
     raise ValueError(f"token file {path} holds token id {top}, beyond the vocabulary of "

@@ -1,5 +1,7 @@
 """Token sources and deterministic batches."""
 
+import socket
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,20 @@ def test_text_file_and_folder(tmp_path):
     data.read_text(tmp_path / "empty")
 
 
+def test_binary_and_unreadable_text(tmp_path):
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "a.txt").write_bytes(b"text")
+  (tmp_path / "run" / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+  with pytest.raises(ValueError, match=r"data file \S+/run/loss.png is binary \(a NUL byte at "
+                                       r"offset 8\): --data takes text, or token ids in a .bin"):
+    data.read_text(tmp_path / "run")
+  # A socket: a path that exists but no one, root included, can open for reading.
+  with socket.socket(socket.AF_UNIX) as server:
+    server.bind(str(tmp_path / "socket.txt"))
+    with pytest.raises(OSError, match=r"^data file \S+/socket.txt cannot be read: No such device"):
+      data.read_text(tmp_path / "socket.txt")
+
+
 def test_token_file(tmp_path):
   path = tmp_path / "train.bin"
   np.array([1, 5, 300, 2], np.uint16).tofile(path)
@@ -35,8 +51,14 @@ def test_token_file(tmp_path):
   (tmp_path / "odd.bin").write_bytes(b"abc")
   with pytest.raises(ValueError, match="not a non-empty array of uint16"):
     data.read_tokens(tmp_path / "odd.bin", vocab_size=256)
-  with pytest.raises(FileNotFoundError):
+  with pytest.raises(FileNotFoundError, match="token file .+ does not exist"):
     data.read_tokens(tmp_path / "none.bin", vocab_size=256)
+  (tmp_path / "empty.bin").write_bytes(b"")
+  with pytest.raises(ValueError, match="has 0 bytes: not a non-empty array of uint16"):
+    data.read_tokens(tmp_path / "empty.bin", vocab_size=256)
+  (tmp_path / "folder.bin").mkdir()
+  with pytest.raises(ValueError, match="token file .+/folder.bin is not a file"):
+    data.read_tokens(tmp_path / "folder.bin", vocab_size=256)
 
 
 def test_batches_are_a_function_of_seed_and_step():
