@@ -45,7 +45,16 @@ def timed(fn, repeats=3):
   return statistics.median(times)
 
 
-def run_one(args) -> dict:
+def model_config(args):
+  """The preset, with --n-layer's layer count if given."""
+  from models import gpt
+  config = gpt.PRESETS[args.model]
+  return dataclasses.replace(config, seq_len=args.seq_len, remat=args.remat,
+                             n_layer=args.n_layer or config.n_layer)
+
+
+def run_one(args) -> list[dict]:
+  """Builds one engine and measures it at each micro-batch of --batch."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -55,13 +64,14 @@ def run_one(args) -> dict:
   import jzo
   from models import gpt
 
-  config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=args.remat)
+  config = model_config(args)
   offload = {"device": False, "offload": True, "offload_dpu": True, "auto": "auto",
              "auto_dpu": "auto"}[args.config]
   moments = jnp.bfloat16 if args.moments == "bf16" else None
   tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments) if offload
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
-  activations = gpt.activation_bytes(config, args.batch, args.seq_len)
+  # The plan makes room for the largest micro-batch's activations.
+  activations = {micro: gpt.activation_bytes(config, micro, args.seq_len) for micro in args.batch}
   jax.devices()  # the runtime's own host memory counts as the baseline
   rss_before = psutil.Process().memory_info().rss
   start = time.perf_counter()
@@ -71,7 +81,7 @@ def run_one(args) -> dict:
       tx, stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
-      activation_memory=activations,
+      activation_memory=max(activations.values()),
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None,
       device_memory=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
   build_s = time.perf_counter() - start
@@ -82,7 +92,36 @@ def run_one(args) -> dict:
         gib(stats.get("bytes_in_use", 0)), "peak", gib(stats.get("peak_bytes_in_use", 0)),
         "limit", gib(stats.get("bytes_limit", 0)), "rss", gib(rss_built), file=sys.stderr)
   print(engine.plan, file=sys.stderr)
-  batch_size = args.batch * args.grad_accum
+  results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
+                           activations[micro])
+             for micro in args.batch]
+  if engine.host_update is not None:
+    # The engine's transfers apart: every host part down, then up, one set
+    # of landing buffers at a time (a second set of gpt2-10b's does not fit
+    # the host).
+    print("timing the transfers", file=sys.stderr, flush=True)
+    transfer, grads = engine.host_update.transfer, jax.tree.leaves(engine.state.grads)
+    leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
+    down = lambda: jax.block_until_ready({i: transfer.download(i, grads[i]) for i in leaves})
+    delete = lambda arrays: [x.delete() for x in arrays]
+    nbytes = sum(x.nbytes for x in down().values())
+    results[-1]["d2h_gb_s"] = nbytes / timed(lambda: delete(down().values())) / 1e9
+    landing = down()
+    results[-1]["h2d_gb_s"] = nbytes / timed(lambda: [transfer.upload(i, landing[i]).delete()
+                                                       for i in leaves]) / 1e9
+  engine.close()
+  return results
+
+
+def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
+                  activations) -> dict:
+  """Warm-up and timed steps of `engine` at micro-batch `micro`: one result."""
+  import jax
+  import jax.numpy as jnp
+  import psutil
+  gib = lambda b: round(b / 2**30, 2)
+  offload = args.config != "device"
+  batch_size = micro * args.grad_accum
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
                                         0, config.vocab_size, jnp.int32)}
   if args.compiled_memory:
@@ -105,8 +144,9 @@ def run_one(args) -> dict:
   seconds = statistics.median(times)
   tokens_per_s = batch_size * args.seq_len / seconds
   result = {
-      "config": args.config, "moments": args.moments, "model": args.model, "n_params": config.n_params,
-      "batch": args.batch, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+      "config": args.config, "status": "ok", "moments": args.moments, "model": args.model,
+      "n_layer": config.n_layer, "n_params": config.n_params,
+      "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
@@ -129,28 +169,33 @@ def run_one(args) -> dict:
     # The device step alone: forward, backward, device-part update.
     print("timing the device step alone", file=sys.stderr, flush=True)
     result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
-    # The engine's transfers apart: every host part down, then up, one set
-    # of landing buffers at a time (a second set of gpt2-10b's does not fit
-    # the host).
-    print("timing the transfers", file=sys.stderr, flush=True)
-    transfer, grads = engine.host_update.transfer, jax.tree.leaves(engine.state.grads)
-    leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
-    down = lambda: jax.block_until_ready({i: transfer.download(i, grads[i]) for i in leaves})
-    delete = lambda arrays: [x.delete() for x in arrays]
-    nbytes = sum(x.nbytes for x in down().values())
-    result["d2h_gb_s"] = nbytes / timed(lambda: delete(down().values())) / 1e9
-    landing = down()
-    result["h2d_gb_s"] = nbytes / timed(lambda: [transfer.upload(i, landing[i]).delete()
-                                                  for i in leaves]) / 1e9
-  engine.close()
   return result
+
+def failure(args, config: str, returncode: int, stderr: str) -> dict:
+  """The record of a configuration that did not train: why, in a word
+  ("refused" by the planner, "oom" on the device, "killed" by a signal: the
+  host out of memory), and the last lines it printed."""
+  lines = stderr.strip().splitlines()
+  if returncode < 0:
+    status = "killed"
+  elif any("PlacementError" in line for line in lines[-5:]):
+    status = "refused"
+  elif "RESOURCE_EXHAUSTED" in stderr or "out of memory" in stderr.lower():
+    status = "oom"
+  else:
+    status = "error"
+  return {"config": config, "model": args.model, "n_layer": model_config(args).n_layer,
+          "n_params": model_config(args).n_params, "moments": args.moments, "batch": args.batch[0],
+          "seq_len": args.seq_len, "status": status, "exit": returncode, "detail": lines[-3:]}
 
 
 def parse_args():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="gpt2-1.5b")
   parser.add_argument("--seq-len", type=int, default=1024)
-  parser.add_argument("--batch", type=int, default=8, help="micro-batch (sequences)")
+  parser.add_argument("--batch", type=int, nargs="+", default=[8],
+                      help="micro-batch (sequences); several: one engine measured at each")
+  parser.add_argument("--n-layer", type=int, help="layers, instead of the preset's")
   parser.add_argument("--grad-accum", type=int, default=1)
   parser.add_argument("--remat", default="full", help="full, dots or none")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
@@ -170,15 +215,18 @@ def parse_args():
 
 def main():
   args = parse_args()
+  failures = []
   if args.config:
     print(json.dumps(run_one(args)))
     return
   results = []
   for name in args.configs:
     cmd = [sys.executable, __file__, "--config", name, "--model", args.model,
-           "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+           "--seq-len", str(args.seq_len), "--batch", *map(str, args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--moments", args.moments, "--remat", args.remat]
+    if args.n_layer:
+      cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:
       cmd.append("--compiled-memory")
     if args.device_memory_gb:
@@ -189,30 +237,34 @@ def main():
     if out.returncode:
       # A negative exit is a signal: -9, the host out of memory.
       print(f"{name} failed (exit {out.returncode}):\n{out.stderr[-3000:]}", flush=True)
+      failures.append(failure(args, name, out.returncode, out.stderr))
       continue
     print(out.stderr[-1500:], flush=True)  # the plan
-    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results += json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(results[-1]), flush=True)
-  print(f"\n{'config':<12} {'s/step':>7} {'tokens/s':>9} {'TFLOPS':>7} {'GPU GiB':>8} "
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results + failures, f, indent=2)
+  print(f"\n{'config':<12} {'batch':>5} {'s/step':>7} {'tokens/s':>9} {'TFLOPS':>7} {'GPU GiB':>8} "
         f"{'planned':>8} {'RSS GiB':>8} {'before':>7} {'state':>7} {'planned':>8} {'host %':>7}"
         "  breakdown")
+  for r in failures:
+    print(f"{r['config']:<12} {r['status']}: {r['detail'][-1] if r['detail'] else ''}")
   for r in results:
     parts = ""
     if "device_step_s" in r:
       parts = (f"device {r['device_step_s']:.3f} s, host update {r['host_update_s']:.3f} s "
                f"({r['host_update_gparam_s']:.2f} Gparam/s), exchange after it "
-               f"{r['exchange_tail_s']:.3f} s; pinned D2H {r['d2h_gb_s']:.1f} GB/s, "
-               f"H2D {r['h2d_gb_s']:.1f} GB/s")
-    print(f"{r['config']:<12} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops']:7.1f} "
-          f"{r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f} "
+               f"{r['exchange_tail_s']:.3f} s")
+    if "d2h_gb_s" in r:  # measured once per engine, after its last micro-batch
+      parts += f"; pinned D2H {r['d2h_gb_s']:.1f} GB/s, H2D {r['h2d_gb_s']:.1f} GB/s"
+    print(f"{r['config']:<12} {r['batch']:5} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
+          f"{r['tflops']:7.1f} {r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f} "
           f"{r['host_rss_before_gib']:7.2f} {r['host_state_gib']:7.2f} "
           f"{r['planned_host_state_gib']:8.2f} {100 * r['offloaded_fraction']:7.1f}  {parts}")
   if results:
-    print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch {args.batch} x "
-          f"{args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=2)
+    print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch "
+          f"{' '.join(map(str, args.batch))} x {args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ experiments/offload_bench.py: median step time, tokens/s, model TFLOPS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -119,9 +120,27 @@ def main():
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=1024)
   parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--n-layer", type=int, help="layers, instead of the preset's")
   parser.add_argument("--json")
   args = parser.parse_args()
   config = PRESETS[args.model]
+  config = dataclasses.replace(config, n_layer=args.n_layer or config.n_layer)
+  try:
+    result = measure(config, args)
+  except torch.OutOfMemoryError as e:  # the GPU's memory: a point that does not fit
+    result = {"status": "oom", "detail": str(e).splitlines()[:1],
+              "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30}
+  result = {"system": args.system, "model": args.model, "n_layer": config.n_layer,
+            "n_params": config.n_params, "batch": args.batch, "seq_len": args.seq_len,
+            "device": torch.cuda.get_device_name(), **result}
+  print(json.dumps(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+def measure(config, args) -> dict:
+  """Builds the model and the system's step; times args.steps steps."""
   torch.manual_seed(0)
   with torch.device("cuda"):  # initialise on the GPU: fast, and what both systems start from
     model = GPT(config)
@@ -138,17 +157,11 @@ def main():
     times.append(time.perf_counter() - start)
   seconds = statistics.median(times)
   tokens_per_s = args.batch * args.seq_len / seconds
-  result = {"system": args.system, "model": args.model, "n_params": config.n_params,
-            "batch": args.batch, "seq_len": args.seq_len, "step_s": seconds, "times_s": times,
-            "tokens_per_s": tokens_per_s,
-            "tflops": tokens_per_s * config.flops_per_token(args.seq_len) / 1e12,
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
-            "loss": float(loss), "device": torch.cuda.get_device_name()}
-  print(json.dumps(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
+  return {"step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
+          "tflops": tokens_per_s * config.flops_per_token(args.seq_len) / 1e12,
+          "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+          "host_rss_gib": psutil.Process().memory_info().rss / 2**30, "loss": float(loss),
+          "status": "ok"}
 
 
 if __name__ == "__main__":
