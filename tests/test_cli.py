@@ -14,7 +14,10 @@ import inspect
 import io
 import json
 import os
+import pathlib
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -98,19 +101,146 @@ def test_a_mistake_through_each_real_entry_point(tmp_path):
                          "Expected one of ('0', '1', '2', '3').\n")
 
 
-def test_a_short_run_through_the_real_entry_point(tmp_path):
-  # --steps alone (the warm-up follows it); --resume in a folder with no
-  # checkpoint yet, allowed by --fresh-start-ok, as a scheduler's requeue would.
-  done = run_module("jzo.train", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
-                    "--log-every", "1", "--eval-every", "2", "--eval-batches", "1",
-                    "--sample-tokens", "0", "--checkpoint-every", "0", "--resume",
-                    "--fresh-start-ok", "--out", str(tmp_path))
+# A short run's options; --steps alone (the warm-up follows it).
+SHORT = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--log-every", "1",
+         "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "0",
+         "--checkpoint-every", "2", "--devices", "1"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+  """A short run through the real entry point, and its folder (a run that
+  other tests' failing commands must leave as it is). --resume in a folder
+  with no checkpoint yet, allowed by --fresh-start-ok, as a scheduler's
+  requeue would."""
+  out = tmp_path_factory.mktemp("short") / "run"
+  return run_module("jzo.train", *SHORT, "--resume", "--fresh-start-ok", "--out", str(out)), out
+
+
+def test_a_short_run_through_the_real_entry_point(short_run):
+  done, out = short_run
   assert done.returncode == 0, done.stderr
   assert "Traceback" not in done.stderr
-  where = tmp_path.absolute() / "checkpoints"
+  where = out.absolute() / "checkpoints"
   assert f"--resume: no checkpoint in {where} yet: starting at step 0" in done.stdout
-  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2]
+  assert sorted(p.name for p in where.iterdir()) == ["2"]
+
+
+def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:
+  """Every path under `folder`, with a file's bytes (None: a folder)."""
+  return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+          for p in folder.rglob("*")}
+
+
+def test_a_failing_run_leaves_an_earlier_run_as_it_was(short_run, tmp_path):
+  out = short_run[1]
+  before = snapshot(out)
+  binary = tmp_path / "binary.txt"
+  binary.write_bytes(b"text\0")
+  for args, message in (
+      ([], f"--out {out.absolute()} holds an earlier run (metrics.jsonl, checkpoints): --resume "
+           "continues it; a new run needs another --out"),
+      (["--resume", "--seq-len", "8"], "was made with --seq-len 16, not 8"),
+      (["--resume", "--data", str(binary)], f"data file {binary} is binary"),
+      (["--resume", "--lr", "-1"], "--lr must be a number > 0"),
+      (["--sample", "--seq-len", "4096"], "--seq-len 4096 is beyond tiny's context")):
+    one_line_error(train.main, SHORT + ["--out", str(out)] + args, message)
+  assert snapshot(out) == before
+
+
+def test_data_that_cannot_serve(tmp_path):
+  """Each bad --data is one line naming the file and what is wrong with it,
+  before --out is made."""
+  made = {"empty.txt": b"", "binary.txt": b"\x7fELF\x02\x01\x01\x00", "short.txt": b"hi\n",
+          "odd.bin": b"abc", "empty.bin": b"", "beyond.bin": b"\x07\x00\x60\xea",
+          "folder/a.txt": b"text", "folder/sub/image.png": b"\x89PNG\r\n\x1a\n\x00",
+          "empty-folder/.keep": b""}
+  for name, content in made.items():
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(content)
+  (tmp_path / "folder.bin").mkdir()
+  out = tmp_path / "out"
+  with socket.socket(socket.AF_UNIX) as server:  # exists, but no one (root included) can read it
+    server.bind(str(tmp_path / "socket.txt"))
+    for name, message in (
+        ("empty.txt", "data path {} holds no bytes"),
+        ("empty-folder", "data path {} holds no bytes"),
+        ("binary.txt", "data file {} is binary (a NUL byte at offset 7): --data takes text, or "
+                       "token ids in a .bin file"),
+        ("folder", "data file {}/sub/image.png is binary (a NUL byte at offset 8)"),
+        ("socket.txt", "data file {} cannot be read: No such device or address"),
+        ("short.txt", "2 tokens are too few for windows of 33"),
+        ("odd.bin", "token file {} has 3 bytes: not a non-empty array of uint16 tokens"),
+        ("empty.bin", "token file {} has 0 bytes"),
+        ("beyond.bin", "token file {} holds token id 60000, beyond the vocabulary of 256"),
+        ("folder.bin", "token file {} is not a file")):
+      path = tmp_path / name
+      one_line_error(train.main, TRAIN_BASE + ["--vocab-size", "256", "--data", str(path),
+                                               "--out", str(out)], message.format(path))
+  assert not out.exists()
+
+
+def as_unprivileged() -> list[str]:
+  """The prefix of a command line under which file permissions bind: root
+  gives up the capabilities that override them (the owner, root, then
+  reads a mode 000 file no more than anyone)."""
+  if os.geteuid():
+    return []
+  assert shutil.which("setpriv"), "setpriv (util-linux) is needed to test permissions as root"
+  return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+
+
+def test_unreadable_files_and_a_read_only_out(short_run, tmp_path):
+  """Permission denied, in a child whose permissions bind, through the
+  recipe's main: unreadable --data (a file, a file in a folder) and
+  --config; --out read-only (empty, inside a read-only folder, and a run
+  --resume cannot write to, left as it was)."""
+  locked = tmp_path / "locked.txt"
+  folder = tmp_path / "folder"
+  (folder / "sub").mkdir(parents=True)
+  (folder / "a.txt").write_text("text")
+  preset = tmp_path / "preset.json"
+  preset.write_text("{}")
+  locked.write_text("text")
+  shutil.copy(locked, folder / "sub" / "locked.txt")
+  read_only, run = tmp_path / "read-only", tmp_path / "run"
+  read_only.mkdir()
+  shutil.copytree(short_run[1], run)
+  before = snapshot(run)
+  for path in (locked, folder / "sub" / "locked.txt", preset):
+    path.chmod(0)
+  for path in [read_only, run, *run.rglob("*")]:
+    path.chmod(0o555 if path.is_dir() else 0o444)
+  out = str(tmp_path / "out")
+  cases = [
+      (SHORT + ["--data", str(locked), "--out", out],
+       f"error: data file {locked} cannot be read: Permission denied"),
+      (SHORT + ["--data", str(folder), "--out", out],
+       f"error: data file {folder}/sub/locked.txt cannot be read: Permission denied"),
+      (SHORT + ["--config", str(preset)],
+       f"error: config file {preset} cannot be read: Permission denied"),
+      (SHORT + ["--out", str(read_only)],
+       f"error: [Errno 13] Permission denied: '{read_only}/checkpoints'"),
+      (SHORT + ["--out", f"{read_only}/new"],
+       f"error: [Errno 13] Permission denied: '{read_only}/new'"),
+      (SHORT + ["--out", str(run), "--resume"],
+       f"error: [Errno 13] Permission denied: '{run}/config.json.part'")]
+  child = ("import json, sys, test_cli\n"
+           "print(json.dumps([test_cli.run_main(test_cli.train.main, args)\n"
+           "                  for args in json.loads(sys.argv[1])]))")
+  done = subprocess.run(as_unprivileged() + [sys.executable, "-c", child,
+                                             json.dumps([args for args, _ in cases])],
+                        capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).parent,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-3000:]
+  answers = json.loads(done.stdout.splitlines()[-1])
+  for (args, message), (code, lines) in zip(cases, answers, strict=True):
+    assert (code, lines) == (2, [message]), args
+  for path in [run, *run.rglob("*")]:
+    path.chmod(0o755 if path.is_dir() else 0o644)
+  assert snapshot(run) == before
 
 
 # Every option of the recipe with a mistake in it, and a part of the one line

@@ -11,6 +11,10 @@
 - Unreadable checkpoints: an earlier one serves, with a warning; with none
   readable, --resume refuses and names them, --resume --fresh-start-ok starts
   over.
+- A fault in the transfers of an offloading engine (in this process): the
+  exception reaches the caller with its frames, then the engine refuses to
+  go on; nothing hangs. (Faults in the host update's own thread:
+  test_offload.py.)
 
 Each run is a subprocess on 2 CPU devices. They share a persistent
 compilation cache, so that after the first run of a configuration a process
@@ -19,6 +23,7 @@ starts in about 5 s (jax's import, the engine's build) rather than 10-20 s.
 
 import concurrent.futures
 import dataclasses
+import faulthandler
 import json
 import os
 import pathlib
@@ -29,12 +34,16 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
 import pytest
 
+import jzo
 from jzo import checkpoint
+from test_engine import batches, init_params, loss_fn, mesh_of
+from test_offload import TX
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 120  # seconds any one wait may take before the test fails
@@ -339,3 +348,39 @@ def test_unreadable_checkpoints(tmp_path, env, plain_run):
   assert sorted(p.name for p in (out / "checkpoints-unreadable").iterdir()) == ["12", "12-2", "6"]
   assert losses(out) == losses(whole)
   assert_same_weights(out, whole)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+@pytest.mark.parametrize("where", ["upload", "download"])
+def test_a_fault_in_a_transfer_surfaces_and_stops_the_engine(where, delayed):
+  """The second upload of new weights (one leaf already installed), or
+  download of gradients, after the first step raises: the caller sees it
+  with the frame that raised, at that step; later steps and state_dict
+  refuse (the params may hold some leaves' new weights only); close() stops
+  the update thread without raising, twice."""
+  faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the run, with the stacks
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
+                          delayed_update=delayed, dpu_warmup=0)
+  data = batches(4)
+  engine.step(data[0])
+  transfer = engine.host_update.transfer
+  moves, calls = getattr(transfer, where), []
+
+  def failing(i, x):
+    calls.append(i)
+    if len(calls) == 2:
+      raise OSError(f"injected fault in the {where}")
+    return moves(i, x)
+  setattr(transfer, where, failing)
+  with pytest.raises(OSError, match=f"injected fault in the {where}") as caught:
+    engine.step(data[1])
+  assert traceback.extract_tb(caught.value.__traceback__)[-1].name == "failing"
+  with pytest.raises(RuntimeError, match="earlier host update failed.*OSError.*checkpoint"):
+    engine.step(data[2])
+  with pytest.raises(RuntimeError, match="earlier host update failed"):
+    engine.state_dict()
+  engine.close()
+  engine.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    engine.step(data[3])
+  faulthandler.cancel_dump_traceback_later()
