@@ -17,7 +17,9 @@ Parts (model TFLOPS at micro-batch 8, seq 1024, full remat, bf16):
           the host) + DPU, PyTorch alone, DeepSpeed ZeRO-2 + CPU offload
   4b      gpt2-4b: the same four, and the next size up (38 layers, 4.47B)
           for jzo on the GPU alone and PyTorch alone: their largest models
-  10b     gpt2-10b: jzo offload auto + DPU; DeepSpeed at 6.25B (30 x 4096)
+  10b     gpt2-10b: jzo offload auto + DPU; PyTorch alone at 42 and 44
+          layers of gpt2-4b (4.92B, 5.14B; 38 layers fitted); DeepSpeed at
+          6.25B (30 x 4096)
   13b     gpt2-13b, bf16 moments: jzo offload auto + DPU; DeepSpeed at
           7.06B (34 x 4096)
   dpu     gpt2-1.5b, jzo offload with and without the delayed update at
@@ -72,7 +74,9 @@ PARTS = {
                    + jzo_points("gpt2-4b", ["device"], n_layer=38, limit=150)
                    + peer_point("torch", "gpt2-4b", n_layer=38, limit=150)),
     "10b": lambda: (jzo_points("gpt2-10b", ["auto_dpu"], limit=330)
-                    + peer_point("deepspeed", "gpt2-10b", n_layer=30, limit=330)),
+                    + peer_point("torch", "gpt2-4b", n_layer=42, limit=120)
+                    + peer_point("torch", "gpt2-4b", n_layer=44, limit=120)
+                    + peer_point("deepspeed", "gpt2-10b", n_layer=30, limit=300)),
     "13b": lambda: (jzo_points("gpt2-13b", ["auto_dpu"], moments="bf16", limit=360)
                     + peer_point("deepspeed", "gpt2-10b", n_layer=34, limit=300)),
     "dpu": lambda: (jzo_points("gpt2-1.5b", ["offload", "offload_dpu"], batch=(1, 2, 4, 8),
