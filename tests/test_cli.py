@@ -219,7 +219,7 @@ def test_unreadable_files_and_a_read_only_out(short_run, tmp_path):
        f"error: data file {locked} cannot be read: Permission denied"),
       (SHORT + ["--data", str(folder), "--out", out],
        f"error: data file {folder}/sub/locked.txt cannot be read: Permission denied"),
-      (SHORT + ["--config", str(preset)],
+      (SHORT + ["--config", str(preset), "--out", out],
        f"error: config file {preset} cannot be read: Permission denied"),
       (SHORT + ["--out", str(read_only)],
        f"error: [Errno 13] Permission denied: '{read_only}/checkpoints'"),
