@@ -22,6 +22,8 @@ Parts (model TFLOPS at micro-batch 8, seq 1024, full remat, bf16):
           6.25B (30 x 4096)
   13b     gpt2-13b, bf16 moments: jzo offload auto + DPU; DeepSpeed at
           7.06B (34 x 4096)
+  edges   jzo offload auto + DPU at gpt2-4b and at 38 layers (4.46B, which
+          jzo without offload refused); DeepSpeed at 44 layers (5.14B)
   dpu     gpt2-1.5b, jzo offload with and without the delayed update at
           micro-batches 1, 2, 4, 8 (one engine each), and the loss of two
           400-step recipe runs of gpt2-124m with and without it
@@ -79,6 +81,9 @@ PARTS = {
                     + peer_point("deepspeed", "gpt2-10b", n_layer=30, limit=300)),
     "13b": lambda: (jzo_points("gpt2-13b", ["auto_dpu"], moments="bf16", limit=360)
                     + peer_point("deepspeed", "gpt2-10b", n_layer=34, limit=300)),
+    "edges": lambda: (jzo_points("gpt2-4b", ["auto_dpu"])
+                      + jzo_points("gpt2-4b", ["auto_dpu"], n_layer=38)
+                      + peer_point("deepspeed", "gpt2-4b", n_layer=44, limit=300)),
     "dpu": lambda: (jzo_points("gpt2-1.5b", ["offload", "offload_dpu"], batch=(1, 2, 4, 8),
                                steps=5)
                     + loss_curve("loss, no DPU") + loss_curve("loss, DPU", "--delayed-update")),

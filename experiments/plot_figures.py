@@ -1,0 +1,190 @@
+"""Draws the single-GPU figures of issue 14 from the records that
+experiments/figure_runs.py wrote (default: experiments/results/session6/).
+
+  python experiments/plot_figures.py [--results DIR] [--out experiments/figures]
+
+  fig1_largest_model.png  the largest GPT each system trained on one GPU
+  fig2_throughput.png     model TFLOPS against model size, and what did not fit
+  fig4_dpu.png            the delayed parameter update: step time against
+                          micro-batch, and the loss of two runs
+
+Model TFLOPS count 6 N + 12 L D T flops a token (recomputation not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from models.gpt import PRESETS  # noqa: E402  (shapes only)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MACHINE = ("nvidia-h100-x1: one H100 80GB, 16-core Xeon, 125 GiB host; jax 0.11.2, "
+           "torch 2.11, DeepSpeed 0.19.8")
+COLORS = {"jzo offload auto + DPU": "tab:blue", "jzo offload + DPU": "tab:cyan",
+          "jzo, no offload": "tab:green", "PyTorch alone": "tab:orange",
+          "DeepSpeed ZeRO-2 offload": "tab:red"}
+FAILED = {"oom": "GPU out of memory", "killed": "killed: host out of memory",
+          "refused": "refused by jzo's planner", "timeout": "no result in time"}
+
+
+def load(results: str) -> tuple[list[dict], str]:
+  """Every record of the folder's PART.json files, and the date they ran."""
+  records, dates = [], set()
+  for path in sorted(glob.glob(os.path.join(results, "*.json"))):
+    with open(path) as f:
+      data = json.load(f)
+    dates.add(data["date"])
+    records += data["records"]
+  return records, ", ".join(sorted(dates))
+
+
+def size_b(r: dict) -> float:
+  """Parameters of a record's model in billions; a run killed before it
+  printed anything has only its command, whose preset and --n-layer say."""
+  if "n_params" not in r:
+    cmd = r["cmd"]
+    config = PRESETS[cmd[cmd.index("--model") + 1]]
+    if "--n-layer" in cmd:
+      config = dataclasses.replace(config, n_layer=int(cmd[cmd.index("--n-layer") + 1]))
+    return config.n_params / 1e9
+  return r["n_params"] / 1e9
+
+
+def label(r: dict) -> str:
+  return r["system"] + (", bf16 moments" if r.get("moments") == "bf16" else "")
+
+
+def throughput_records(records: list[dict]) -> list[dict]:
+  """Records of full-size steps: micro-batch 8, seq 1024 (the DPU sweep's
+  smaller micro-batches and the loss curves excluded)."""
+  return [r for r in records if r["part"] != "dpu" and r.get("batch", 8) == 8]
+
+
+def fig_largest(records: list[dict], date: str, out: str) -> None:
+  best, failed = {}, {}
+  # jzo's forced all-on-the-host placement was run at 1.5B and 4B only, for
+  # figure 2: its largest model was not looked for.
+  for r in (r for r in throughput_records(records) if r["system"] != "jzo offload + DPU"):
+    key = label(r)
+    if r["status"] == "ok" and size_b(r) > best.get(key, {"size": 0})["size"]:
+      best[key] = {"size": size_b(r), "tflops": r["tflops"], "system": r["system"]}
+    elif r["status"] != "ok":
+      failed.setdefault(key, []).append((size_b(r), FAILED.get(r["status"], r["status"])))
+  names = sorted(best, key=lambda k: best[k]["size"])
+  fig, ax = plt.subplots(figsize=(10, 4.8))
+  for y, name in enumerate(names):
+    b = best[name]
+    ax.barh(y, b["size"], color=COLORS.get(b["system"], "gray"),
+            alpha=0.6 if name.endswith("bf16 moments") else 1)
+    above = sorted(s for s in failed.get(name, []) if s[0] > b["size"])
+    note = f"{b['size']:.2f}B at {b['tflops']:.0f} TFLOPS"
+    if above:
+      note += f"; {above[0][0]:.2f}B: {above[0][1]}"
+    ax.text(b["size"] + 0.1, y, note, va="center", fontsize=9)
+  ax.set_yticks(range(len(names)), names)
+  ax.set_xlabel("largest GPT that trained (billions of parameters)")
+  ax.set_xlim(0, max(b["size"] for b in best.values()) * 1.9)
+  ax.set_title("Largest model that trains on one GPU (seq 1024, micro-batch 8, full remat)",
+               fontsize=11)
+  fig.text(0.01, 0.01, f"{MACHINE}; {date}", fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig1_largest_model.png"), dpi=130)
+
+
+def fig_throughput(records: list[dict], date: str, out: str) -> None:
+  fig, ax = plt.subplots(figsize=(10, 5.5))
+  by_system: dict[str, list[dict]] = {}
+  for r in throughput_records(records):
+    by_system.setdefault(r["system"], []).append(r)
+  for system, rs in sorted(by_system.items()):
+    color = COLORS.get(system, "gray")
+    ok = sorted((size_b(r), r["tflops"], r.get("moments")) for r in rs if r["status"] == "ok")
+    ax.plot([s for s, _, _ in ok], [t for _, t, _ in ok], "o-", color=color, label=system)
+    for s, t, moments in ok:
+      ax.annotate(f"{t:.0f}" + (" (bf16 moments)" if moments == "bf16" else ""), (s, t),
+                  textcoords="offset points", xytext=(4, 6), fontsize=8, color=color)
+    for r in rs:
+      if r["status"] != "ok":
+        ax.plot(size_b(r), 0, "x", color=color, markersize=10, mew=2)
+        ax.annotate(f"{size_b(r):.2f}B: {FAILED.get(r['status'], r['status'])}", (size_b(r), 0),
+                    textcoords="offset points", xytext=(-10, 12 + 12 * (system[0] == "D")),
+                    fontsize=7, color=color, rotation=20)
+  ax.set_xlabel("model size (billions of parameters)")
+  ax.set_ylabel("model TFLOPS (6N + 12LDT per token)")
+  ax.set_ylim(bottom=-20)
+  ax.set_title("Throughput on one GPU against model size (x: did not train)", fontsize=11)
+  ax.legend(loc="upper right", fontsize=9)
+  ax.grid(alpha=0.3)
+  fig.text(0.01, 0.01, f"{MACHINE}; seq 1024, micro-batch 8, full remat, bf16; {date}",
+           fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig2_throughput.png"), dpi=130)
+
+
+def fig_dpu(records: list[dict], date: str, out: str) -> None:
+  sweep = [r for r in records if r.get("part") == "dpu" and "metrics" not in r]
+  curves = [r for r in records if "metrics" in r]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+  for system, style in (("jzo offload", "o-"), ("jzo offload + DPU", "s-")):
+    rs = sorted((r for r in sweep if r["system"] == system), key=lambda r: r["batch"])
+    left.plot([r["batch"] for r in rs], [r["step_s"] for r in rs], style,
+              label=system.replace("jzo offload", "step") + ("" if "DPU" in system else ", no DPU"))
+  rs = sorted((r for r in sweep if r["system"] == "jzo offload"), key=lambda r: r["batch"])
+  left.plot([r["batch"] for r in rs], [r["device_step_s"] for r in rs], "k--", lw=1,
+            label="device step alone")
+  left.plot([r["batch"] for r in rs], [r["host_update_s"] for r in rs], "k:", lw=1,
+            label="host update alone")
+  left.set_xscale("log", base=2)
+  left.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+  left.set_xlabel("micro-batch (sequences of 1024 tokens)")
+  left.set_ylabel("seconds per step")
+  left.set_ylim(bottom=0)
+  model = sweep[0]["model"] if sweep else ""
+  left.set_title(f"{model}, all optimizer state on the host", fontsize=10)
+  left.legend(fontsize=9)
+  left.grid(alpha=0.3)
+  for r in curves:
+    steps = [m["step"] for m in r["metrics"]]
+    evals = [(m["step"], m["eval_loss"]) for m in r["metrics"] if "eval_loss" in m]
+    right.plot(steps, [m["loss"] for m in r["metrics"]], lw=0.8, alpha=0.8,
+               label=f"{r['system']} (held-out {evals[-1][1]:.3f} at step {evals[-1][0]})")
+    right.plot(*zip(*evals), "o", ms=4, color=right.lines[-1].get_color())
+  right.set_xlabel("step")
+  right.set_ylabel("training loss (dots: held-out)")
+  right.set_title("gpt2-124m, seq 512, batch 16, lr 6e-4, offload", fontsize=10)
+  right.set_ylim(top=6)
+  right.legend(fontsize=9)
+  right.grid(alpha=0.3)
+  fig.suptitle("Delayed parameter update (DPU): the host update overlaps the next device step",
+               fontsize=11)
+  fig.text(0.01, 0.01, f"{MACHINE}; {date}", fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig4_dpu.png"), dpi=130)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--results", default=os.path.join(HERE, "results", "session6"))
+  parser.add_argument("--out", default=os.path.join(HERE, "figures"))
+  args = parser.parse_args()
+  records, date = load(args.results)
+  os.makedirs(args.out, exist_ok=True)
+  fig_largest(records, date, args.out)
+  fig_throughput(records, date, args.out)
+  fig_dpu(records, date, args.out)
+  print("wrote", ", ".join(sorted(os.listdir(args.out))), "in", args.out)
+
+
+if __name__ == "__main__":
+  main()
