@@ -371,6 +371,9 @@ def test_preset_files(tmp_path):
                            ("[1, 2]", "must hold a JSON object")):
     preset.write_text(content)
     one_line_error(train.main, ["--config", str(preset)], message)
+  for content in (b"", b"\x89PNG\r\n\x1a\n\x00\xff"):  # empty, binary
+    preset.write_bytes(content)
+    one_line_error(train.main, ["--config", str(preset)], f"config file {preset} is not valid JSON")
   one_line_error(train.main, ["--config", str(tmp_path / "missing.json")],
                  "cannot be read: No such file or directory")
   one_line_error(train.main, ["--config", str(tmp_path)], "cannot be read: Is a directory")
