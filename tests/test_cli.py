@@ -1,10 +1,14 @@
 """The command lines (jzo.config, the parser of jzo.train, jzo.estimate and
 jzo.export): --help lists every option with its help and default, presets
-load, and every mistake gets one line on stderr and status 2, no traceback.
+load, and every mistake gets one line on stderr and status 2, no traceback:
+in an option, a preset, a data file (missing, empty, binary, unreadable) or
+--out (a file, read-only); a command that fails in a run's folder leaves
+every byte of it as it was.
 
 The real entry points run in subprocesses (--help, a mistake each, a short
 training run); the mistakes of each option run in this process, to keep the
-suite quick.
+suite quick, and those of file permissions in one child whose permissions
+bind (root gives up the capabilities that override them).
 """
 
 import ast
