@@ -8,10 +8,11 @@ Public API:
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
   adamw_step: their update and apply_updates as one in-place pass.
   kernels: the fused in-place host kernel and its thread/SIMD settings.
+  distributed: several processes (jax.distributed) from the environment.
   `python -m jzo.train`: the GPT training recipe.
 """
 
-from jzo import kernels
+from jzo import distributed, kernels
 from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
 from jzo.planner import estimate
@@ -21,5 +22,6 @@ from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
 __all__ = ["CpuAdamState", "EngineState", "LossScale", "PlacementError", "Plan", "StepMetrics",
-           "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "estimate", "gather_layer", "kernels"]
+           "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed", "estimate",
+           "gather_layer", "kernels"]
 __version__ = "0.1.0"

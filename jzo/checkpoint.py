@@ -34,6 +34,14 @@ methods call) depends on the optimizer:
   devices keep them, which load into the same optimizer, stage and device
   count. An Adam engine without offload also loads this format (its
   checkpoints before the full-shape one).
+
+With several processes (jzo.distributed) every process calls `save` and
+`restore` together and orbax writes one set of files: the masters and
+moments are global arrays, flat and padded (`flat_shape`) over the data
+axis, each process writing and reading its own devices' shards (the host
+parts included, staged in host memory); scalars are written once. Such a
+checkpoint loads into an engine over as many devices, with one process or
+several; `read_masters` and the export read it like any other.
 """
 
 from __future__ import annotations
@@ -46,13 +54,17 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax.experimental import multihost_utils
+
 from jzo import step as step_lib
 from jzo.cpu_adam import CpuAdamState
+from jzo.distributed import local_positions
 from jzo.offload import HostAdam
 from jzo.partition import LeafLayout, is_layout
 from jzo.plan import Plan
 from jzo.precision import LossScaleState
 from jzo.step import EngineState
+from jzo.transfer import host_memory_kind
 
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
 _MAX_DETAIL = 300
@@ -148,7 +160,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     raise _unreadable(e, folder, step) from e
   # The target is what the engine loads, as shapes: orbax reads numpy arrays
   # into its tree types (optax's named tuples) and refuses other dtypes.
-  target = _expected(engine.plan, engine.state, engine.host, saved)
+  target = _expected(engine.plan, engine.mesh, engine.state, engine.host, saved)
   misfit = _misfit(saved, _outline(target))
   if misfit:  # before any array is read
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",
@@ -308,8 +320,8 @@ def _outline(tree):
     return {k: _outline(v) for k, v in tree._asdict().items()} or None
   if isinstance(tree, (list, tuple)):
     return [_outline(v) for v in tree]
-  if tree is None:
-    return None
+  if tree is None or isinstance(tree, str):  # an outline's already
+    return tree
   return f"{np.dtype(tree.dtype)}{list(tree.shape)}"  # np arrays and orbax's ArrayMetadata
 
 
@@ -368,13 +380,97 @@ def _full(plan: Plan, flat_tree):
 
 
 def _flat(plan: Plan, full_tree):
-  """Flat padded numpy leaves (`flat_shape`) from full-shape ones."""
+  """Flat padded numpy leaves (`flat_shape`) from full-shape (or flat) ones."""
   return jax.tree.map(lambda l, x: l.flatten(np.asarray(x)), plan.layouts, full_tree,
                       is_leaf=is_layout)
 
 
-def full_masters(plan: Plan, state: EngineState, host: HostAdam | None):
-  """The float32 master weights in full shapes (numpy)."""
+def _device_part(mesh: Mesh, layout: LeafLayout, pieces: list[np.ndarray], axis: str):
+  """The global device part (`part_shape(c)`) of a leaf from this
+  process's shards ((..., k) numpy each, in device order)."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+  arrays = [jax.device_put(np.ascontiguousarray(p[..., :layout.on_device]), d)
+            for p, d in zip(pieces, devices)]
+  return jax.make_array_from_single_device_arrays(
+      layout.part_shape(layout.on_device), NamedSharding(mesh, layout.spec(axis)), arrays)
+
+
+def _lowp(plan: Plan, mesh: Mesh, layout: LeafLayout, master, spec: P) -> jax.Array:
+  """The compute-dtype params of a leaf from its saved float32 master: numpy
+  (full or flat), or a global flat array of several processes, converted
+  on the devices a leaf at a time."""
+  to = NamedSharding(mesh, spec)
+  if not isinstance(master, jax.Array) or master.is_fully_addressable:
+    flat = layout.flatten(np.asarray(master))
+    return jax.device_put(step_lib.lowp_from_master(plan, layout, flat), to)
+  on_devices = jax.device_put(master, NamedSharding(mesh, layout.spec(plan.axis)))
+  return jax.jit(lambda m: step_lib.lowp_from_master(plan, layout, m), out_shardings=to)(
+      on_devices)
+
+
+def _several_processes() -> bool:
+  return jax.process_count() > 1
+
+
+def _scalar(x) -> np.ndarray:
+  """A replicated scalar (a global jax array, or numpy) as numpy, read locally."""
+  return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
+def _shard_sharding(plan: Plan, mesh: Mesh, layout: LeafLayout) -> NamedSharding:
+  """Where a flat padded leaf's shards wait for orbax: in host memory when
+  the devices have some (a GPU has no room for the offloaded state)."""
+  kind = host_memory_kind(mesh.devices.flat[0])
+  return NamedSharding(mesh, layout.spec(plan.axis), memory_kind=kind)
+
+
+def _joined_shards(plan: Plan, mesh: Mesh, device_tree, host_tree):
+  """Per leaf, the global flat padded array (`flat_shape`) whose shards are
+  this process's devices' parts (global arrays `part_shape(c)`, or None)
+  joined to its host parts ((n local, ..., k - c) numpy): each process
+  provides only its own shards."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+
+  def one(layout, device_part, host):
+    sharding = _shard_sharding(plan, mesh, layout)
+    on_device = {s.device: s.data for s in device_part.addressable_shards} \
+        if device_part is not None else {}
+    pieces = []
+    for j, device in enumerate(devices):
+      piece = host[j]
+      if device in on_device:
+        piece = np.concatenate([np.asarray(on_device[device]), piece], axis=-1)
+      pieces.append(jax.device_put(piece, jax.sharding.SingleDeviceSharding(
+          device, memory_kind=sharding.memory_kind)))
+    return jax.make_array_from_single_device_arrays(layout.flat_shape, sharding, pieces)
+  if device_tree is None:
+    device_tree = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
+  return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
+
+
+def _local_shards(plan: Plan, mesh: Mesh, tree):
+  """Per leaf, this process's shards ((..., k) numpy, in device order) of
+  saved leaves: global flat arrays (their addressable shards), or numpy in
+  full or flat shapes."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+
+  def one(layout, x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      by_device = {s.device: s.data for s in x.addressable_shards}
+      return [np.asarray(by_device[d]) for d in devices]
+    flat = layout.flatten(np.asarray(x))  # a flat leaf stays as it is
+    rows = flat.reshape(layout.flat_shape[:-1] + (layout.shards, layout.shard_size))
+    return [rows[..., d, :] for d in local_positions(mesh)]
+  return jax.tree.map(one, plan.layouts, tree, is_leaf=is_layout)
+
+
+def full_masters(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None):
+  """The float32 master weights in full shapes (numpy). With several
+  processes every process calls it: the shards are gathered from all."""
+  if _several_processes():
+    flat = (_joined_shards(plan, mesh, state.master, host.master) if plan.offload
+            else state.master)
+    return _full(plan, multihost_utils.process_allgather(flat, tiled=True))
   if not plan.offload:
     return _full(plan, state.master)
   return _parts(plan, state.master, host.master, np.float32)
@@ -416,18 +512,22 @@ def _with_adam(opt_state, count: int, mu, nu):
   return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=_is_adam)
 
 
-def engine_state_dict(plan: Plan, state: EngineState, host: HostAdam | None,
+def engine_state_dict(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
                       steps_run: int) -> dict:
   """Host numpy arrays of everything needed to continue exactly: masters,
-  optimizer state, loss scale and counters (see the module docstring)."""
+  optimizer state, loss scale and counters (see the module docstring);
+  with several processes, global arrays of each process's shards."""
   common = {"loss_scale": state.loss_scale.scale, "good_steps": state.loss_scale.good_steps,
-            "step": state.step, "skipped": state.skipped,
+            "step": state.step, "skipped": state.skipped}
+  common = {**{k: _scalar(v) for k, v in common.items()},
             "steps_run": np.asarray(steps_run, np.int64)}
   device_adam = _device_adam(plan, state)
+  if _several_processes():
+    return _sharded_state_dict(plan, mesh, state, host, device_adam, common)
   if plan.offload:
     opt = state.opt_state
     count = host.count if plan.has_host_state else opt.count
-    adam = {"master": full_masters(plan, state, host),
+    adam = {"master": _parts(plan, state.master, host.master, np.float32),
             "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
             "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype)}
   elif device_adam is not None:
@@ -440,74 +540,117 @@ def engine_state_dict(plan: Plan, state: EngineState, host: HostAdam | None,
   return jax.device_get({**common, **adam, "count": count})
 
 
-def _expected(plan: Plan, state: EngineState, host: HostAdam | None, saved) -> dict:
+def _sharded_state_dict(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
+                        device_adam, common: dict) -> dict:
+  """`engine_state_dict` with several processes: the masters and moments
+  (or another optimizer's state) as global arrays, flat and padded."""
+  if plan.offload:
+    opt = state.opt_state
+    count = host.count if plan.has_host_state else _scalar(opt.count)
+    adam = {name: _joined_shards(plan, mesh, getattr(opt, name) if opt else None,
+                                 getattr(host, name)) for name in ("mu", "nu")}
+    adam["master"] = _joined_shards(plan, mesh, state.master, host.master)
+  elif device_adam is not None:
+    count = _scalar(device_adam.count)
+    adam = {"master": state.master, "mu": device_adam.mu, "nu": device_adam.nu}
+  else:
+    return {**common, "master": state.master, "opt_state": state.opt_state}
+  return {**common, **adam, "count": np.asarray(count, np.int64)}
+
+
+def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
+              saved) -> dict:
   """Shapes and dtypes (jax.ShapeDtypeStructs) of the saved tree this engine
   loads, fetching nothing: the format it saves, or for an Adam engine
   without offload the flat one of its older checkpoints if `saved` (a
-  state dict or its outline) has "opt_state"."""
+  state dict or its outline) has "opt_state". Masters and moments come in
+  full shapes, or flat as several processes wrote them where `saved` has
+  them so; with several processes, global arrays are read shard by shard."""
   scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
              "skipped": np.int32, "steps_run": np.int64}
   tree = {k: jax.ShapeDtypeStruct((), v) for k, v in scalars.items()}
   device_adam = _device_adam(plan, state)
+  several = _several_processes()
   if not plan.offload and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
-    return {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), flat)}
-  full = lambda like: jax.tree.map(lambda l, x: jax.ShapeDtypeStruct(l.shape, x.dtype),
-                                   plan.layouts, like, is_leaf=is_layout)
+    return {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if several else None), flat)}
+
+  def entry(name, like):
+    outline = _outline(saved)
+    saved_leaves = jax.tree.leaves(outline.get(name), is_leaf=lambda x: isinstance(x, str))
+    # Flat leaves are Adam's only when saved in its format (with its count);
+    # another optimizer's flat masters are refused, naming the shapes.
+    if "count" not in outline or len(saved_leaves) != len(plan.leaves):
+      saved_leaves = [None] * len(plan.leaves)
+
+    def one(layout, x, saved_leaf):
+      flat = jax.ShapeDtypeStruct(layout.flat_shape, x.dtype,
+                                  sharding=_shard_sharding(plan, mesh, layout) if several else None)
+      written_flat = saved_leaf == _outline(flat)
+      if written_flat and (several or layout.flat_shape != layout.shape):
+        return flat
+      return jax.ShapeDtypeStruct(layout.shape, x.dtype)
+    return jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout), [
+        one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)])
   # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
   masters, adam = (host.master, host) if plan.offload else (state.master, device_adam)
-  return {**tree, "master": full(masters), "mu": full(adam.mu), "nu": full(adam.nu),
-          "count": jax.ShapeDtypeStruct((), np.int64)}
+  return {**tree, "master": entry("master", masters), "mu": entry("mu", adam.mu),
+          "nu": entry("nu", adam.nu), "count": jax.ShapeDtypeStruct((), np.int64)}
 
 
 def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: HostAdam | None,
                       saved: dict) -> tuple[EngineState, int]:
-  """The engine state (and steps run) from `engine_state_dict` output; host
-  arrays are written in place.
+  """The engine state (and steps run) from `engine_state_dict` output (of
+  one process or several); host arrays are written in place.
 
   Raises:
     ValueError: the saved tree does not fit this engine, naming the first
       entries that differ.
   """
-  misfit = _misfit(_outline(saved), _outline(_expected(plan, state, host, saved)))
+  misfit = _misfit(_outline(saved), _outline(_expected(plan, mesh, state, host, saved)))
   if misfit:
     raise ValueError(f"checkpoint does not fit this engine: {misfit}")
   specs = step_lib.state_specs(plan, tx)
-  put = lambda x, spec: jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
+  # Numpy is every process's whole value; a global array (several processes'
+  # checkpoint) moves shard by shard into the devices' memory.
+  put = lambda x, spec: jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x),
+                                       NamedSharding(mesh, spec))
   if plan.offload:
-    masters = _flat(plan, saved["master"])
+    masters = saved["master"]
     master = opt_state = None
     device_parts = {}
     for name in ("master", "mu", "nu"):
-      split = jax.tree.map(lambda l, x: l.split(x), plan.layouts, _flat(plan, saved[name]),
-                           is_leaf=is_layout)
-      device_parts[name] = jax.tree.map(lambda l, s: s[0], plan.layouts, split,
-                                        is_leaf=is_layout)
-      if host is not None:
-        jax.tree.map(lambda l, dst, s: np.copyto(dst, s[1]), plan.layouts, getattr(host, name),
-                     split, is_leaf=is_layout)
+      shards = _local_shards(plan, mesh, saved[name])
+      if plan.has_device_state:
+        device_parts[name] = jax.tree.map(
+            lambda l, pieces: _device_part(mesh, l, pieces, plan.axis), plan.layouts, shards,
+            is_leaf=is_layout)
+      if host is not None:  # this process's host parts
+        jax.tree.map(lambda l, dst, pieces: [np.copyto(d, p[..., l.on_device:])
+                                             for d, p in zip(dst, pieces)],
+                     plan.layouts, getattr(host, name), shards, is_leaf=is_layout)
     count = int(saved["count"])
     if host is not None:
       host.count = count
     if plan.has_device_state:
-      master = jax.tree.map(lambda x, s: put(np.array(x), s), device_parts["master"],
-                            specs.master)
-      mu_spec, nu_spec = specs.opt_state.mu, specs.opt_state.nu
-      opt_state = state.opt_state._replace(
-          count=put(np.int32(count), P()),
-          mu=jax.tree.map(lambda x, s: put(np.array(x), s), device_parts["mu"], mu_spec),
-          nu=jax.tree.map(lambda x, s: put(np.array(x), s), device_parts["nu"], nu_spec))
+      master = device_parts["master"]
+      opt_state = state.opt_state._replace(count=put(np.int32(count), P()),
+                                           mu=device_parts["mu"], nu=device_parts["nu"])
   else:
     if "opt_state" in saved:
       masters, opt_state = saved["master"], saved["opt_state"]
+    elif _several_processes():  # flat global arrays, sharded as the engine's
+      masters = saved["master"]
+      opt_state = _with_adam(state.opt_state, int(saved["count"]), saved["mu"], saved["nu"])
     else:  # Adam in full shapes: into this engine's flat shards
       masters = _flat(plan, saved["master"])
       opt_state = _with_adam(state.opt_state, int(saved["count"]), _flat(plan, saved["mu"]),
                              _flat(plan, saved["nu"]))
     master = jax.tree.map(put, masters, specs.master)
     opt_state = jax.tree.map(put, opt_state, specs.opt_state)
-  lowp = jax.tree.map(lambda l, m, spec: put(step_lib.lowp_from_master(plan, l, m), spec),
-                      plan.layouts, masters, specs.params, is_leaf=is_layout)
+  lowp = jax.tree.map(lambda l, m, spec: _lowp(plan, mesh, l, m, spec), plan.layouts,
+                      masters, specs.params, is_leaf=is_layout)
   scalar = lambda x: put(x, P())
   new = state._replace(
       params=lowp, master=master, opt_state=opt_state,

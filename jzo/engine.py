@@ -8,6 +8,10 @@ Memory per device for Psi params with Adam (ZeRO paper, K = 12): stage 0
 the optimizer state of each shard is split between device and host memory
 as the plan says (`engine.plan`, printable).
 
+Under JAX's multi-process runtime the mesh spans every process's devices;
+each process runs this same object over its own devices' shards (host
+state, batches, checkpoint shards: see jzo.distributed).
+
 The optimizer sees each leaf as a flat shard (see jzo.partition), so it must
 be elementwise (adam, adamw, jzo.cpu_adamw, sgd, ...), and global-norm
 clipping belongs to the engine (`max_grad_norm`), not to the optax chain,
@@ -26,13 +30,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import checkpoint, plan as plan_lib, step as step_lib
+from jzo import checkpoint, distributed, plan as plan_lib, step as step_lib
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
 from jzo.offload import HostAdam, HostUpdate
 from jzo.partition import is_layout
 from jzo.precision import init_loss_scale, resolve_precision
 from jzo.step import EngineState, StepMetrics
-from jzo.transfer import ShardTransfer, copy_to_host
+from jzo.transfer import HOST_TRANSFERS, ShardTransfer, copy_to_host, resolve_host_transfer
 
 
 class ZeroEngine:
@@ -40,15 +44,17 @@ class ZeroEngine:
 
   Args:
     loss_fn: mean loss of a batch; params is the pytree given here (in the
-      compute dtype), batch the local slice of what `step` gets.
+      compute dtype), batch one device's slice of the global batch.
     params: initial parameters (any float dtype; kept as float32 masters), or
       a function of no arguments that returns them: the engine then reads
       their shapes first (nothing drawn), checks the plan fits, and draws one
-      leaf at a time on the first device, largest first (while its memory is
-      emptiest), so no float32 copy of the model is ever whole and the host
-      holds nothing but the state.
+      leaf at a time on this process's first device, largest first (while
+      its memory is emptiest), so no float32 copy of the model is ever whole
+      and the host holds nothing but the state. Every process must give the
+      same values.
     tx: an elementwise optax transformation (e.g. optax.adamw, jzo.cpu_adamw).
-    mesh: a Mesh with axis `axis`; default all devices on one axis.
+    mesh: a Mesh with axis `axis`; default all devices (of all processes,
+      each process's together) on one axis.
     axis: name of the data-parallel axis.
     stage: ZeRO stage, 0 (plain data parallelism) to 3.
     compute_dtype: dtype of the forward/backward: bfloat16, float16 or float32.
@@ -76,6 +82,9 @@ class ZeroEngine:
     activation_memory: bytes one device needs at the step's peak besides
       params, gradients and optimizer state (activations, temporaries), for
       offload="auto" and the fit check (`jzo.estimate` computes it for GPTs).
+    host_transfer: how offload moves gradients down and weights up: "auto"
+      (pinned host memory where the devices have it, else the portable
+      path, with a warning), "pinned", or "portable" (see jzo.transfer).
 
   Raises:
     ValueError, TypeError: a bad option, naming it.
@@ -89,8 +98,9 @@ class ZeroEngine:
                max_grad_norm: float | None = None, layers: str | None = None,
                offload: bool | float | str = False, delayed_update: bool = False,
                dpu_warmup: int = 10, host_memory: int | None = None,
-               device_memory: int | None = None, activation_memory: int = 0):
-    _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup)
+               device_memory: int | None = None, activation_memory: int = 0,
+               host_transfer: str = "auto"):
+    _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup, host_transfer)
     hyper = getattr(tx.update, "adam_hyperparams", None)
     offloading = offload is not False
     if offloading and stage == 0:
@@ -100,13 +110,17 @@ class ZeroEngine:
                       "jzo.cpu_adamw (clip with max_grad_norm, not an optax chain)")
     if delayed_update and not offloading:
       raise ValueError("delayed_update needs offload=True")
-    mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), (axis,))
+    mesh = mesh if mesh is not None else distributed.default_mesh(axis)
     if axis not in mesh.axis_names:
       raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
     if offloading and mesh.devices.size != mesh.shape[axis]:
       raise ValueError(f"offload takes a mesh whose only axis of size > 1 is {axis!r}, "
                        f"got {dict(mesh.shape)}")
-    shapes, draw_leaf = _leaf_sources(params, mesh.devices.flat[0])
+    distributed.check_mesh(mesh, axis)
+    # This process's devices: their shards' host state, batch rows and draws.
+    self.positions = distributed.local_positions(mesh)
+    device = mesh.devices.flat[self.positions[0]]
+    shapes, draw_leaf = _leaf_sources(params, device)
     compute_dtype, loss_scale_config = resolve_precision(compute_dtype, loss_scale)
     # Several micro-batches are summed in fp32 (see jzo.step), and the
     # on-device optimizer keeps that sum; offload ships the compute dtype.
@@ -115,7 +129,6 @@ class ZeroEngine:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
       state_bytes = _state_bytes_per_param(tx)
-    device = mesh.devices.flat[0]
     self.plan = plan_lib.make_plan(
         shapes, state_bytes, stage=stage, n_devices=mesh.shape[axis], axis=axis,
         compute_dtype=compute_dtype, grad_dtype=jnp.float32 if keep_fp32 else compute_dtype,
@@ -123,7 +136,7 @@ class ZeroEngine:
         layers=layers, offload=offload, delayed_update=delayed_update, dpu_warmup=dpu_warmup,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
-        activations=activation_memory)
+        activations=activation_memory, processes=mesh.devices.size // len(self.positions))
     self.loss_fn, self.mesh = loss_fn, mesh
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = None
@@ -133,9 +146,12 @@ class ZeroEngine:
       # params (the step sees flat shards); the host part the same flags.
       decay = decay_flags(hyper.mask, shapes)
       self.tx = cpu_adamw_with(hyper, decay)
-      adam = HostAdam(self.plan, hyper, decay)
+      adam = HostAdam(self.plan, hyper, decay, self.positions)
+    self._pinned = False  # host copies through pinned host memory (jzo.transfer)
     if self.plan.has_host_state:
-      transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype)
+      self._pinned = resolve_host_transfer(host_transfer, device) == "pinned"
+      transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
+                               pinned=self._pinned)
       transfer.reserve()  # before the build pins its chunks
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
@@ -150,8 +166,9 @@ class ZeroEngine:
   def _build_state(self, draw_leaf, adam: HostAdam | None) -> EngineState:
     """The first state. Its device buffers are allocated first, side by side,
     then filled one leaf at a time, largest first, from the leaf's float32
-    values drawn on the first device: so at most one leaf's float32 weights
-    exist beside the state, and the draws' memory, freed, leaves one free
+    values drawn on this process's first device (every process draws the
+    same values and keeps its devices' parts): so at most one leaf's
+    float32 weights exist beside the state, and the draws' memory, freed, leaves one free
     block for the step (the allocator could not fit gpt2-10b's step into
     the holes of state allocated between draws). Every buffer is new: the
     state is donated each step and must never alias the caller's arrays."""
@@ -184,7 +201,7 @@ class ZeroEngine:
       c, k = layout.on_device, layout.shard_size
       flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
       new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
-      lowp[i] = _write_into(lowp[i], jax.device_put(new, lowp[i].sharding))
+      lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
       del new
       # One device reads each part straight out of the draw; several need
       # the parts as arrays of their own (copies) to spread them over the mesh.
@@ -193,23 +210,28 @@ class ZeroEngine:
         if self.mesh.devices.size == 1:
           master[i] = _write_into(master[i], flat, part(0))
         else:
-          master[i] = _write_into(master[i], jax.device_put(
+          master[i] = _write_into(master[i], _to_global(
               jax.jit(part(0))(flat), sharding(master_specs[i])))
       if adam is not None and c < k:
-        copy_to_host(flat, host_masters[i], part(1))
+        mine = slice(self.positions.start, self.positions.stop)
+        copy_to_host(flat, host_masters[i], lambda x: layout.split(x)[1][mine],
+                     pinned=self._pinned)
       del flat
     if master is not None:
       master = jax.tree.unflatten(treedef, master)
-    scalar = lambda x: jax.device_put(x, sharding(P()))
+    scalar = lambda x: jax.device_put(np.asarray(x), sharding(P()))
     return EngineState(jax.tree.unflatten(treedef, lowp), master, opt_state, grads,
                        jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
                        scalar(jnp.int32(0)), scalar(jnp.int32(0)))
 
   # ---------------------------------------------------------------- step
   def step(self, batch) -> StepMetrics:
-    """One optimizer step on a global batch (leading axis: examples).
+    """One optimizer step on a batch (leading axis: examples): the global
+    batch, or with several processes this process's rows of it (its
+    devices' block; global arrays pass as they are).
 
-    The leading size must divide into devices x grad_accum micro-batches.
+    The leading size must divide into (this process's) devices x
+    grad_accum micro-batches.
 
     Raises:
       RuntimeError: the engine is closed, or an earlier host update failed
@@ -233,6 +255,7 @@ class ZeroEngine:
     if self._closed:
       raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
+    batch = self._global_batch(batch)
     if self.plan.offload:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
@@ -256,7 +279,7 @@ class ZeroEngine:
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead)."""
     state = self.state._replace(grads=None) if self.plan.offload else self.state
-    return self._step_fn(batch).lower(state, batch)
+    return self._step_fn(batch).lower(state, self._global_batch(batch))
 
   def close(self) -> None:
     """Applies a delayed update in flight (unless an earlier host update
@@ -281,9 +304,10 @@ class ZeroEngine:
     if len(sizes) != 1 or None in sizes:
       raise ValueError(f"every batch array needs the same leading (example) axis, got {sizes}")
     (size,) = sizes
-    parts = self.plan.n_devices * self.plan.grad_accum
-    if size % parts:
-      raise ValueError(f"batch of {size} examples does not split into {self.plan.n_devices} "
+    devices = len(self.positions)  # this process's (all with one process)
+    if size % (devices * self.plan.grad_accum):
+      whose = "" if devices == self.plan.n_devices else "this process's "
+      raise ValueError(f"{whose}batch of {size} examples does not split into {devices} "
                        f"devices x {self.plan.grad_accum} micro-batches")
     key = jax.tree.structure(batch)
     if key not in self._step_fns:
@@ -291,20 +315,49 @@ class ZeroEngine:
                                                batch)
     return self._step_fns[key]
 
+  def local_batch(self, batch):
+    """This process's rows of a global batch (leading axis: examples), what
+    `step` takes: its devices' block (with one process, the whole batch)."""
+    if jax.process_count() == 1:
+      return batch
+
+    def mine(x):
+      if x.shape[0] % self.plan.n_devices:
+        raise ValueError(f"global batch of {x.shape[0]} examples does not split over "
+                         f"{self.plan.n_devices} devices")
+      per_device = x.shape[0] // self.plan.n_devices
+      return x[self.positions.start * per_device:self.positions.stop * per_device]
+    return jax.tree.map(mine, batch)
+
+  def _global_batch(self, batch):
+    """With several processes, each one's rows as one global array per
+    leaf, sharded over the data axis (one process: the batch as it is)."""
+    if jax.process_count() == 1:
+      return batch
+    rows = NamedSharding(self.mesh, P(self.plan.axis))
+    global_or_local = lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable \
+        else jax.make_array_from_process_local_data(rows, np.asarray(x))
+    return jax.tree.map(global_or_local, batch)
+
   # ------------------------------------------------------------- outputs
   @property
   def params(self):
-    """The float32 master weights, gathered to full shapes (numpy arrays)."""
+    """The float32 master weights, gathered to full shapes (numpy arrays;
+    with several processes every process must read them together)."""
     self.wait()
-    return checkpoint.full_masters(self.plan, self.state, self.host)
+    return checkpoint.full_masters(self.plan, self.mesh, self.state, self.host)
 
   def state_dict(self) -> dict:
     """Everything needed to continue training exactly, as host numpy arrays:
     with Adam (jzo's or optax's) masters and moments in the params' full
     shapes, with another optimizer as the devices keep them (see
-    jzo.checkpoint). A delayed update in flight is applied first."""
+    jzo.checkpoint). With several processes, what each process holds: the
+    masters and moments as global arrays, flat and padded, whose shards
+    each process wrote from its own. A delayed update in flight is applied
+    first."""
     self.wait()
-    return checkpoint.engine_state_dict(self.plan, self.state, self.host, self._steps)
+    return checkpoint.engine_state_dict(self.plan, self.mesh, self.state, self.host,
+                                        self._steps)
 
   def load_state_dict(self, saved: dict) -> None:
     """Restores `state_dict()` output into this engine: the same model; an
@@ -353,7 +406,17 @@ def _write_into(buffer: jax.Array, values: jax.Array, of=lambda x: x) -> jax.Arr
                                       (0,) * buffer.ndim)
 
 
-def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> None:
+def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """x, a value every process holds whole (here on its first device), as
+  an array placed by `sharding`, which may span other processes' devices:
+  each process then puts only its own devices' pieces."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup,
+                   host_transfer) -> None:
   if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
     raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
   if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
@@ -366,6 +429,8 @@ def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup) -> 
     raise ValueError("layers= only applies to stage 3")
   if not isinstance(dpu_warmup, int) or dpu_warmup < 0:
     raise ValueError(f"dpu_warmup must be an integer >= 0, got {dpu_warmup!r}")
+  if host_transfer not in HOST_TRANSFERS:
+    raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {host_transfer!r}")
 
 
 def _leaf_sources(params, device):

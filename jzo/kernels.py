@@ -241,7 +241,7 @@ def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale) ->
   formed in double precision exactly as in the optax path. Cached: the
   offload engine steps every shard of a step with the same scalars.
   """
-  with jax.default_device(jax.devices("cpu")[0]):
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's
     scalars = np.array(_host_scalars_jit(
         np.float32(lr), np.int32(count), np.float32(grad_scale), b1=float(b1), b2=float(b2),
         eps=float(eps), eps_root=float(eps_root), weight_decay=float(weight_decay)))

@@ -2,8 +2,9 @@
 pipeline that updates it once per step.
 
 `HostAdam` owns, per parameter leaf, the float32 master weights and Adam
-moments of every device shard's host part (`LeafLayout.on_host` elements of
-each shard's last axis) as page-aligned numpy arrays. One step of it is one
+moments of the host part (`LeafLayout.on_host` elements of each shard's last
+axis) of this process's devices' shards (all of them with one process) as
+page-aligned numpy arrays. One step of it is one
 pass of the fused C++ kernel over each shard (unscale and clip, AdamW, the
 new low-precision weights written over the gradient they came from),
 multi-threaded with the GIL released.
@@ -41,30 +42,35 @@ from jzo.transfer import ShardTransfer
 
 
 class HostAdam:
-  """AdamW over the host parts of all shards.
+  """AdamW over the host parts of this process's shards.
 
   Args:
     plan: the engine's plan (layouts with placement, dtypes).
     hyper: cpu_adamw's hyperparameters.
     decay: tree of bools, weight decay on or off per leaf.
+    shards: the data-axis positions of this process's devices (a range;
+      default all, as with one process). Each array's leading axis runs
+      over them: (len(shards), ..., k - c).
 
   The masters start uninitialised: the engine copies each leaf's host part
   into `master` as it draws the leaf, so no second float32 copy of the
   model is ever whole.
   """
 
-  def __init__(self, plan: Plan, hyper: AdamHyperparams, decay):
-    self.hyper = hyper
+  def __init__(self, plan: Plan, hyper: AdamHyperparams, decay, shards: range | None = None):
+    shards = shards if shards is not None else range(plan.n_devices)
+    self.hyper, self.shards = hyper, shards
     self.count = 0  # updates applied
     self._decay = jax.tree.leaves(decay)
     self._lowp_dtype = np.dtype(plan.compute_dtype)
+    shape = lambda l: (len(shards),) + l.host_shape[1:]
 
     def zeros(l, dtype):
-      out = kernels.aligned_empty(l.host_shape, dtype)
+      out = kernels.aligned_empty(shape(l), dtype)
       out.fill(0)
       return out
     on = lambda f: jax.tree.map(f, plan.layouts, is_leaf=is_layout)
-    self.master = on(lambda l: kernels.aligned_empty(l.host_shape, np.float32))
+    self.master = on(lambda l: kernels.aligned_empty(shape(l), np.float32))
     self.mu = on(lambda l: zeros(l, hyper.mu_dtype))
     self.nu = on(lambda l: zeros(l, hyper.nu_dtype))
 
@@ -79,8 +85,8 @@ class HostAdam:
     skipped. The step counts once all leaves are done.
 
     Args:
-      grads_of: grads_of(i)[d] is device d's gradient for leaf i's host
-        part, a writable numpy array (float32/bf16/fp16); the new weights in
+      grads_of: grads_of(i)[d] is the gradient of leaf i's host part on
+        this process's d-th device, a writable numpy array (float32/bf16/fp16); the new weights in
         the compute dtype are written over it.
       grad_scale: multiplies the gradients first (1 / loss scale * clip).
     """

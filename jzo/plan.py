@@ -113,6 +113,7 @@ class Plan:
   delayed_update: bool  # the host part's update lands one step late
   dpu_warmup: int  # plain steps before delayed updates start
   moment_bytes: int  # optimizer state bytes per parameter besides the master weights
+  processes: int = 1  # processes the data axis spans, each with n_devices / processes of it
 
   # ------------------------------------------------------------ structure
   @property
@@ -203,8 +204,9 @@ class Plan:
     return {**self.device_bytes(), **bigger}
 
   def host_bytes(self) -> dict[str, int]:
-    """Bytes of host RAM the offloaded state takes (all devices' shards)."""
-    n = self.host_elements
+    """Bytes of host RAM the offloaded state takes in one process (its
+    devices' shards: all of them with one process)."""
+    n = self.host_elements // self.processes
     return {"master": 4 * n, "moments": self.moment_bytes * n,
             "landing": n * self.grad_dtype.itemsize}
 
@@ -244,7 +246,8 @@ def format_plan(plan: Plan, activations: int | None = None,
               + (f"  of {device_memory / GiB:.2f} available" if device_memory else ""))
   if plan.offload:
     host = plan.host_bytes()
-    rows.append(f"  {'host':<22}{'GiB':>8}")
+    where = "host" if plan.processes == 1 else f"host, each of {plan.processes} processes"
+    rows.append(f"  {where:<22}{'GiB':>8}")
     for name, b in host.items():
       rows.append(f"  {name:<22}{gib(b)}")
     rounding = pinned_pool_bytes(host["landing"]) - host["landing"]
@@ -252,7 +255,7 @@ def format_plan(plan: Plan, activations: int | None = None,
     rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(HOST_RUNTIME_BYTES)}")
     rows.append(f"  {'total':<22}{gib(sum(host.values()) + rounding + HOST_RUNTIME_BYTES)}"
                 + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
-    seconds = plan.host_elements / HOST_UPDATE_PARAMS_PER_S
+    seconds = plan.host_elements / plan.processes / HOST_UPDATE_PARAMS_PER_S
     rows.append(f"  host update about {seconds:.2f} s a step at "
                 f"{HOST_UPDATE_PARAMS_PER_S / 1e9:.1f} Gparam/s")
   return "\n".join(rows)
@@ -400,11 +403,14 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
               compute_dtype, grad_dtype, loss_scale, grad_accum: int, max_grad_norm,
               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
               device_memory: int | None = None,
-              host_memory: int | None = None, activations: int = 0) -> Plan:
+              host_memory: int | None = None, activations: int = 0,
+              processes: int = 1) -> Plan:
   """The plan of an engine over params of `shapes` (a tree of arrays or
   ShapeDtypeStructs). `offload`: False, True, a fraction in [0, 1] or "auto"
-  (needs `device_memory`). Checks that the plan fits the memory given
-  (None: not checked) before anything is allocated.
+  (needs `device_memory`). `processes`: how many share the data axis, each
+  with its own host memory (`host_memory` is one process's). Checks that
+  the plan fits the memory given (None: not checked) before anything is
+  allocated.
 
   Raises:
     ValueError: a bad offload value.
@@ -432,7 +438,7 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
         grad_dtype=np.dtype(grad_dtype), loss_scale=loss_scale, grad_accum=grad_accum,
         max_grad_norm=max_grad_norm, layers=layers, offload=offload is not False,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup,
-        moment_bytes=tx_state_bytes)
+        moment_bytes=tx_state_bytes, processes=processes)
   if auto:
     plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
   else:

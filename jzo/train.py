@@ -14,6 +14,12 @@ measured at start-up (the ceiling a JAX program can reach there).
 SIGINT (Ctrl-C) or SIGTERM finishes the step in flight, writes a checkpoint
 and exits with status 130 or 143, naming it; the same signal again exits at
 once. `--resume` continues from the last checkpoint that reads, bit for bit.
+
+Several processes (one per host, or per accelerator) run the same command
+with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set (or
+JZO_DISTRIBUTED=auto under Slurm, Open MPI or a TPU pod; jzo.distributed):
+each feeds its devices' rows of every batch and writes its shards of each
+checkpoint; process 0 alone prints, logs and plots.
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import numpy as np
 import optax
 import psutil
 import tqdm
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 import jzo
 from jzo import checkpoint
 from jzo import config as config_lib
 from jzo import data as data_lib
+from jzo import distributed
 from models import gpt
 
 
@@ -167,9 +175,15 @@ def warmup_steps(cfg: TrainConfig) -> int:
   return cfg.steps // 10 if cfg.warmup is None else cfg.warmup
 
 
+def own_device(devices) -> jax.Device:
+  """This process's first device among `devices` (where it can measure and query)."""
+  return next(d for d in devices if d.process_index == jax.process_index())
+
+
 def pick_devices(cfg: TrainConfig) -> list:
-  """The first --devices local devices (all for 0); refuses more than there are."""
-  devices = jax.devices()
+  """The first --devices devices (all for 0; with several processes,
+  process by process); refuses more than there are."""
+  devices = list(distributed.default_mesh("data").devices.flat)
   if cfg.devices > len(devices):
     raise UserError(f"--devices {cfg.devices}: this machine has {len(devices)} "
                     f"{devices[0].platform} device(s)")
@@ -246,7 +260,7 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
   if not cfg.offload:
     return False
   if cfg.offload_fraction == "auto":
-    return "auto" if jzo.plan.device_memory_limit(devices[0]) else True
+    return "auto" if jzo.plan.device_memory_limit(own_device(devices)) else True
   return float(cfg.offload_fraction)
 
 
@@ -347,16 +361,17 @@ def log_line(record: dict) -> str:
 
 def memory_line() -> str:
   host = psutil.Process().memory_info().rss / 2**30
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   device = stats.get("peak_bytes_in_use")
   return f"host {host:.1f} GiB" + (f", device {device / 2**30:.1f} GiB" if device else "")
 
 
 def plot(history: list[dict], path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")  # files only, no display
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  # A Figure of its own, not pyplot's: no backend chosen or changed (a
+  # notebook that runs the recipe keeps its inline plots).
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   train = [(h["step"], h["loss"]) for h in history if "loss" in h]
   evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
   ax.plot(*zip(*train), label="train")
@@ -367,7 +382,6 @@ def plot(history: list[dict], path: pathlib.Path) -> None:
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 # Options a resumed run must share with the saved one: they fix the state's
@@ -410,17 +424,21 @@ def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.
                                   f"{damaged_folder(out)}, add --fresh-start-ok)")
     raise UserError(f"{flag}: no checkpoint can be read: " + "; ".join(map(str, unreadable))
                     + hint)
+  primary = distributed.is_primary()  # the one that moves folders and prints
   for e in unreadable:
-    if cfg.sample:
+    if cfg.sample and primary:
       print(f"warning: {e}", file=sys.stderr)
-    else:
+    elif primary:
       print(f"warning: {e}; moved to {set_aside(out, e.step)}", file=sys.stderr)
   if unreadable and not cfg.sample:
+    barrier("jzo: unreadable checkpoints set aside")
     manager.reload()
   if step is None:
-    print(f"--resume: no checkpoint in {folder} can be read: starting at step 0")
+    if primary:
+      print(f"--resume: no checkpoint in {folder} can be read: starting at step 0")
     return 0
-  print(f"{'sampling' if cfg.sample else 'resuming'} from checkpoint {step} in {folder}")
+  if primary:
+    print(f"{'sampling' if cfg.sample else 'resuming'} from checkpoint {step} in {folder}")
   return step
 
 
@@ -548,13 +566,14 @@ def peak_tflops(cfg: TrainConfig, devices) -> float:
   """Peak bf16 TFLOPS of one device for MFU: --peak-tflops, else measured on a GPU, else 0."""
   if cfg.peak_tflops or devices[0].platform != "gpu":
     return cfg.peak_tflops
-  return matmul_tflops(devices[0])
+  return matmul_tflops(own_device(devices))
 
 
 def banner(cfg: TrainConfig, model: gpt.GPTConfig, data: Data, devices, peak: float) -> str:
   """The line that opens a run: model, data, devices, ZeRO setup, kernel, peak."""
+  processes = (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
   return (f"jzo: {cfg.model} ({model.n_params / 1e6:.2f}M params), {data.n_tokens:,} tokens, "
-          f"{len(devices)} {devices[0].platform} device(s), stage {cfg.stage}"
+          f"{len(devices)} {devices[0].platform} device(s){processes}, stage {cfg.stage}"
           f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
           + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
              if peak else ""))
@@ -578,32 +597,38 @@ def train(cfg: TrainConfig) -> dict:
   check_checkpoint_to_continue(cfg, out)
   check_no_earlier_run(cfg, out)
   out.mkdir(parents=True, exist_ok=True)
+  primary = distributed.is_primary()  # prints, logs and plots
   if cfg.sample:
     with checkpoint.open_manager(out / "checkpoints") as manager:
       engine = build_engine(cfg, model, devices)
       restore_run(manager, engine, cfg, out)
-      print_sample(model, engine.params, data.val_tokens, cfg)
+      params = engine.params  # every process takes part in the gather
+      if primary:
+        print_sample(model, params, data.val_tokens, cfg)
       engine.close()
       return {}
-  remove_partial_checkpoints(out)
+  if primary:
+    remove_partial_checkpoints(out)
+  barrier("jzo: partial checkpoints removed")
   with Interrupts() as stop, checkpoint.open_manager(out / "checkpoints") as manager:
     engine = build_engine(cfg, model, devices)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
-    history = start_log(cfg, out, first)
+    history = start_log(cfg, out, first) if primary else []
     peak = peak_tflops(cfg, devices)
-    print(banner(cfg, model, data, devices, peak))
-    print(engine.plan)
+    if primary:
+      print(banner(cfg, model, data, devices, peak))
+      print(engine.plan)
     schedule = lr_schedule(cfg)
     meter = Throughput(cfg, model, peak * len(devices))
     last = {}
     done = saved = first  # steps done; the step of the last checkpoint (or the start)
-    with open(out / "metrics.jsonl", "a") as log, \
-         tqdm.tqdm(total=cfg.steps, initial=first, unit="step") as bar:
+    with open(out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
+         tqdm.tqdm(total=cfg.steps, initial=first, unit="step", disable=not primary) as bar:
       started = time.perf_counter()
       for step in range(first, cfg.steps):
-        if stop.signum:
+        if stop.in_any_process():
           break
-        metrics = engine.step({"tokens": data.batches[step]})
+        metrics = engine.step(engine.local_batch({"tokens": data.batches[step]}))
         done = step + 1
         last = step_record(done, metrics, float(schedule(step)))  # waits for the step
         last["step_s"] = time.perf_counter() - started
@@ -615,7 +640,8 @@ def train(cfg: TrainConfig) -> dict:
           if is_eval:
             last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
                                          cfg.eval_batches)
-          bar.write(log_line(last))
+          if primary:
+            bar.write(log_line(last))
         history.append(last)
         # The line before the checkpoint: a run resumed from it finds the log whole.
         log.write(json.dumps(last) + "\n")
@@ -632,11 +658,21 @@ def train(cfg: TrainConfig) -> dict:
       raise Interrupted(stop.signum, done,
                         out.absolute() / "checkpoints" / str(done) if done else None)
   engine.close()
-  plot(history, out / "loss.png")
+  if primary:
+    plot(history, out / "loss.png")
   if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:
-    print_sample(model, engine.params, data.val_tokens, cfg)
-  print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
+    params = engine.params  # every process takes part in the gather
+    if primary:
+      print_sample(model, params, data.val_tokens, cfg)
+  if primary:
+    print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier of this name (one process: returns)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 class Interrupted(Exception):
@@ -669,7 +705,8 @@ class Interrupts:
   signal handlers); the previous handlers come back on exit.
 
   Attributes:
-    signum: the first signal received (0: none).
+    signum: the first signal received (0: none; with several processes,
+      the first that any process received, once `in_any_process` saw it).
   """
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -687,6 +724,16 @@ class Interrupts:
   def __exit__(self, *exc) -> None:
     for sig, handler in self._previous.items():
       signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+  def in_any_process(self) -> bool:
+    """Whether a signal came, here or (with several processes) in any
+    other: they stop at the same step, or the others would wait for the
+    stopped one in the next step's collectives (one all-gather of a number
+    per step)."""
+    if jax.process_count() > 1:
+      self.signum = self.signum or int(multihost_utils.process_allgather(
+          np.int32(self.signum)).max())
+    return bool(self.signum)
 
   def _handle(self, signum: int, frame) -> None:
     del frame
@@ -718,6 +765,8 @@ def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
   if cfg.stage == 3:
     return engine.params
   engine.wait()  # a delayed update in flight belongs to these weights
+  if jax.process_count() > 1:  # replicated: this process's copy, evaluated locally
+    return jax.tree.map(lambda x: x.addressable_data(0), engine.state.params)
   return engine.state.params
 
 
@@ -746,6 +795,12 @@ def main(argv: list[str] | None = None) -> int:
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
   try:
+    # After the options: a process with a mistake in them stops at once
+    # rather than leaving the others waiting for it at the coordinator.
+    try:
+      distributed.initialize_from_environment()
+    except ValueError as e:
+      raise UserError(str(e)) from e
     train(cfg)
   except (UserError, OSError) as e:  # the options, the data or the output folder
     sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line

@@ -8,6 +8,15 @@ kernel reads each gradient and writes the new low-precision weight over it
 up. So the host holds 2 bytes a parameter (bf16/fp16) for all transfers,
 and one set of landing buffers: the engine downloads a step's gradients
 only once the previous update's weights have left (see jzo.offload).
+
+That fast path needs the device to place arrays in pinned host memory
+(the 'pinned_host' memory kind: GPUs, CPUs). Elsewhere, or when asked
+(`host_transfer="portable"`), the portable path copies each shard's part to
+a numpy array of its own and back with `device_put`: the host holds the
+same bytes, but every copy goes through pageable memory (a staging copy on
+GPUs, about half the speed) and each one waits for the step it follows.
+
+Each process moves only its own devices' shards (jzo.distributed).
 """
 
 from __future__ import annotations
@@ -15,17 +24,61 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jzo.distributed import local_positions
 from jzo.partition import LeafLayout, is_layout
 
 # Bytes a leaf moves to the host at once while the engine is being built:
 # the pinned bounce of a chunk is all the host holds beside the masters.
 BUILD_CHUNK_BYTES = 256 * 2**20
+
+HOST_TRANSFERS = ("auto", "pinned", "portable")
+
+
+def has_pinned_host(device) -> bool:
+  """The device can hold arrays in pinned host memory (XLA's 'pinned_host'
+  memory kind), whence its copies to and from the host run as DMA."""
+  return any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+
+def host_memory_kind(device) -> str | None:
+  """A memory kind in host RAM the device can hold arrays in ('unpinned_host'
+  or 'pinned_host'); None where it has neither (its arrays are on it)."""
+  kinds = {m.kind for m in device.addressable_memories()}
+  return next((k for k in ("unpinned_host", "pinned_host") if k in kinds), None)
+
+
+def resolve_host_transfer(choice: str, device) -> str:
+  """'pinned' or 'portable' for the engine's `host_transfer` option: "auto"
+  takes pinned host memory where `device` has it and otherwise the portable
+  path, with a warning that names its cost (once per engine).
+
+  Raises:
+    ValueError: an unknown choice, or 'pinned' on a device without it.
+  """
+  if choice not in HOST_TRANSFERS:
+    raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {choice!r}")
+  pinned = has_pinned_host(device)
+  if choice == "pinned" and not pinned:
+    kinds = sorted(m.kind for m in device.addressable_memories())
+    raise ValueError(f"host_transfer='pinned': {device.platform} device {device.id} has no "
+                     f"'pinned_host' memory (it has {kinds}); use 'auto' or 'portable'")
+  if choice != "auto":
+    return choice
+  if pinned:
+    return "pinned"
+  warnings.warn(
+      f"{device.platform} devices have no 'pinned_host' memory: offload moves gradients "
+      "and weights through pageable host memory (numpy copies and device_put), so each "
+      "step's transfers wait for the step and run slower than DMA from pinned memory",
+      RuntimeWarning, stacklevel=3)
+  return "portable"
 
 
 class ShardTransfer:
@@ -36,11 +89,16 @@ class ShardTransfer:
     axis: the data axis.
     layouts: tree of LeafLayout with placement, one per parameter leaf.
     dtype: of the landing buffers (the gradients and the weights both).
+    pinned: land in pinned host memory (the fast path); False: the
+      portable path (see the module docstring), whose landing buffers are
+      `HostLanding`s.
   """
 
-  def __init__(self, mesh: Mesh, axis: str, layouts, dtype):
+  def __init__(self, mesh: Mesh, axis: str, layouts, dtype, pinned: bool = True):
     self._mesh, self._axis, self._dtype = mesh, axis, np.dtype(dtype)
+    self.pinned = pinned
     self.layouts: list[LeafLayout] = jax.tree.leaves(layouts, is_leaf=is_layout)
+    self._positions = local_positions(mesh)  # this process's shards
     specs = [l.spec(axis) for l in self.layouts]
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
@@ -50,12 +108,17 @@ class ShardTransfer:
     """Starts the copy of every shard's host part of leaf i's gradient
     (`grad`: the step's local flat gradients, `flat_shape`) into a new
     landing buffer in pinned host memory (`part_shape(k - c)`); returns it
-    at once (the copy completes in the background)."""
-    if not self.layouts[i].on_device:  # the whole shard: a plain copy, nothing made on the device
+    at once (the copy completes in the background). The portable path
+    returns a `HostLanding` once the copy is done."""
+    whole = not self.layouts[i].on_device  # the whole shard: nothing made on the device
+    if self.pinned and whole:
       return jax.device_put(grad, self._pinned[i])
     if i not in self._host_part_fns:
       self._host_part_fns[i] = self._host_part_fn(i)
-    return self._host_part_fns[i](grad)
+    if self.pinned:
+      return self._host_part_fns[i](grad)
+    part = grad if whole else self._host_part_fns[i](grad)
+    return HostLanding([np.array(shard.data) for shard in self._by_position(i, part)])
 
   def reserve(self) -> None:
     """Makes XLA's pinned host pool hold one set of landing buffers in one
@@ -63,28 +126,40 @@ class ShardTransfer:
     doubling size and never shrinks: allocated leaf by leaf, gpt2-10b's
     15.6 GiB of landing buffers took regions of 8 + 8 + 16 GiB, and the
     host killed the run; reserved at once, one region of 16 GiB."""
-    total = self._dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
-                                       for l in self.layouts if l.on_host)
-    if total:
-      device = self._mesh.devices.flat[0]
+    # This process's shards: its devices' part of each leaf's host parts.
+    share = len(self._positions) / self._mesh.devices.size
+    total = int(share * self._dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
+                                                   for l in self.layouts if l.on_host))
+    if total and self.pinned:
+      device = self._mesh.devices.flat[self._positions[0]]
       pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
       jax.jit(lambda: jnp.zeros(total, jnp.uint8), out_shardings=pinned)().delete()
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`);
     returns once the copy is done, so the landing buffer may be freed."""
-    return jax.block_until_ready(jax.device_put(landing, self._on_device[i]))
+    if self.pinned:
+      return jax.block_until_ready(jax.device_put(landing, self._on_device[i]))
+    devices = [self._mesh.devices.flat[d] for d in self._positions]
+    pieces = [jax.device_put(piece, device) for piece, device in zip(landing.pieces, devices)]
+    return jax.block_until_ready(jax.make_array_from_single_device_arrays(
+        self.layouts[i].part_shape(self.layouts[i].on_host), self._on_device[i], pieces))
 
-  def views(self, i: int, landing: jax.Array) -> list[np.ndarray]:
-    """Writable numpy views of each device's piece of a landing buffer, in
-    device order, each (..., k - c). The buffer must stay referenced while
-    they are in use."""
+  def views(self, i: int, landing) -> list[np.ndarray]:
+    """Writable numpy views of each of this process's devices' pieces of a
+    landing buffer, in device order, each (..., k - c). The buffer must
+    stay referenced while they are in use."""
+    if not self.pinned:
+      return landing.pieces
+    return [writable_view(shard.data)
+            for shard in self._by_position(i, jax.block_until_ready(landing))]
+
+  def _by_position(self, i: int, part: jax.Array) -> list:
+    """This process's shards of a host-part array of leaf i, in device order."""
     layout = self.layouts[i]
-    out = [None] * layout.shards
-    for shard in jax.block_until_ready(landing).addressable_shards:
-      d = shard.index[-1].start // layout.on_host if layout.shards > 1 else 0
-      out[d] = writable_view(shard.data)
-    return out
+    position = lambda s: s.index[-1].start // layout.on_host if layout.shards > 1 else 0
+    shards = {position(s): s for s in part.addressable_shards}
+    return [shards[d] for d in self._positions]
 
   def _host_part_fn(self, i: int):
     layout = self.layouts[i]
@@ -95,7 +170,19 @@ class ShardTransfer:
     # gradient at the step's peak.
     host_part = jax.shard_map(lambda g: g[..., c:], mesh=self._mesh, in_specs=spec,
                               out_specs=spec)
-    return jax.jit(host_part, out_shardings=self._pinned[i])
+    return jax.jit(host_part, out_shardings=self._pinned[i] if self.pinned else None)
+
+
+class HostLanding:
+  """The portable path's landing buffer of one leaf: a numpy array of its
+  own per device of this process, in device order, each (..., k - c)."""
+
+  def __init__(self, pieces: list[np.ndarray]):
+    self.pieces = pieces
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.pieces)
 
 
 def writable_view(array: jax.Array) -> np.ndarray:
@@ -109,18 +196,23 @@ def writable_view(array: jax.Array) -> np.ndarray:
   return np.frombuffer(raw, dtype).reshape(shape)
 
 
-def copy_to_host(x: jax.Array, out: np.ndarray, part=None) -> None:
+def copy_to_host(x: jax.Array, out: np.ndarray, part=None, pinned: bool = True) -> None:
   """Copies part(x) (default: x) of a single-device array into the numpy
   array `out` (same number of elements, in the same order) through pinned
-  host memory, in chunks of BUILD_CHUNK_BYTES: the device makes one chunk
-  at a time (a part that is a contiguous slice is never copied whole), the
-  host holds one chunk beside `out`, and the copy runs at PCIe speed."""
+  host memory (pinned=False: pageable, the portable path), in chunks of
+  BUILD_CHUNK_BYTES: the device makes one chunk at a time (a part that is
+  a contiguous slice is never copied whole), the host holds one chunk
+  beside `out`, and the copy runs at PCIe speed."""
   dest = out.reshape(-1)
   size = math.prod(jax.eval_shape(part, x).shape) if part is not None else x.size
   if size != dest.size:
     raise ValueError(f"copy of {size} elements into {dest.size}")
   device = list(x.devices())[0]
-  pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  if pinned:
+    to_pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    down = lambda chunk: np.asarray(jax.device_put(chunk, to_pinned))
+  else:  # np.asarray copies a device array into pageable memory itself
+    down = np.asarray
   # Chunks are whole rows of a (size // _ROW, _ROW) view: a dynamic offset
   # is a 32-bit index, too small for the elements of a 10B model's leaf.
   rows = max(1, BUILD_CHUNK_BYTES // (dest.itemsize * _ROW))
@@ -128,11 +220,10 @@ def copy_to_host(x: jax.Array, out: np.ndarray, part=None) -> None:
   for row in range(0, size // _ROW, rows):
     n = min(rows, size // _ROW - row)
     chunk = _rows_of(x, row, n, part)  # a traced start: one compiled slice per size
-    np.copyto(dest[row * _ROW:(row + n) * _ROW], np.asarray(jax.device_put(chunk, pinned)),
-              casting="same_kind")
+    np.copyto(dest[row * _ROW:(row + n) * _ROW], down(chunk), casting="same_kind")
   if main < size:
     tail = jax.jit(lambda x: _flat(x, part)[main:])(x)
-    np.copyto(dest[main:], np.asarray(jax.device_put(tail, pinned)), casting="same_kind")
+    np.copyto(dest[main:], down(tail), casting="same_kind")
 
 
 _ROW = 1 << 16

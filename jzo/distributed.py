@@ -1,0 +1,121 @@
+"""Several processes, one per host or one per accelerator: JAX's multi-process
+runtime (`jax.distributed`) as jzo uses it.
+
+Every process runs the same program over one global mesh. A process owns a
+contiguous block of the data axis (its addressable devices): it feeds their
+rows of each batch, keeps the host part of their shards' optimizer state in
+its own RAM and updates it with its own kernel threads, and writes their
+shards of a checkpoint. With one process all of this is the whole mesh.
+
+    jzo.distributed.initialize_from_environment()   # before any other JAX call
+    engine = jzo.ZeroEngine(...)                    # the mesh: every process's devices
+    engine.step(local_batch)                        # this process's rows
+
+`initialize_from_environment` reads JAX_COORDINATOR_ADDRESS (host:port of
+process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID; with JZO_DISTRIBUTED=auto
+alone, JAX's cluster detection (Slurm, Open MPI, Cloud TPU pods) finds them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+ENV_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_AUTO = "JZO_DISTRIBUTED"
+
+
+def initialize_from_environment() -> bool:
+  """Starts JAX's multi-process runtime when the environment asks for it
+  (see the module docstring); returns whether it did. Call it before any
+  other JAX call. On CPUs the processes' collectives go through gloo.
+
+  Raises:
+    ValueError: a variable that is not a number, or a process id outside
+      [0, process count), naming it.
+  """
+  address = os.environ.get(ENV_ADDRESS) or None
+  processes = _int_from_env(ENV_PROCESSES)
+  process_id = _int_from_env(ENV_PROCESS_ID)
+  auto = os.environ.get(ENV_AUTO, "")
+  if auto not in ("", "auto"):
+    raise ValueError(f"{ENV_AUTO} must be 'auto' or unset, got {auto!r}")
+  if address is None and processes is None and process_id is None and not auto:
+    return False
+  if processes is not None and processes < 1:
+    raise ValueError(f"{ENV_PROCESSES} must be >= 1, got {processes}")
+  if process_id is not None and processes is not None and not 0 <= process_id < processes:
+    raise ValueError(f"{ENV_PROCESS_ID} {process_id} is outside [0, {ENV_PROCESSES} "
+                     f"{processes})")
+  # CPU devices of several processes reduce through gloo (jax's CPU
+  # collectives); the setting is read when the CPU backend starts.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # What is still None, JAX's cluster detection fills in (or names as missing).
+  jax.distributed.initialize(address, processes, process_id)
+  return True
+
+
+def _int_from_env(name: str) -> int | None:
+  value = os.environ.get(name, "")
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"{name} must be a whole number, got {value!r}") from None
+
+
+def is_primary() -> bool:
+  """This process writes the run's logs and plots (process 0)."""
+  return jax.process_index() == 0
+
+
+def local_positions(mesh: Mesh) -> range:
+  """Positions along the mesh's devices (flat order: the data axis, where
+  the other axes have size 1) of this process's devices: a contiguous range
+  (`check_mesh` refuses others). With one process, all of them."""
+  mine = [d for d, device in enumerate(mesh.devices.flat)
+          if device.process_index == jax.process_index()]
+  if not mine:
+    raise ValueError(f"the mesh has none of process {jax.process_index()}'s devices")
+  return range(mine[0], mine[-1] + 1)
+
+
+def check_mesh(mesh: Mesh, axis: str) -> None:
+  """Refuses a mesh that does not span the processes the way the engine
+  feeds batches and keeps host state: every process that takes part holds
+  the same number of its devices, as one contiguous block of the data
+  axis (the other axes of size 1), and every process takes part.
+
+  Raises:
+    ValueError: naming the processes and how the mesh holds their devices.
+  """
+  if jax.process_count() == 1:
+    return
+  if mesh.devices.size != mesh.shape[axis]:
+    raise ValueError(f"with several processes the mesh's only axis of size > 1 must be "
+                     f"{axis!r}, got {dict(mesh.shape)}")
+  owners = [device.process_index for device in mesh.devices.flat]
+  blocks = [owners[0]] + [b for a, b in zip(owners, owners[1:]) if a != b]
+  counts = {p: owners.count(p) for p in set(owners)}
+  if len(blocks) != len(set(blocks)):
+    raise ValueError(f"each process's devices must be one contiguous block of the {axis!r} "
+                     f"axis; the mesh's devices belong to processes {owners}")
+  if len(set(counts.values())) != 1:
+    raise ValueError(f"every process must hold as many devices of the mesh: processes "
+                     f"hold {counts}")
+  if len(counts) != jax.process_count():
+    missing = sorted(set(range(jax.process_count())) - set(counts))
+    raise ValueError(f"the mesh has no device of process(es) {missing}: every process runs "
+                     "the step, so every one needs devices in it")
+
+
+def default_mesh(axis: str) -> Mesh:
+  """Every device of every process on one axis, each process's together."""
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  return Mesh(np.array(devices), (axis,))
