@@ -24,6 +24,7 @@ Parts (model TFLOPS at micro-batch 8, seq 1024, full remat, bf16):
           7.06B (34 x 4096)
   edges   jzo offload auto + DPU at gpt2-4b and at 38 layers (4.46B, which
           jzo without offload refused); DeepSpeed at 44 layers (5.14B)
+  check   gpt2-1.5b, jzo offload + DPU again (after a change to the engine)
   dpu     gpt2-1.5b, jzo offload with and without the delayed update at
           micro-batches 1, 2, 4, 8 (one engine each), and the loss of two
           400-step recipe runs of gpt2-124m with and without it
@@ -84,6 +85,7 @@ PARTS = {
     "edges": lambda: (jzo_points("gpt2-4b", ["auto_dpu"])
                       + jzo_points("gpt2-4b", ["auto_dpu"], n_layer=38)
                       + peer_point("deepspeed", "gpt2-4b", n_layer=44, limit=300)),
+    "check": lambda: jzo_points("gpt2-1.5b", ["offload_dpu"]),
     "dpu": lambda: (jzo_points("gpt2-1.5b", ["offload", "offload_dpu"], batch=(1, 2, 4, 8),
                                steps=5)
                     + loss_curve("loss, no DPU") + loss_curve("loss, DPU", "--delayed-update")),
