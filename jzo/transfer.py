@@ -187,7 +187,18 @@ class HostLanding:
 
 def writable_view(array: jax.Array) -> np.ndarray:
   """A writable numpy view of a single-device array in host memory
-  (pinned_host, or any CPU array): the same bytes, not a copy."""
+  (pinned_host, or any CPU array): the same bytes, not a copy.
+
+  Raises:
+    ValueError: the array is in an accelerator's own memory, whose address
+      the host cannot read (it would crash the process).
+  """
+  device = next(iter(array.devices()))
+  # A CPU device's 'device' memory is host RAM; an accelerator's is not.
+  in_host = array.sharding.memory_kind in ("pinned_host", "unpinned_host")
+  if not in_host and device.platform != "cpu":
+    raise ValueError(f"writable_view needs an array in host memory, got one in "
+                     f"{array.sharding.memory_kind!r} memory of {device}")
   dtype, shape = np.dtype(array.dtype), array.shape
   nbytes = dtype.itemsize * int(np.prod(shape))
   if nbytes == 0:

@@ -1,5 +1,6 @@
 """The offload data path on a GPU: gradients land in pinned host memory, the
-new weights go back from the same buffers, results match on-device training."""
+new weights go back from the same buffers, results match on-device training;
+the portable path (no pinned memory) matches the pinned one."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import jzo
+from jzo import transfer
 from test_engine import assert_close, batches, init_params, loss_fn
 
 try:
@@ -52,3 +54,26 @@ def test_landing_buffers_are_pinned_and_reused_across_steps():
   assert len(addresses) >= 8
   assert max(addresses) - min(addresses) < 64 * 1024 * 1024, addresses
   assert engine.host_memory() == sum(engine.plan.host_bytes().values())
+
+
+def test_the_portable_path_trains_as_the_pinned_one_on_a_gpu():
+  """host_transfer="portable" (what a device without pinned host memory
+  gets: numpy copies and device_put) gives the pinned path's weights bit for
+  bit, with the delayed update and a split leaf."""
+  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  params, data = init_params(), batches(10)
+  engines = [jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, mesh=mesh,
+                            offload=0.5, delayed_update=True, dpu_warmup=2,
+                            host_transfer=path) for path in ("pinned", "portable")]
+  for b in data:
+    for engine in engines:
+      engine.step(b)
+  for engine in engines:
+    engine.close()
+  jax.tree.map(np.testing.assert_array_equal, engines[1].params, engines[0].params)
+
+
+def test_a_view_of_gpu_memory_is_refused():
+  x = jax.device_put(jnp.arange(8, dtype=jnp.float32), GPUS[0])
+  with pytest.raises(ValueError, match="host memory"):
+    transfer.writable_view(x)
