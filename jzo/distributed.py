@@ -11,9 +11,12 @@ shards of a checkpoint. With one process all of this is the whole mesh.
     engine = jzo.ZeroEngine(...)                    # the mesh: every process's devices
     engine.step(local_batch)                        # this process's rows
 
-`initialize_from_environment` reads JAX_COORDINATOR_ADDRESS (host:port of
-process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID; with JZO_DISTRIBUTED=auto
-alone, JAX's cluster detection (Slurm, Open MPI, Cloud TPU pods) finds them.
+`initialize_from_environment` takes the coordinator's address (host:port of
+process 0), the process count and this process's id as arguments (the
+recipe's --coordinator, --num-processes, --process-id) or from
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; with
+JZO_DISTRIBUTED=auto alone, JAX's cluster detection (Slurm, Open MPI, Cloud
+TPU pods) finds them.
 """
 
 from __future__ import annotations
@@ -30,28 +33,29 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_AUTO = "JZO_DISTRIBUTED"
 
 
-def initialize_from_environment() -> bool:
-  """Starts JAX's multi-process runtime when the environment asks for it
-  (see the module docstring); returns whether it did. Call it before any
-  other JAX call. On CPUs the processes' collectives go through gloo.
+def initialize_from_environment(address: str | None = None, processes: int | None = None,
+                                process_id: int | None = None) -> bool:
+  """Starts JAX's multi-process runtime when the arguments or the
+  environment ask for it (see the module docstring); returns whether it did.
+  Each argument given wins over its variable. Call it before any other JAX
+  call. On CPUs the processes' collectives go through gloo.
 
   Raises:
     ValueError: a variable that is not a number, or a process id outside
       [0, process count), naming it.
   """
-  address = os.environ.get(ENV_ADDRESS) or None
-  processes = _int_from_env(ENV_PROCESSES)
-  process_id = _int_from_env(ENV_PROCESS_ID)
+  address = address or os.environ.get(ENV_ADDRESS) or None
+  processes = processes if processes is not None else _int_from_env(ENV_PROCESSES)
+  process_id = process_id if process_id is not None else _int_from_env(ENV_PROCESS_ID)
   auto = os.environ.get(ENV_AUTO, "")
   if auto not in ("", "auto"):
     raise ValueError(f"{ENV_AUTO} must be 'auto' or unset, got {auto!r}")
   if address is None and processes is None and process_id is None and not auto:
     return False
   if processes is not None and processes < 1:
-    raise ValueError(f"{ENV_PROCESSES} must be >= 1, got {processes}")
+    raise ValueError(f"the process count must be >= 1, got {processes}")
   if process_id is not None and processes is not None and not 0 <= process_id < processes:
-    raise ValueError(f"{ENV_PROCESS_ID} {process_id} is outside [0, {ENV_PROCESSES} "
-                     f"{processes})")
+    raise ValueError(f"process id {process_id} is outside [0, {processes}), the process count")
   # CPU devices of several processes reduce through gloo (jax's CPU
   # collectives); the setting is read when the CPU backend starts.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -16,8 +16,9 @@ and exits with status 130 or 143, naming it; the same signal again exits at
 once. `--resume` continues from the last checkpoint that reads, bit for bit.
 
 Several processes (one per host, or per accelerator) run the same command
-with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set (or
-JZO_DISTRIBUTED=auto under Slurm, Open MPI or a TPU pod; jzo.distributed):
+with --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID, or JZO_DISTRIBUTED=auto under Slurm, Open
+MPI or a TPU pod; jzo.distributed):
 each feeds its devices' rows of every batch and writes its shards of each
 checkpoint; process 0 alone prints, logs and plots.
 """
@@ -31,6 +32,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import sys
@@ -99,6 +101,12 @@ class TrainConfig:
   """compute precision"""
   devices: int = 0
   """devices to use (0: all)"""
+  coordinator: str = ""
+  """several processes: host:port of process 0 ('': $JAX_COORDINATOR_ADDRESS)"""
+  num_processes: int = 0
+  """several processes: how many (0: $JAX_NUM_PROCESSES, or JAX's cluster detection)"""
+  process_id: int = -1
+  """several processes: this one's number (-1: $JAX_PROCESS_ID, or JAX's cluster detection)"""
   seed: int = 0
   """seed of the initial weights and the batch order"""
   log_every: int = 25
@@ -788,6 +796,24 @@ def quiet_failed_reads() -> None:
       lambda record: not record.getMessage().startswith("Task exception was never retrieved"))
 
 
+def start_processes(cfg: TrainConfig) -> None:
+  """Joins the other processes of a run, where the options or the
+  environment name them (jzo.distributed); a single process otherwise."""
+  if cfg.coordinator and not re.fullmatch(r"[^:\s]+:\d+", cfg.coordinator):
+    raise UserError(f"--coordinator must be host:port, got {cfg.coordinator!r}")
+  if cfg.num_processes < 0:
+    raise UserError(f"--num-processes must be >= 0, got {cfg.num_processes}")
+  if cfg.process_id < -1 or (cfg.num_processes and cfg.process_id >= cfg.num_processes):
+    count = cfg.num_processes or "the process count"
+    raise UserError(f"--process-id {cfg.process_id} is outside [0, {count}) (-1: from the "
+                    "environment)")
+  try:
+    distributed.initialize_from_environment(cfg.coordinator or None, cfg.num_processes or None,
+                                            None if cfg.process_id < 0 else cfg.process_id)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+
+
 def main(argv: list[str] | None = None) -> int:
   # Large models need more of the GPU than XLA's default 75% preallocation;
   # jzo's planner keeps its own headroom.
@@ -797,10 +823,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     # After the options: a process with a mistake in them stops at once
     # rather than leaving the others waiting for it at the coordinator.
-    try:
-      distributed.initialize_from_environment()
-    except ValueError as e:
-      raise UserError(str(e)) from e
+    start_processes(cfg)
     train(cfg)
   except (UserError, OSError) as e:  # the options, the data or the output folder
     sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line

@@ -278,6 +278,12 @@ TRAIN_MISTAKES = [
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
     ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
+    ("coordinator", ["--coordinator", "localhost"], "--coordinator must be host:port, got "
+     "'localhost'"),
+    ("num_processes", ["--num-processes", "-1"], "--num-processes must be >= 0, got -1"),
+    ("process_id", ["--num-processes", "2", "--process-id", "2"],
+     "--process-id 2 is outside [0, 2)"),
+    ("process_id", ["--process-id", "two"], "Error parsing --process-id"),
     ("seed", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("log_every", ["--log-every", "0"], "--log-every must be >= 1, got 0"),
     ("eval_every", ["--eval-every", "0"], "--eval-every must be >= 1, got 0"),

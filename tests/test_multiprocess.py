@@ -8,6 +8,7 @@ session of its own and killed with its group when the test leaves, passed or
 not, so nothing is left behind and nothing hangs past TIMEOUT.
 """
 
+import json
 import os
 import pathlib
 import signal
@@ -33,25 +34,32 @@ def free_port() -> int:
 
 
 def run_pair(out: pathlib.Path, cache: pathlib.Path, *args: str) -> None:
-  """Runs multiprocess_run.py as processes 0 and 1 of a pair; fails with
-  their output unless both exit 0 within TIMEOUT."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
-         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
+  """Runs multiprocess_run.py as processes 0 and 1 of a pair."""
+  env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
          # The resumed pair compiles nothing the first compiled.
-         "JAX_COMPILATION_CACHE_DIR": str(cache),
+         "JAX_COMPILATION_CACHE_DIR": str(cache)}
+  command = [sys.executable, str(ROOT / "tests" / "multiprocess_run.py"), str(out), *args]
+  run_processes([command, command], [{**env, "JAX_PROCESS_ID": str(i)} for i in range(2)],
+                out, "".join(args))
+
+
+def run_processes(commands: list[list[str]], envs: list[dict], out: pathlib.Path,
+                  name: str) -> list[str]:
+  """Runs commands[i] as process i of 2-CPU-device processes side by side;
+  fails with their output unless all exit 0 within TIMEOUT; returns their
+  output."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   procs, logs = [], []
   try:
-    for i in range(2):
-      logs.append(open(out / f"process{i}{''.join(args)}.log", "w+"))
-      procs.append(subprocess.Popen(
-          [sys.executable, str(ROOT / "tests" / "multiprocess_run.py"), str(out), *args],
-          env={**env, "JAX_PROCESS_ID": str(i)}, cwd=ROOT, stdout=logs[i],
-          stderr=subprocess.STDOUT, start_new_session=True))
+    for i, (command, extra) in enumerate(zip(commands, envs)):
+      logs.append(open(out / f"process{i}{name}.log", "w+"))
+      procs.append(subprocess.Popen(command, env={**env, **extra}, cwd=ROOT, stdout=logs[i],
+                                    stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + TIMEOUT
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
       if any(p.poll() not in (None, 0) for p in procs):
-        break  # one failed: the other would wait for it in a collective
+        break  # one failed: the others would wait for it in a collective
       time.sleep(0.2)
     codes = [p.poll() for p in procs]
   finally:
@@ -59,15 +67,16 @@ def run_pair(out: pathlib.Path, cache: pathlib.Path, *args: str) -> None:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-  if codes != [0, 0]:
-    tails = []
-    for i, log in enumerate(logs):
-      log.seek(0)
-      tails.append(f"--- process {i} (exit {codes[i]}) ---\n" + log.read()[-3000:])
-    pytest.fail(f"pair {args} did not finish (None: killed after {TIMEOUT} s):\n"
-                + "\n".join(tails))
+  outputs = []
   for log in logs:
+    log.seek(0)
+    outputs.append(log.read())
     log.close()
+  if codes != [0] * len(procs):
+    pytest.fail(f"processes {name!r} did not finish (None: killed after {TIMEOUT} s):\n"
+                + "\n".join(f"--- process {i} (exit {code}) ---\n{output[-3000:]}"
+                            for i, (code, output) in enumerate(zip(codes, outputs))))
+  return outputs
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +116,21 @@ def test_a_pairs_checkpoint_resumes_in_a_new_pair_bit_for_bit(runs, stage):
   np.testing.assert_array_equal(resumed["loss"], first["loss"][start:])
   np.testing.assert_array_equal(resumed["grad_norm"], first["grad_norm"][start:])
   np.testing.assert_array_equal(resumed["master"], first["master"])
+
+
+def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
+  """python -m jzo.train with --coordinator, --num-processes and --process-id:
+  the pair trains with offload and the delayed update, writes a checkpoint
+  together, and process 0 alone logs."""
+  run = tmp_path / "run"
+  command = [sys.executable, "-m", "jzo.train", "--model", "tiny", "--seq-len", "32",
+             "--batch-size", "4", "--steps", "4", "--log-every", "2", "--checkpoint-every", "4",
+             "--sample-tokens", "0", "--offload", "--delayed-update", "--out", str(run),
+             "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+  outputs = run_processes([command + ["--process-id", str(i)] for i in range(2)], [{}, {}],
+                          tmp_path, "recipe")
+  lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [line["step"] for line in lines] == [1, 2, 3, 4]
+  assert all(np.isfinite(line["loss"]) for line in lines)
+  assert (run / "checkpoints" / "4").is_dir()
+  assert "step 4: loss" in outputs[0] and "step 4: loss" not in outputs[1]
