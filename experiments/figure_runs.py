@@ -3,10 +3,11 @@ own process group with a time limit, recorded whatever happens.
 
   python experiments/figure_runs.py PART [PART ...] --out DIR
 
-writes DIR/PART.json: a list of point records, each the benchmark's own JSON
-(experiments/offload_bench.py for jzo, experiments/torch_baselines.py for
-PyTorch alone and DeepSpeed, the recipe's metrics.jsonl for loss curves)
-plus "system", "part" and "wall_s"; a point that did not train has a
+writes DIR/PART.json: the date and a list of point records, each the
+benchmark's own JSON (experiments/offload_bench.py for jzo,
+experiments/torch_baselines.py for PyTorch alone and DeepSpeed, the
+recipe's metrics.jsonl for loss curves) plus "system", "part" and
+"wall_s"; a point that did not train has a
 "status" saying why ("refused" by jzo's planner before anything was drawn,
 "oom" on the GPU, "killed" by a signal, which on these machines is the host
 out of memory, "timeout", "error") and the last lines it printed.
@@ -15,7 +16,7 @@ experiments/plot_figures.py draws the figures from these files.
 Parts (model TFLOPS at micro-batch 8, seq 1024, full remat, bf16):
   1.5b    gpt2-1.5b: jzo on the GPU alone, jzo offload (all of the state on
           the host) + DPU, PyTorch alone, DeepSpeed ZeRO-2 + CPU offload
-  4b      gpt2-4b: the same four, and the next size up (38 layers, 4.47B)
+  4b      gpt2-4b: the same four, and the next size up (38 layers, 4.46B)
           for jzo on the GPU alone and PyTorch alone: their largest models
   10b     gpt2-10b: jzo offload auto + DPU; PyTorch alone at 42 and 44
           layers of gpt2-4b (4.92B, 5.14B; 38 layers fitted); DeepSpeed at
@@ -47,8 +48,11 @@ JZO = {"device": "jzo, no offload", "offload_dpu": "jzo offload + DPU",
 PEERS = {"torch": "PyTorch alone", "deepspeed": "DeepSpeed ZeRO-2 offload"}
 
 
+# A point to run: (system, command, time limit in seconds).
+
 def jzo_points(model, configs, *, batch=(8,), n_layer=None, moments="fp32", steps=4,
                limit=300):
+  """jzo's configurations of offload_bench.py (one process each, run by it)."""
   cmd = [sys.executable, os.path.join(HERE, "offload_bench.py"), "--model", model,
          "--configs", *configs, "--batch", *map(str, batch), "--steps", str(steps),
          "--moments", moments]
@@ -56,12 +60,14 @@ def jzo_points(model, configs, *, batch=(8,), n_layer=None, moments="fp32", step
 
 
 def peer_point(system, model, *, n_layer=None, steps=4, limit=240):
+  """PyTorch alone ("torch") or DeepSpeed ("deepspeed") on the same shapes."""
   cmd = [sys.executable, os.path.join(HERE, "torch_baselines.py"), "--model", model,
          "--system", system, "--steps", str(steps)]
   return [(system, cmd + (["--n-layer", str(n_layer)] if n_layer else []), limit)]
 
 
 def loss_curve(name, *flags):
+  """A 400-step recipe run of gpt2-124m with offload and `flags`."""
   cmd = [sys.executable, "-m", "jzo.train", "--model", "gpt2-124m", "--seq-len", "512",
          "--batch-size", "16", "--steps", "400", "--lr", "6e-4", "--log-every", "50",
          "--eval-every", "100", "--checkpoint-every", "0", "--sample-tokens", "0",

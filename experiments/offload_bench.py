@@ -149,6 +149,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
+      # The process's peak so far: with several micro-batches, the largest yet.
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
       "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
       "host_rss_before_gib": rss_before / 2**30,
@@ -171,6 +172,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
   return result
 
+
 def failure(args, config: str, returncode: int, stderr: str) -> dict:
   """The record of a configuration that did not train: why, in a word
   ("refused" by the planner, "oom" on the device, "killed" by a signal: the
@@ -184,8 +186,9 @@ def failure(args, config: str, returncode: int, stderr: str) -> dict:
     status = "oom"
   else:
     status = "error"
-  return {"config": config, "model": args.model, "n_layer": model_config(args).n_layer,
-          "n_params": model_config(args).n_params, "moments": args.moments, "batch": args.batch[0],
+  model = model_config(args)
+  return {"config": config, "model": args.model, "n_layer": model.n_layer,
+          "n_params": model.n_params, "moments": args.moments, "batch": args.batch[0],
           "seq_len": args.seq_len, "status": status, "exit": returncode, "detail": lines[-3:]}
 
 
@@ -259,12 +262,13 @@ def main():
     if "d2h_gb_s" in r:  # measured once per engine, after its last micro-batch
       parts += f"; pinned D2H {r['d2h_gb_s']:.1f} GB/s, H2D {r['h2d_gb_s']:.1f} GB/s"
     print(f"{r['config']:<12} {r['batch']:5} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
-          f"{r['tflops']:7.1f} {r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} {r['host_rss_gib']:8.2f} "
-          f"{r['host_rss_before_gib']:7.2f} {r['host_state_gib']:7.2f} "
+          f"{r['tflops']:7.1f} {r['peak_gpu_gib']:8.2f} {r['planned_gpu_gib']:8.2f} "
+          f"{r['host_rss_gib']:8.2f} {r['host_rss_before_gib']:7.2f} {r['host_state_gib']:7.2f} "
           f"{r['planned_host_state_gib']:8.2f} {100 * r['offloaded_fraction']:7.1f}  {parts}")
   if results:
     print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch "
-          f"{' '.join(map(str, args.batch))} x {args.grad_accum} accumulation, seq {args.seq_len}, {results[0]['device']}")
+          f"{' '.join(map(str, args.batch))} x {args.grad_accum} accumulation, "
+          f"seq {args.seq_len}, {results[0]['device']}")
 
 
 if __name__ == "__main__":
