@@ -799,7 +799,8 @@ def quiet_failed_reads() -> None:
 def start_processes(cfg: TrainConfig) -> None:
   """Joins the other processes of a run, where the options or the
   environment name them (jzo.distributed); a single process otherwise."""
-  if cfg.coordinator and not re.fullmatch(r"[^:\s]+:\d+", cfg.coordinator):
+  host_port = r"(\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):\d+"  # an IPv6 host in brackets
+  if cfg.coordinator and not re.fullmatch(host_port, cfg.coordinator):
     raise UserError(f"--coordinator must be host:port, got {cfg.coordinator!r}")
   if cfg.num_processes < 0:
     raise UserError(f"--num-processes must be >= 0, got {cfg.num_processes}")
