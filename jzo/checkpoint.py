@@ -571,13 +571,13 @@ def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
   tree = {k: jax.ShapeDtypeStruct((), v) for k, v in scalars.items()}
   device_adam = _device_adam(plan, state)
   several = _several_processes()
+  outline = _outline(saved)
   if not plan.offload and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
     return {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=x.sharding if several else None), flat)}
 
   def entry(name, like):
-    outline = _outline(saved)
     saved_leaves = jax.tree.leaves(outline.get(name), is_leaf=lambda x: isinstance(x, str))
     # Flat leaves are Adam's only when saved in its format (with its count);
     # another optimizer's flat masters are refused, naming the shapes.

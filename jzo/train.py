@@ -18,9 +18,9 @@ once. `--resume` continues from the last checkpoint that reads, bit for bit.
 Several processes (one per host, or per accelerator) run the same command
 with --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID, or JZO_DISTRIBUTED=auto under Slurm, Open
-MPI or a TPU pod; jzo.distributed):
-each feeds its devices' rows of every batch and writes its shards of each
-checkpoint; process 0 alone prints, logs and plots.
+MPI or a TPU pod; jzo.distributed): each feeds its devices' rows of every
+batch and writes its shards of each checkpoint; process 0 alone prints, logs
+and plots.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ That fast path needs the device to place arrays in pinned host memory
 (the 'pinned_host' memory kind: GPUs, CPUs). Elsewhere, or when asked
 (`host_transfer="portable"`), the portable path copies each shard's part to
 a numpy array of its own and back with `device_put`: the host holds the
-same bytes, but every copy goes through pageable memory (a staging copy on
-GPUs, about half the speed) and each one waits for the step it follows.
+same bytes, but every copy goes through pageable memory (on the GPU
+machines 1.3-1.8 GB/s down and 7-8 up, against 50-54 from pinned memory)
+and each one waits for the step it follows.
 
 Each process moves only its own devices' shards (jzo.distributed).
 """
@@ -57,13 +58,12 @@ def host_memory_kind(device) -> str | None:
 def resolve_host_transfer(choice: str, device) -> str:
   """'pinned' or 'portable' for the engine's `host_transfer` option: "auto"
   takes pinned host memory where `device` has it and otherwise the portable
-  path, with a warning that names its cost (once per engine).
+  path, with a warning that names its cost (once per engine). `choice` is
+  one of HOST_TRANSFERS (the engine checks its options first).
 
   Raises:
-    ValueError: an unknown choice, or 'pinned' on a device without it.
+    ValueError: 'pinned' on a device without it.
   """
-  if choice not in HOST_TRANSFERS:
-    raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {choice!r}")
   pinned = has_pinned_host(device)
   if choice == "pinned" and not pinned:
     kinds = sorted(m.kind for m in device.addressable_memories())
@@ -213,7 +213,7 @@ def copy_to_host(x: jax.Array, out: np.ndarray, part=None, pinned: bool = True) 
   host memory (pinned=False: pageable, the portable path), in chunks of
   BUILD_CHUNK_BYTES: the device makes one chunk at a time (a part that is
   a contiguous slice is never copied whole), the host holds one chunk
-  beside `out`, and the copy runs at PCIe speed."""
+  beside `out`, and a pinned copy runs at PCIe speed."""
   dest = out.reshape(-1)
   size = math.prod(jax.eval_shape(part, x).shape) if part is not None else x.size
   if size != dest.size:
