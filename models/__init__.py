@@ -1,1 +1,0 @@
-"""Model definitions used by jzo's recipes and experiments."""
