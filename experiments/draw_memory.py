@@ -6,7 +6,7 @@ engine builds its state): the output and the temporaries of the compiled draw.
 import sys
 
 import functools, jax, jax.numpy as jnp
-from models import gpt
+from jzo.models import gpt
 config = gpt.PRESETS[sys.argv[1] if len(sys.argv) > 1 else "gpt2-10b"]
 init = functools.partial(gpt.init_params, config, jax.random.PRNGKey(0))
 shapes = jax.eval_shape(init)

@@ -17,7 +17,7 @@ import numpy as np
 
 import jzo
 from jzo import planner
-from models import gpt
+from jzo.models import gpt
 
 
 def main():

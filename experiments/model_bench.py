@@ -28,7 +28,7 @@ def run_one(args) -> dict:
   import numpy as np
 
   from jzo import train
-  from models import gpt
+  from jzo.models import gpt
 
   # The ceiling first, in this process (the parent never touches the GPU:
   # JAX there would take most of its memory from the children).

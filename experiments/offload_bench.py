@@ -47,7 +47,7 @@ def timed(fn, repeats=3):
 
 def model_config(args):
   """The preset, with --n-layer's layer count if given."""
-  from models import gpt
+  from jzo.models import gpt
   config = gpt.PRESETS[args.model]
   return dataclasses.replace(config, seq_len=args.seq_len, remat=args.remat,
                              n_layer=args.n_layer or config.n_layer)
@@ -62,7 +62,7 @@ def run_one(args) -> list[dict]:
   import psutil
 
   import jzo
-  from models import gpt
+  from jzo.models import gpt
 
   config = model_config(args)
   offload = {"device": False, "offload": True, "offload_dpu": True, "auto": "auto",

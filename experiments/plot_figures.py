@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from models.gpt import PRESETS  # noqa: E402  (shapes only)
+from jzo.models.gpt import PRESETS  # noqa: E402  (shapes only)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MACHINE = ("nvidia-h100-x1: one H100 80GB, 16-core Xeon, 125 GiB host; jax 0.11.2, "

@@ -23,7 +23,7 @@ from jzo import plan as plan_lib, planner, step as step_lib
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
 from jzo.partition import is_layout
 from jzo.precision import init_loss_scale
-from models import gpt
+from jzo.models import gpt
 
 
 def abstract_state(plan, tx, mesh):

@@ -39,7 +39,7 @@ def profile(args) -> None:
   import numpy as np
 
   from jzo import train
-  from models import gpt
+  from jzo.models import gpt
 
   cfg = train.TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch,
                           stage=args.stage, offload=False, remat=args.remat)

@@ -1,7 +1,7 @@
 """The PyTorch peers on the same GPT shapes: DeepSpeed ZeRO-2 with
 offload_optimizer to the CPU, and PyTorch alone (fused AdamW on the GPU).
 
-The model mirrors models/gpt.py: pre-LN GPT-2 blocks, causal
+The model mirrors jzo/models/gpt.py: pre-LN GPT-2 blocks, causal
 scaled_dot_product_attention (flash on GPU), tied embeddings, every block
 rematerialized (torch.utils.checkpoint); bf16. Reported like
 experiments/offload_bench.py: median step time, tokens/s, model TFLOPS
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from models.gpt import PRESETS  # noqa: E402  (shapes only: no JAX code runs)
+from jzo.models.gpt import PRESETS  # noqa: E402  (shapes only: no JAX code runs)
 
 
 class Block(nn.Module):
@@ -55,7 +55,7 @@ class GPT(nn.Module):
     self.blocks = nn.ModuleList(Block(config.d_model, config.n_head)
                                 for _ in range(config.n_layer))
     self.lnf = nn.LayerNorm(config.d_model)
-    for name, p in self.named_parameters():  # GPT-2 initialisation, as models/gpt.py
+    for name, p in self.named_parameters():  # GPT-2 initialisation, as jzo/models/gpt.py
       if name.endswith("bias"):
         nn.init.zeros_(p)
       elif p.dim() > 1:

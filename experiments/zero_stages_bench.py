@@ -7,7 +7,7 @@ AdamW on the host with the delayed update; stage 3 gathering one layer at a
 time) at a fixed per-GPU batch, and reports:
   * step time (median of --steps after 2 warm-up steps),
   * tokens/s over all GPUs and model TFLOPS per GPU, counting 6 N + 12 L D T
-    FLOPs per token (models.gpt.GPTConfig.flops_per_token),
+    FLOPs per token (jzo.models.gpt.GPTConfig.flops_per_token),
   * peak GPU memory of GPU 0 (the allocator's peak_bytes_in_use) and host RSS.
 A process per run keeps each peak its own. Then it prints the scaling ratio
 tokens/s(N GPUs) / tokens/s(1 GPU) per stage.
@@ -39,7 +39,7 @@ def run_one(args) -> dict:
   from jax.sharding import Mesh
 
   import jzo
-  from models import gpt
+  from jzo.models import gpt
 
   import psutil
 

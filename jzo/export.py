@@ -15,13 +15,13 @@ device count trained them, on the CPU alone, and writes to DIR:
                      dict: `gpt.init_params` makes it so
   config.json        the `gpt.GPTConfig`
 
-Loading them (`models/gpt.py` is the model; jzo's engine plays no part):
+Loading them (`jzo/models/gpt.py` is the model; jzo's engine plays no part):
 
     import json, pathlib
     import orbax.checkpoint as ocp
     from flax import nnx, traverse_util
     from safetensors.numpy import load_file
-    from models import gpt
+    from jzo.models import gpt
 
     config = gpt.GPTConfig(**json.loads(pathlib.Path("DIR/config.json").read_text()))
 
@@ -57,7 +57,7 @@ import safetensors.numpy
 from flax import traverse_util
 
 from jzo import checkpoint, config as config_lib
-from models import gpt
+from jzo.models import gpt
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

@@ -68,7 +68,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     params: a tree of arrays or ShapeDtypeStructs, or a function returning
       the params (only traced for its shapes).
     activations: bytes one device needs for activations and temporaries at
-      the step's peak (`models.gpt.activation_bytes` for the GPT presets).
+      the step's peak (`jzo.models.gpt.activation_bytes` for the GPT presets).
     devices: size of the data axis.
     stage, grad_accum, delayed_update, layers: as for `ZeroEngine`.
     offload: as for `ZeroEngine` (False, True, a fraction or "auto").
@@ -119,9 +119,9 @@ def local_device_memory() -> int | None:
 
 def estimate_gpt(model: str, *, batch_size: int = 8, seq_len: int = 1024,
                  remat: str = "full", devices: int = 1, **kw) -> Estimate:
-  """`estimate` for a GPT preset of models/gpt.py: shapes and activations
+  """`estimate` for a GPT preset of jzo/models/gpt.py: shapes and activations
   (batch_size sequences over all devices) from the config alone."""
-  from models import gpt  # the presets live beside the package
+  from jzo.models import gpt  # the presets live beside the package
   if model not in gpt.PRESETS:
     raise ValueError(f"unknown model {model!r}; presets: {', '.join(gpt.PRESETS)}")
   config = dataclasses.replace(gpt.PRESETS[model], seq_len=seq_len, remat=remat)
@@ -161,7 +161,7 @@ def parse_offload(text: str) -> bool | float | str:
 class EstimateConfig:
   """`python -m jzo.estimate`'s options; the docstring under each field is its --help."""
   model: str
-  """a preset of models/gpt.py (tiny, gpt2-124m, ..., gpt2-13b)"""
+  """a preset of jzo/models/gpt.py (tiny, gpt2-124m, ..., gpt2-13b)"""
   devices: int = 1
   """GPUs on the data axis"""
   batch_size: int = 8
@@ -190,7 +190,7 @@ class EstimateConfig:
 
 def check_estimate_options(cfg: EstimateConfig) -> None:
   """Raises ValueError naming an option out of range."""
-  from models import gpt
+  from jzo.models import gpt
   if cfg.model not in gpt.PRESETS:
     raise ValueError(f"unknown model {cfg.model!r}; presets: {', '.join(gpt.PRESETS)}")
   for name in ("devices", "batch_size", "seq_len", "grad_accum"):

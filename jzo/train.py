@@ -54,7 +54,7 @@ from jzo import checkpoint
 from jzo import config as config_lib
 from jzo import data as data_lib
 from jzo import distributed
-from models import gpt
+from jzo.models import gpt
 
 
 Preset = Literal[tuple(gpt.PRESETS)]
@@ -64,7 +64,7 @@ Preset = Literal[tuple(gpt.PRESETS)]
 class TrainConfig:
   """The recipe's options; the docstring under each field is its --help."""
   model: Preset = "tiny"
-  """preset of models/gpt.py"""
+  """preset of jzo/models/gpt.py"""
   data: str = ""
   """'' (the embedded corpus), a text file or folder, or a .bin of uint16 tokens (--vocab-size)"""
   vocab_size: int = 0

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from jzo import checkpoint, export, train
 from jzo.partition import LeafLayout
-from models import gpt
+from jzo.models import gpt
 
 # Two steps of the tiny GPT, a checkpoint after each.
 RECIPE = ["--steps", "2", "--warmup", "0", "--checkpoint-every", "1", "--log-every", "1",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import gpt
+from jzo.models import gpt
 
 
 @pytest.mark.parametrize("name", list(gpt.PRESETS))
