@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jzo
-from jzo import planner
+from jzo.recipe import estimate as estimate_cli
 from jzo.models import gpt
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="gpt2-4b")
-  parser.add_argument("--offload", type=planner.parse_offload, default=0.5)
+  parser.add_argument("--offload", type=estimate_cli.parse_offload, default=0.5)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--steps", type=int, default=4)
   args = parser.parse_args()

@@ -2,7 +2,7 @@
 implementation and rematerialization policy, against the bf16 matmul ceiling
 measured in the same run.
 
-Each variant builds its engine with `jzo.train.make_engine` (the recipe's own
+Each variant builds its engine with `jzo.recipe.loop.make_engine` (the recipe's own
 code path: ZeroEngine, jzo.cpu_adamw on the device, bf16, clip 1.0) in a fresh
 process (its own peak GPU memory) and times `--steps` steps after warm-up,
 dispatched back to back as the recipe does. Reported: ms/step, tokens/s,
@@ -29,17 +29,19 @@ def run_one(args) -> dict:
 
   from jzo import train
   from jzo.models import gpt
+  from jzo.recipe import logs, loop, models
 
   # The ceiling first, in this process (the parent never touches the GPU:
   # JAX there would take most of its memory from the children).
-  ceiling = train.matmul_tflops(jax.devices()[0])
+  ceiling = logs.matmul_tflops(jax.devices()[0])
 
   attention, remat = args.variant.split("/")
   cfg = train.TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch,
                           stage=args.stage, offload=False, remat=remat)
   model = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=remat,
                               attention=attention)
-  engine = train.make_engine(cfg, model, jax.devices()[:1])
+  recipe_model = dataclasses.replace(models.PRESETS[args.model], config=model)
+  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1])
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1),
                                   dtype=np.int32)}

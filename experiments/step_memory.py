@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jzo
-from jzo import plan as plan_lib, planner, step as step_lib
+from jzo import plan as plan_lib, step as step_lib
+from jzo.recipe import estimate as estimate_cli
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
 from jzo.partition import is_layout
 from jzo.precision import init_loss_scale
@@ -52,7 +53,7 @@ def main():
   parser.add_argument("--model", default="gpt2-10b")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=1024)
-  parser.add_argument("--offload", type=planner.parse_offload, nargs="+", default=["auto"])
+  parser.add_argument("--offload", type=estimate_cli.parse_offload, nargs="+", default=["auto"])
   parser.add_argument("--device-gb", type=float, default=75.6)
   parser.add_argument("--pinned-grads", action="store_true")
   parser.add_argument("--run", action="store_true",

@@ -40,11 +40,13 @@ def profile(args) -> None:
 
   from jzo import train
   from jzo.models import gpt
+  from jzo.recipe import loop, models
 
   cfg = train.TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch,
                           stage=args.stage, offload=False, remat=args.remat)
   model = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=args.remat)
-  engine = train.make_engine(cfg, model, jax.devices()[:1])
+  recipe_model = dataclasses.replace(models.PRESETS[args.model], config=model)
+  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1])
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1),
                                   dtype=np.int32)}

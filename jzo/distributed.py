@@ -79,6 +79,11 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
+def own_device(devices) -> jax.Device:
+  """This process's first device among `devices` (where it can measure and query)."""
+  return next(d for d in devices if d.process_index == jax.process_index())
+
+
 def local_positions(mesh: Mesh) -> range:
   """Positions along the mesh's devices (flat order: the data axis, where
   the other axes have size 1) of this process's devices: a contiguous range

@@ -29,7 +29,8 @@ import textwrap
 import pytest
 
 from jzo import config as config_lib
-from jzo import export, planner, train
+from jzo import export, train
+from jzo.recipe import estimate as estimate_cli
 
 
 def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -81,7 +82,7 @@ def check_help_lists_every_option(cls, help_out: str) -> None:
 
 
 @pytest.mark.parametrize("module, cls", [("jzo.train", train.TrainConfig),
-                                         ("jzo.estimate", planner.EstimateConfig)])
+                                         ("jzo.estimate", estimate_cli.EstimateConfig)])
 def test_help_of_the_real_entry_points(module, cls):
   done = run_module(module, "--help")
   assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -258,7 +259,11 @@ TRAIN_MISTAKES = [
     ("seq_len", ["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
     ("batch_size", ["--batch-size", "3", "--devices", "2"], "does not split over 2 devices"),
     ("batch_size", ["--batch-size", "four"], "Error parsing --batch-size"),
-    ("grad_accum", ["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    ("micro_batch", ["--micro-batch", "0"], "--micro-batch must be auto or a whole number >= 1"),
+    ("micro_batch", ["--micro-batch", "3"], "2 a device, not a multiple of --micro-batch 3"),
+    ("init_from", ["--init-from", "/no/such/folder"], "/no/such/folder"),
+    ("init_from", ["--model", "tiny", "--init-from", "x"], "--model tiny and --init-from x: give one"),
+    ("tokenizer", ["--tokenizer", "/no/such/folder"], "/no/such/folder/tokenizer.json"),
     ("steps", ["--steps", "many"], "Error parsing --steps: invalid literal for int()"),
     ("steps", ["--steps", "0"], "--steps must be >= 1, got 0"),
     ("lr", ["--lr", "-1"], "--lr must be a number > 0, got -1.0"),
@@ -302,7 +307,7 @@ TRAIN_MISTAKES = [
 
 ESTIMATE_MISTAKES = [
     ("model", ["--devices", "2"], "Missing from python -m jzo.estimate: --model"),
-    ("model", ["--model", "gpt5"], "unknown model 'gpt5'; presets: tiny, gpt2-124m"),
+    ("model", ["--model", "gpt5"], "invalid choice 'gpt5' for argument '--model'"),
     ("devices", ["--model", "tiny", "--devices", "0"], "--devices must be >= 1, got 0"),
     ("batch_size", ["--model", "tiny", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("seq_len", ["--model", "tiny", "--seq-len", "long"], "Error parsing --seq-len"),
@@ -321,7 +326,7 @@ ESTIMATE_MISTAKES = [
 
 
 @pytest.mark.parametrize("cls, mistakes", [(train.TrainConfig, TRAIN_MISTAKES),
-                                           (planner.EstimateConfig, ESTIMATE_MISTAKES)],
+                                           (estimate_cli.EstimateConfig, ESTIMATE_MISTAKES)],
                          ids=["train", "estimate"])
 def test_every_option_has_its_mistakes_checked(cls, mistakes):
   assert {name for name, *_ in mistakes} - {None} == {f.name for f in dataclasses.fields(cls)}
@@ -345,7 +350,7 @@ def test_recipe_mistakes(option, args, message, tmp_path):
 @pytest.mark.parametrize("option, args, message", ESTIMATE_MISTAKES,
                          ids=[" ".join(args) for _, args, _ in ESTIMATE_MISTAKES])
 def test_estimate_mistakes(option, args, message):
-  one_line_error(planner.main, args, message)
+  one_line_error(estimate_cli.main, args, message)
 
 
 def test_out_naming_a_file_is_left_alone(tmp_path):
@@ -399,5 +404,5 @@ def test_preset_file_then_command_line(tmp_path):
   cfg = config_lib.parse(train.TrainConfig, [f"--config={preset}", "--offload"])
   assert cfg.offload and cfg.delayed_update
   preset.write_text(json.dumps({"model": "gpt2-4b", "host_gb": 125}))
-  cfg = config_lib.parse(planner.EstimateConfig, ["--config", str(preset)])
+  cfg = config_lib.parse(estimate_cli.EstimateConfig, ["--config", str(preset)])
   assert (cfg.model, cfg.host_gb) == ("gpt2-4b", 125.0)

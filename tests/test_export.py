@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from jzo import checkpoint, export, train
+from jzo.recipe import loop
 from jzo.partition import LeafLayout
 from jzo.models import gpt
 
@@ -46,13 +47,13 @@ class Run:
 def run(request, tmp_path_factory) -> Run:
   folder = tmp_path_factory.mktemp(request.param)
   built = []
-  build = train.build_engine
+  build = loop.build_engine
 
-  def keep(cfg, model, devices):
-    built.append((model, build(cfg, model, devices)))
+  def keep(cfg, model, params, devices):
+    built.append((model.config, build(cfg, model, params, devices)))
     return built[-1][1]
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(train, "build_engine", keep)
+    m.setattr(loop, "build_engine", keep)
     assert train.main(RECIPE + RUNS[request.param] + ["--out", str(folder)]) == 0
   (model, engine), = built
   return Run(folder, model, jax.tree.map(np.array, engine.params))

@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from jzo import train
+from jzo import checkpoint, config as config_lib, train
+from jzo.recipe import data as data_lib, models, options
 
 FAST = ["--steps", "4", "--warmup", "1", "--log-every", "2", "--eval-every", "4",
         "--eval-batches", "1", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8",
@@ -34,12 +35,12 @@ def test_throughput_counts_training_steps_only(tmp_path, monkeypatch):
   """A slow checkpoint write (1 s here) and the evaluation stay out of the
   logged tokens/s and of the steps' seconds: each interval's time,
   recovered from its tokens/s, is shorter."""
-  save = train.checkpoint.save
+  save = checkpoint.save
 
   def slow_save(*args, **kwargs):
     time.sleep(1.0)
     return save(*args, **kwargs)
-  monkeypatch.setattr(train.checkpoint, "save", slow_save)
+  monkeypatch.setattr(checkpoint, "save", slow_save)
   args = FAST + ["--checkpoint-every", "2", "--steps", "6", "--eval-every", "2",
                  "--sample-tokens", "0", "--out", str(tmp_path)]
   assert train.main(args) == 0
@@ -57,14 +58,29 @@ def test_loss_falls_on_the_embedded_corpus(tmp_path):
   assert last["eval_loss"] < 3.3  # from ln(256) = 5.55 at initialisation
 
 
-def test_warmup_follows_the_steps():
-  # test_cli.py trains with --steps 2 alone.
-  cfg = train.config_lib.parse(train.TrainConfig, ["--steps", "3"])
-  assert cfg.warmup is None and train.warmup_steps(cfg) == 0
-  train.check(cfg)
-  assert train.warmup_steps(train.TrainConfig(steps=300)) == 30
-  assert train.warmup_steps(train.TrainConfig(steps=300, warmup=7)) == 7
-  assert float(train.lr_schedule(cfg)(0)) == pytest.approx(cfg.lr)  # no warm-up
+def test_learning_rate_and_warmup_suit_the_model():
+  """Each preset starts from its published rate and warm-up (gpt2-10b: GPT-3's
+  1e-4 for 13B, not the tiny demo's 3e-3, whose loss jumped from 11.5 to
+  26.5 at step 3); fine-tuning from a checkpoint warms up over 3% of the
+  steps at the fine-tuning rate; the options win over both."""
+  tiny = models.PRESETS["tiny"]
+  cfg = config_lib.parse(train.TrainConfig, ["--steps", "3"])  # test_cli.py trains so
+  options.check(cfg)
+  assert cfg.warmup is None and options.warmup_steps(cfg, tiny) == 0
+  assert float(options.lr_schedule(cfg, tiny)(0)) == pytest.approx(3e-3)  # no warm-up
+  assert options.warmup_steps(train.TrainConfig(steps=300), tiny) == 30
+  big = models.PRESETS["gpt2-10b"]
+  cfg = train.TrainConfig(model="gpt2-10b", steps=1000, batch_size=32, seq_len=1024)
+  assert options.peak_lr(cfg, big) == 1e-4
+  assert options.warmup_steps(cfg, big) == 100  # 375M tokens would be 11,445 steps
+  cfg = train.TrainConfig(model="gpt2-10b", steps=100_000, batch_size=32, seq_len=1024)
+  assert options.warmup_steps(cfg, big) == 11_445
+  tuned = train.TrainConfig(init_from="somewhere", steps=1000)
+  llama = models.PRESETS["llama-3.1-8b"]
+  assert options.peak_lr(tuned, llama) == 1e-5 and options.warmup_steps(tuned, llama) == 30
+  assert options.peak_lr(tuned, models.PRESETS["qwen2.5-7b"]) == 7e-6
+  mine = train.TrainConfig(init_from="somewhere", steps=1000, lr=1e-3, warmup=7)
+  assert options.peak_lr(mine, llama) == 1e-3 and options.warmup_steps(mine, llama) == 7
 
 
 def test_bad_data_files(tmp_path, capsys):
@@ -95,13 +111,13 @@ class Killed(Exception):
 
 
 def kill_at_step(monkeypatch, step):
-  original = train.data_lib.Batches.__getitem__
+  original = data_lib.Batches.__getitem__
 
   def getitem(self, i):
     if i == step and self.batch_size == 4:
       raise Killed
     return original(self, i)
-  monkeypatch.setattr(train.data_lib.Batches, "__getitem__", getitem)
+  monkeypatch.setattr(data_lib.Batches, "__getitem__", getitem)
 
 
 @pytest.mark.parametrize("extra", [["--offload"], ["--offload", "--delayed-update"],

@@ -1,4 +1,5 @@
-"""Token streams for language-model training, and deterministic batches.
+"""Token streams for language-model training, deterministic batches, and
+the data of a recipe run (`load_data`).
 
 Sources, all to a 1-D array of token ids:
   * the embedded corpus: the top-level source files of Python's own standard
@@ -16,8 +17,11 @@ import contextlib
 import dataclasses
 import pathlib
 import sysconfig
+from typing import Callable
 
 import numpy as np
+
+from jzo.recipe.options import TrainConfig, UserError
 
 BYTE_VOCAB = 256
 
@@ -122,3 +126,46 @@ class Batches:
     rng = np.random.default_rng([self.seed, step])
     starts = rng.integers(0, len(self.tokens) - self.seq_len, self.batch_size)
     return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], np.int32) for s in starts])
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """The run's token streams and batches.
+
+  Attributes:
+    n_tokens: tokens in the whole stream (training and held-out).
+    vocab: vocabulary the data needs (256 for byte-level text).
+    batch: batch(step) -> the training batch of that step (--batch-size
+      sequences): {"tokens": int32 (B, seq_len + 1)}, with "loss_weight"
+      float32 (B, seq_len) where only some tokens carry the loss.
+    val: val(i) -> held-out batch i, the same form.
+    val_tokens: the held-out stream (the sample's prompt comes from it).
+  """
+  n_tokens: int
+  vocab: int
+  batch: Callable[[int], dict]
+  val: Callable[[int], dict]
+  val_tokens: np.ndarray
+
+
+def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
+  """Token stream and vocabulary size for the chosen data."""
+  if not cfg.data:
+    return embedded_corpus(), BYTE_VOCAB
+  if cfg.data.endswith(".bin"):
+    vocab = cfg.vocab_size or model_vocab
+    return read_tokens(cfg.data, vocab), vocab
+  return read_text(cfg.data), BYTE_VOCAB
+
+
+def load_data(cfg: TrainConfig, model_vocab: int) -> Data:
+  """Reads the data and holds out its end."""
+  try:
+    tokens, vocab = load_tokens(cfg, model_vocab)
+    train_tokens, val_tokens = train_val_split(tokens)
+    batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed)
+    val = Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  as_batch = lambda batches: (lambda step: {"tokens": batches[step]})
+  return Data(len(tokens), vocab, as_batch(batches), as_batch(val), val_tokens)

@@ -1,0 +1,134 @@
+"""`python -m jzo.estimate`: the memory planner's table for a model of the
+recipe's, from its shapes alone (seconds, no weight drawn).
+
+  python -m jzo.estimate --model gpt2-10b --devices 1 --batch-size 8 \\
+      --seq-len 1024 --remat full --stage 2 --offload auto --moments fp32 \\
+      --host-gb 125 --device-gb 80
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Literal
+
+import jax
+
+from jzo import config as config_lib
+from jzo.plan import GiB
+from jzo.planner import Estimate, estimate
+from jzo.recipe import models
+
+Preset = Literal[tuple(models.PRESETS)]
+
+
+def estimate_model(name: str, *, batch_size: int = 8, seq_len: int = 1024,
+                   remat: str = "full", devices: int = 1, **kw) -> Estimate:
+  """`jzo.estimate` for a preset of jzo.recipe.models: shapes and
+  activations (batch_size sequences over all devices) from the config alone.
+  `kw`: the other arguments of `jzo.estimate`."""
+  if name not in models.PRESETS:
+    raise ValueError(f"unknown model {name!r}; presets: {', '.join(models.PRESETS)}")
+  model = models.PRESETS[name]
+  config = dataclasses.replace(model.config, remat=remat)
+  if model.family is models.GPT:
+    config = dataclasses.replace(config, seq_len=seq_len)
+  model = dataclasses.replace(model, config=config)
+  if batch_size % devices:
+    raise ValueError(f"batch size {batch_size} does not split over {devices} devices")
+  acts = model.activation_bytes(batch_size // devices, seq_len)
+  shapes = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0)))
+  layers = model.family.layers if kw.get("stage") == 3 else None
+  return estimate(shapes, activations=acts, devices=devices, layers=layers, **kw)
+
+
+def parse_offload(text: str) -> bool | float | str:
+  """--offload values: auto, true/all, false/none, or a fraction in [0, 1].
+
+  Raises:
+    ValueError: anything else.
+  """
+  lowered = text.lower()
+  if lowered == "auto":
+    return "auto"
+  if lowered in ("true", "all", "yes"):
+    return True
+  if lowered in ("false", "none", "no"):
+    return False
+  try:
+    value = float(text)
+  except ValueError:
+    raise ValueError(f"--offload takes auto, true, false or a fraction in [0, 1], "
+                     f"got {text!r}") from None
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f"--offload fraction must be in [0, 1], got {text}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateConfig:
+  """`python -m jzo.estimate`'s options; the docstring under each field is its --help."""
+  model: Preset
+  """a preset of jzo.models (GPT-2 shapes, Llama, Mistral, Qwen)"""
+  devices: int = 1
+  """GPUs on the data axis"""
+  batch_size: int = 8
+  """sequences per micro-batch, over all devices"""
+  seq_len: int = 1024
+  """tokens per sequence"""
+  remat: Literal["full", "dots", "none"] = "full"
+  """what the backward pass recomputes"""
+  stage: Literal[0, 1, 2, 3] = 2
+  """ZeRO stage"""
+  offload: str = "auto"
+  """auto, true, false, or the fraction of the state on the host"""
+  moments: Literal["fp32", "bf16"] = "fp32"
+  """dtype of the Adam moments"""
+  precision: Literal["bf16", "fp16"] = "bf16"
+  """compute precision"""
+  grad_accum: int = 1
+  """micro-batches per optimizer step"""
+  delayed_update: bool = False
+  """offload: one-step delayed parameter update"""
+  host_gb: float | None = None
+  """GiB of host RAM (None: what this machine has available)"""
+  device_gb: float | None = None
+  """GiB of one device (None: this machine's accelerator, else 80)"""
+
+
+def check_estimate_options(cfg: EstimateConfig) -> None:
+  """Raises ValueError naming an option out of range."""
+  for name in ("devices", "batch_size", "seq_len", "grad_accum"):
+    if getattr(cfg, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+  for name in ("host_gb", "device_gb"):
+    if getattr(cfg, name) is not None and not getattr(cfg, name) > 0:
+      raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
+  if cfg.delayed_update and parse_offload(cfg.offload) is False:
+    raise ValueError("--delayed-update delays the host's update: it needs --offload other than "
+                     "false")
+
+
+def main(argv: list[str] | None = None) -> int:
+  cfg = config_lib.parse(EstimateConfig, argv, description=__doc__.splitlines()[0],
+                         prog="python -m jzo.estimate")
+  gib = lambda x: None if x is None else int(x * GiB)
+  try:
+    check_estimate_options(cfg)
+    result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                            remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
+                            offload=parse_offload(cfg.offload), moments=cfg.moments,
+                            precision=cfg.precision, grad_accum=cfg.grad_accum,
+                            delayed_update=cfg.delayed_update, device_memory=gib(cfg.device_gb),
+                            host_memory=gib(cfg.host_gb))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"{cfg.model}, micro-batch {cfg.batch_size} x seq {cfg.seq_len}, remat {cfg.remat}, "
+        f"{cfg.moments} moments")
+  print(result)
+  return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,125 @@
+"""What a run reports: throughput and MFU, the log line, the metrics
+record of each step, the loss plot, the banner."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import psutil
+
+import jzo
+from jzo import distributed
+from jzo.recipe.models import Model
+from jzo.recipe.options import TrainConfig
+
+
+class Throughput:
+  """Training speed over the steps since the last log line, from the steps'
+  own seconds (so evaluations and checkpoint writes between them do not count).
+
+  Attributes:
+    peak: bf16 TFLOPS of all the devices together, for MFU (0: unknown).
+  """
+
+  def __init__(self, cfg: TrainConfig, model: Model, peak: float):
+    self.tokens_per_step = cfg.batch_size * cfg.seq_len
+    self.flops_per_step = self.tokens_per_step * model.config.flops_per_token(cfg.seq_len)
+    self.peak = peak
+    self._steps, self._seconds = 0, 0.0
+
+  def add(self, seconds: float) -> None:
+    """Counts one optimizer step that took `seconds`."""
+    self._steps += 1
+    self._seconds += seconds
+
+  def rates(self) -> dict:
+    """Tokens/s, model TFLOPS (and MFU) of the steps counted since the last call."""
+    tokens_per_s = self.tokens_per_step * self._steps / self._seconds
+    tflops = self.flops_per_step * self._steps / self._seconds / 1e12
+    self._steps, self._seconds = 0, 0.0
+    out = {"tokens_per_s": tokens_per_s, "model_tflops": tflops}
+    if self.peak:
+      out["mfu"] = tflops / self.peak
+    return out
+
+
+def step_record(step: int, metrics: jzo.StepMetrics, lr: float) -> dict:
+  """One metrics.jsonl entry after `step` optimizer steps (reading it waits for the step)."""
+  return {"step": step, "loss": float(metrics.loss), "lr": lr,
+          "grad_norm": float(metrics.grad_norm), "loss_scale": float(metrics.loss_scale),
+          "skipped": bool(metrics.skipped)}
+
+
+def log_line(record: dict) -> str:
+  """The printed form of a log step's record (with its rates and evaluation, if any)."""
+  return (f"step {record['step']}: loss {record['loss']:.4f}"
+          + (f", eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+          + f", lr {record['lr']:.2e}, {record['tokens_per_s']:,.0f} tokens/s, "
+          f"{record['model_tflops']:.3f} TFLOPS"
+          + (f", MFU {record['mfu']:.1%}" if "mfu" in record else "") + f", {memory_line()}")
+
+
+def memory_line() -> str:
+  host = psutil.Process().memory_info().rss / 2**30
+  stats = jax.local_devices()[0].memory_stats() or {}
+  device = stats.get("peak_bytes_in_use")
+  return f"host {host:.1f} GiB" + (f", device {device / 2**30:.1f} GiB" if device else "")
+
+
+def plot(history: list[dict], path: pathlib.Path) -> None:
+  # A Figure of its own, not pyplot's: no backend chosen or changed (a
+  # notebook that runs the recipe keeps its inline plots).
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
+  train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+  evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+  ax.plot(*zip(*train), label="train")
+  if evals:
+    ax.plot(*zip(*evals), "o-", label="held out")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats/token)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+# Options a resumed run must share with the saved one: they fix the state's
+# shapes, the optimizer's layout or the batch order. Others (steps, learning
+
+
+def matmul_tflops(device, n: int = 8192, repeats: int = 20) -> float:
+  """Measured bf16 TFLOPS of an n x n x n matmul on `device` (warm, median of 3)."""
+  a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
+
+  @jax.jit
+  def chain(a):  # `repeats` dependent matmuls in one dispatch
+    return jax.lax.fori_loop(0, repeats, lambda _, x: (x @ a) * 1e-4, a)
+  chain(a).block_until_ready()
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    chain(a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 * repeats / sorted(times)[1] / 1e12
+
+
+def peak_tflops(cfg: TrainConfig, devices) -> float:
+  """Peak bf16 TFLOPS of one device for MFU: --peak-tflops, else measured on a GPU, else 0."""
+  if cfg.peak_tflops or devices[0].platform != "gpu":
+    return cfg.peak_tflops
+  return matmul_tflops(distributed.own_device(devices))
+
+
+def banner(cfg: TrainConfig, model: Model, n_tokens: int, devices, peak: float) -> str:
+  """The line that opens a run: model, data, devices, ZeRO setup, kernel, peak."""
+  processes = (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
+  return (f"jzo: {model.name} ({model.config.n_params / 1e6:.2f}M params), {n_tokens:,} tokens, "
+          f"{len(devices)} {devices[0].platform} device(s){processes}, stage {cfg.stage}"
+          f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
+          + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
+             if peak else ""))
+

@@ -1,0 +1,269 @@
+"""The run loop of `python -m jzo.train`: the model, the data and the
+engine of a run, then steps, logs, evaluations and checkpoints until done
+or stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from jax.sharding import Mesh
+
+import jzo
+from jzo import checkpoint, distributed
+from jzo.recipe import data as data_lib, models
+from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
+from jzo.recipe.options import (TrainConfig, UserError, check, check_for_model, lr_schedule)
+from jzo.recipe.runs import (barrier, check_checkpoint_to_continue, check_no_earlier_run,
+                             remove_partial_checkpoints, restore_run, start_log)
+from jzo.recipe.signals import Interrupted, Interrupts
+
+
+def pick_devices(cfg: TrainConfig) -> list:
+  """The first --devices devices (all for 0; with several processes,
+  process by process); refuses more than there are."""
+  devices = list(distributed.default_mesh("data").devices.flat)
+  if cfg.devices > len(devices):
+    raise UserError(f"--devices {cfg.devices}: this machine has {len(devices)} "
+                    f"{devices[0].platform} device(s)")
+  return devices[:cfg.devices or None]
+
+
+
+def placement(cfg: TrainConfig, devices) -> bool | float | str:
+  """The engine's offload= from --offload and --offload-fraction: "auto"
+  where the devices report their memory, all on the host where they do not
+  (CPUs share the host's memory)."""
+  if not cfg.offload:
+    return False
+  if cfg.offload_fraction == "auto":
+    return "auto" if jzo.plan.device_memory_limit(distributed.own_device(devices)) else True
+  return float(cfg.offload_fraction)
+
+
+def source_model(cfg: TrainConfig) -> tuple[models.Model, object | None]:
+  """(the model --model or --init-from names, its weights as lazy leaves
+  read from --init-from's files, or None to draw new ones). Reads only
+  config.json and the weights' headers: JAX's backend is not started."""
+  if not cfg.init_from:
+    return models.PRESETS[cfg.model or "tiny"], None
+  try:
+    return models.from_hf(cfg.init_from)
+  except (OSError, ValueError) as e:
+    raise UserError(str(e)) from e
+
+
+def run_model(cfg: TrainConfig, model: models.Model, vocab: int) -> models.Model:
+  """The model with the run's remat policy; a GPT also with --seq-len as its
+  context and, for tiny and token files, the data's vocabulary."""
+  config = dataclasses.replace(model.config, remat=cfg.remat)
+  if model.family is models.GPT:
+    # tiny and token files take the data's vocabulary, padded to a multiple of 128.
+    own_vocab = model.name == "tiny" or cfg.data.endswith(".bin")
+    config = dataclasses.replace(config, seq_len=cfg.seq_len, vocab_size=-(-vocab // 128) * 128
+                                 if own_vocab else config.vocab_size)
+  if vocab > config.vocab_size:
+    raise UserError(f"the data needs a vocabulary of {vocab}, {model.name} has "
+                    f"{config.vocab_size}")
+  return dataclasses.replace(model, config=config)
+
+
+def cap_pinned_pool(model: models.Model) -> None:
+  """Caps XLA's pinned host pool at what the landing buffers can hold at
+  most, every parameter's gradient in the 2-byte compute dtype, so that it
+  does not round them up to a power of two (jzo.plan.limit_pinned_pool)."""
+  jzo.plan.limit_pinned_pool(2 * model.config.n_params)
+
+
+def micro_batch(cfg: TrainConfig, devices) -> int:
+  """Sequences per device in one forward and backward, from --micro-batch."""
+  per_device, rest = divmod(cfg.batch_size, len(devices))
+  if rest:
+    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
+  micro = per_device if cfg.micro_batch == "auto" else int(cfg.micro_batch)
+  if per_device % micro:
+    raise UserError(f"--batch-size {cfg.batch_size} over {len(devices)} devices is "
+                    f"{per_device} a device, not a multiple of --micro-batch {micro}")
+  return micro
+
+
+def make_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.ZeroEngine:
+  """The run's engine over `devices`: `params` lazy leaves of a checkpoint,
+  or None to draw new weights from --seed."""
+  if params is None:
+    # A function, not arrays: the engine checks its plan fits from the shapes,
+    # then draws the float32 weights one leaf at a time.
+    params = functools.partial(model.init_params, jax.random.PRNGKey(cfg.seed))
+  moments = jnp.bfloat16 if cfg.moments == "bf16" else None
+  tx = jzo.cpu_adamw(lr_schedule(cfg, model), b2=0.95, weight_decay=cfg.weight_decay,
+                     mask=model.decay_mask, mu_dtype=moments, nu_dtype=moments)
+  micro = micro_batch(cfg, devices)
+  return jzo.ZeroEngine(
+      model.loss_fn, params, tx,
+      mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
+      compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
+      grad_accum=cfg.batch_size // len(devices) // micro, max_grad_norm=cfg.max_grad_norm,
+      offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
+      layers=model.family.layers if cfg.stage == 3 else None,
+      activation_memory=model.activation_bytes(micro, cfg.seq_len),
+      device_memory=int(cfg.device_memory_gb * 2**30) or None)
+
+
+def build_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.ZeroEngine:
+  """`make_engine`, its refusals (a plan that does not fit: before any
+  weight is drawn) as UserErrors."""
+  try:
+    return make_engine(cfg, model, params, devices)
+  except (ValueError, TypeError, MemoryError) as e:
+    raise UserError(str(e)) from e
+
+
+def evaluate(model: models.Model, params, val, n: int) -> float:
+  """Mean loss of n held-out batches with `params` (see eval_params)."""
+  loss = jax.jit(model.loss_fn)  # compiled once: jit caches by the function's identity
+  return float(np.mean([loss(params, val(i)) for i in range(n)]))
+
+
+def print_sample(model: models.Model, params, val_tokens: np.ndarray, cfg: TrainConfig):
+  """Generates from a prompt taken from the held-out split (byte-level text)."""
+  prompt = val_tokens[:32]
+  text = model.family.module.generate(model.config, params, prompt, cfg.sample_tokens,
+                                      jax.random.PRNGKey(cfg.seed))
+  print("\n--- sample (prompt from the held-out split) ---\n"
+        + bytes(np.asarray(prompt, np.uint8)).decode("utf-8", "replace")
+        + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
+
+
+def train(cfg: TrainConfig) -> dict:
+  """Runs the recipe; returns the last step's record ({} if no step was run).
+
+  Raises:
+    UserError: a mistake in the options or the data.
+    Interrupted: SIGINT or SIGTERM stopped the run (see `Interrupts`),
+      after the checkpoint of the step reached.
+  """
+  check(cfg)
+  model, params = source_model(cfg)
+  check_for_model(cfg, model)
+  if cfg.offload:
+    cap_pinned_pool(model)  # before JAX starts its GPU backend, which reads the cap
+  devices = pick_devices(cfg)
+  micro_batch(cfg, devices)  # refuses a batch that does not split before reading the data
+  data = data_lib.load_data(cfg, model.config.vocab_size)
+  model = run_model(cfg, model, data.vocab)
+  out = pathlib.Path(cfg.out)
+  check_checkpoint_to_continue(cfg, out)
+  check_no_earlier_run(cfg, out)
+  out.mkdir(parents=True, exist_ok=True)
+  primary = distributed.is_primary()  # prints, logs and plots
+  if cfg.sample:
+    with checkpoint.open_manager(out / "checkpoints") as manager:
+      engine = build_engine(cfg, model, params, devices)
+      restore_run(manager, engine, cfg, out)
+      params = engine.params  # every process takes part in the gather
+      if primary:
+        print_sample(model, params, data.val_tokens, cfg)
+      engine.close()
+      return {}
+  if primary:
+    remove_partial_checkpoints(out)
+  barrier("jzo: partial checkpoints removed")
+  with Interrupts() as stop, checkpoint.open_manager(out / "checkpoints") as manager:
+    engine = build_engine(cfg, model, params, devices)
+    first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
+    history = start_log(cfg, out, first) if primary else []
+    peak = peak_tflops(cfg, devices)
+    if primary:
+      print(banner(cfg, model, data.n_tokens, devices, peak))
+      print(engine.plan)
+    schedule = lr_schedule(cfg, model)
+    meter = Throughput(cfg, model, peak * len(devices))
+    last = {}
+    done = saved = first  # steps done; the step of the last checkpoint (or the start)
+    with open(out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
+         tqdm.tqdm(total=cfg.steps, initial=first, unit="step", disable=not primary) as bar:
+      started = time.perf_counter()
+      for step in range(first, cfg.steps):
+        if stop.in_any_process():
+          break
+        metrics = engine.step(engine.local_batch(data.batch(step)))
+        done = step + 1
+        last = step_record(done, metrics, float(schedule(step)))  # waits for the step
+        last["step_s"] = time.perf_counter() - started
+        meter.add(last["step_s"])
+        bar.update()
+        is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+        if is_eval or done % cfg.log_every == 0:
+          last.update(meter.rates())
+          if is_eval:
+            last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
+                                         cfg.eval_batches)
+          if primary:
+            bar.write(log_line(last))
+        history.append(last)
+        # The line before the checkpoint: a run resumed from it finds the log whole.
+        log.write(json.dumps(last) + "\n")
+        log.flush()
+        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+          # The batch order is a function of the step, so the step is the data position.
+          checkpoint.save(manager, engine, done)
+          saved = done
+        started = time.perf_counter()  # the next step's clock: not this bookkeeping
+    if stop.signum:
+      if done > saved:  # with the handlers still in place: a second signal exits at once
+        checkpoint.save(manager, engine, done)
+      engine.close()
+      raise Interrupted(stop.signum, done,
+                        out.absolute() / "checkpoints" / str(done) if done else None)
+  engine.close()
+  if primary:
+    plot(history, out / "loss.png")
+  if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:
+    params = engine.params  # every process takes part in the gather
+    if primary:
+      print_sample(model, params, data.val_tokens, cfg)
+  if primary:
+    print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
+  return last
+
+
+def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
+  """The weights to evaluate: the compute-dtype params already on the
+  devices (stages 0-2: full; no float32 copy of a large model goes up), the
+  float32 masters for stage 3's shards."""
+  if cfg.stage == 3:
+    return engine.params
+  engine.wait()  # a delayed update in flight belongs to these weights
+  if jax.process_count() > 1:  # replicated: this process's copy, evaluated locally
+    return jax.tree.map(lambda x: x.addressable_data(0), engine.state.params)
+  return engine.state.params
+
+
+def start_processes(cfg: TrainConfig) -> None:
+  """Joins the other processes of a run, where the options or the
+  environment name them (jzo.distributed); a single process otherwise."""
+  host_port = r"(\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):\d+"  # an IPv6 host in brackets
+  if cfg.coordinator and not re.fullmatch(host_port, cfg.coordinator):
+    raise UserError(f"--coordinator must be host:port, got {cfg.coordinator!r}")
+  if cfg.num_processes < 0:
+    raise UserError(f"--num-processes must be >= 0, got {cfg.num_processes}")
+  if cfg.process_id < -1 or (cfg.num_processes and cfg.process_id >= cfg.num_processes):
+    count = cfg.num_processes or "the process count"
+    raise UserError(f"--process-id {cfg.process_id} is outside [0, {count}) (-1: from the "
+                    "environment)")
+  try:
+    distributed.initialize_from_environment(cfg.coordinator or None, cfg.num_processes or None,
+                                            None if cfg.process_id < 0 else cfg.process_id)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+
