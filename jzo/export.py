@@ -141,7 +141,7 @@ def model_config(run: pathlib.Path, masters: dict) -> gpt.GPTConfig:
   path = run / "config.json"
   try:
     saved = json.loads(path.read_text())
-    preset = gpt.PRESETS[saved["model"]]
+    preset = gpt.PRESETS[saved["model"] or "tiny"]  # None: the recipe's default
     remat = saved["remat"]
   except (OSError, ValueError, KeyError) as e:
     raise ExportError(f"{path} is not the config of a jzo.train run: "
