@@ -5,7 +5,7 @@ import socket
 import numpy as np
 import pytest
 
-from jzo import data
+from jzo.recipe import data
 
 
 def test_embedded_corpus_is_python_source():
