@@ -195,7 +195,7 @@ def test_prompt_completion_loss(folders, tmp_path, name, learned_text):
     assert tok.backend.decode(doc[0][1:-1].tolist()) == "the quick brown fox jumps over"
 
 
-def test_text_is_learned_everywhere(folders, tmp_path):
+def test_text_is_learned_everywhere(folders, tokenizer_json, tmp_path):
   tok = tokens.load_tokenizer(folders["plain"])
   (tmp_path / "data").mkdir()
   (tmp_path / "data" / "a.txt").write_text("hello there\n")
@@ -205,6 +205,10 @@ def test_text_is_learned_everywhere(folders, tmp_path):
       "hello there\n", "the lazy dog", "fox"]
   for ids, mask in docs:
     assert ids[-1] == tok.eos_id and mask.all()  # add_bos is off: no bos, all learned
+  with_bos = tokens.load_tokenizer(save_tokenizer(tmp_path / "bos", tokenizer_json, {
+      "bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>", "add_bos_token": True}))
+  ids, mask = one_document(tmp_path / "data" / "a.txt", with_bos)
+  assert ids[0] == with_bos.bos_id and mask[0] == 0 and mask[1:].all()
 
 
 @pytest.mark.parametrize("lines,error", [
@@ -268,7 +272,21 @@ def test_cache_is_reused_and_rebuilt(folders, tmp_path, monkeypatch):
   write_jsonl(data, [{"messages": CHATS[1]}])
   changed = packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
   assert len(calls) == 2 and changed.n_documents == 1
-  assert len(list((tmp_path / "cache").iterdir())) == 1  # the old entry is gone
+  entries = list((tmp_path / "cache").iterdir())
+  assert len(entries) == 1  # the old entry is gone
+  (entries[0] / "meta.json").unlink()  # as if killed before the rename: not read
+  packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
+  packing.tokenize_cached(data, tokens.load_tokenizer(folders["llama3"]), tmp_path / "cache",
+                          progress=False)
+  assert len(calls) == 4
+
+
+def test_data_files_sorted_recursively_without_hidden(tmp_path):
+  for name in ("b/z.txt", "a.jsonl", "b/a.txt", ".git/x", "b/.hidden.txt"):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text("x")
+  assert tokens.data_files(tmp_path) == [tmp_path / n for n in ("a.jsonl", "b/a.txt", "b/z.txt")]
+  assert tokens.data_files(tmp_path / "a.jsonl") == [tmp_path / "a.jsonl"]
 
 
 def stream(n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -111,8 +111,10 @@ def _write(entry: pathlib.Path, stream: TokenStream) -> None:
   try:
     os.replace(staging, entry)
   except OSError:
-    # Another process of the run wrote the same entry first: its files are the same.
     shutil.rmtree(staging, ignore_errors=True)
+    if not (entry / "meta.json").is_file():
+      raise
+    # Another process of the run wrote the same entry first: its files are the same.
   for other in entry.parent.glob(_PREFIX + "*"):
     if other != entry:
       shutil.rmtree(other, ignore_errors=True)

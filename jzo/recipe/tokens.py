@@ -33,7 +33,7 @@ import tokenizers
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Tokenizer:
   """What the recipe needs of a checkpoint's tokenizer.
 
@@ -196,8 +196,10 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
 Document = tuple[np.ndarray, np.ndarray]  # ids uint32 (n,), loss mask uint8 (n,)
 
 
-def documents(files: list[pathlib.Path], tokenizer: Tokenizer) -> Iterator[tuple[Document, int]]:
-  """Every document of `files` with the bytes of the file it took (for a progress bar).
+def documents(files: list[pathlib.Path],
+              tokenizer: Tokenizer) -> Iterator[tuple[Document | None, int]]:
+  """Every document of `files` with the bytes of the file it took (for a progress bar);
+  None for a blank line or an empty file.
 
   A .jsonl file holds a document a line; any other file is one text document.
 
