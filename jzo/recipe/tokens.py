@@ -47,6 +47,9 @@ class Tokenizer:
     vocab_size: largest id + 1, added tokens included: rows the embedding needs.
     special_ids: ids of the added tokens marked special (<|im_end|>, <|eot_id|>, ...).
     fingerprint: sha256 (hex) of everything above that changes the tokens.
+    special_tokens: bos_token, eos_token, unk_token, pad_token as the config names them:
+      the variables the template sees, as transformers passes them.
+    template: the compiled chat template, or None.
   """
   backend: tokenizers.Tokenizer
   chat_template: str | None
