@@ -2,6 +2,7 @@
 
 Public API:
   ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
+  HostLeaf: a lazy host array, one of the forms of ZeroEngine's params.
   estimate: the memory planner: what lives where, and whether it fits.
   gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
   LossScale: dynamic loss-scaling settings for float16.
@@ -15,13 +16,14 @@ Public API:
 from jzo import distributed, kernels
 from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
+from jzo.host_leaf import HostLeaf
 from jzo.planner import estimate
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
-__all__ = ["CpuAdamState", "EngineState", "LossScale", "PlacementError", "Plan", "StepMetrics",
-           "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed", "estimate",
-           "gather_layer", "kernels"]
+__all__ = ["CpuAdamState", "EngineState", "HostLeaf", "LossScale", "PlacementError", "Plan",
+           "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
+           "estimate", "gather_layer", "kernels"]
 __version__ = "0.1.0"

@@ -50,7 +50,10 @@ class ZeroEngine:
       their shapes first (nothing drawn), checks the plan fits, and draws one
       leaf at a time on this process's first device, largest first (while
       its memory is emptiest), so no float32 copy of the model is ever whole
-      and the host holds nothing but the state. Every process must give the
+      and the host holds nothing but the state; or a tree of `jzo.HostLeaf`
+      (lazy host arrays, e.g. a checkpoint's, see jzo.models.hf): the plan
+      reads their shapes without loading, then each leaf is loaded, put on
+      that device and let go before the next. Every process must give the
       same values.
     tx: an elementwise optax transformation (e.g. optax.adamw, jzo.cpu_adamw).
     mesh: a Mesh with axis `axis`; default all devices (of all processes,
@@ -434,11 +437,14 @@ def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup,
 
 
 def _leaf_sources(params, device):
-  """(shapes, draw) for params given as a tree or as a function returning
-  one: draw(i, fn) is fn(leaf i as float32) computed on `device` in one
-  program, so fn's result is the only copy made. A function is traced for
-  its shapes, then each leaf is computed alone (XLA drops the rest of the
-  function), so no whole float32 copy is ever held."""
+  """(shapes, draw) for params given as a tree of arrays or of HostLeafs, or
+  as a function returning a tree: draw(i, fn) is fn(leaf i as float32)
+  computed on `device` in one program, so fn's result is the only copy
+  made. A function is traced for its shapes, then each leaf is computed
+  alone (XLA drops the rest of the function), so no whole float32 copy is
+  ever held; a HostLeaf is loaded only when drawn, and its host array is
+  let go as soon as it is on the device."""
+  from jzo.host_leaf import HostLeaf
   if callable(params):
     shapes = jax.eval_shape(params)
 
@@ -447,11 +453,24 @@ def _leaf_sources(params, device):
         return jax.jit(lambda: fn(jax.tree.leaves(params())[i].astype(jnp.float32)))()
   else:
     leaves = jax.tree.leaves(params)
-    shapes = params
-    # A new buffer (jit does not hand back its input): the state is donated
-    # each step and must not alias the caller's arrays.
-    draw = lambda i, fn: jax.jit(lambda x: fn(x.astype(jnp.float32)))(
-        jax.device_put(leaves[i], device))
+    lazy = lambda x: isinstance(x, HostLeaf)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if lazy(x) else x,
+                          params)
+
+    def draw(i, fn):
+      x = leaves[i]
+      if lazy(x):
+        host = x.load()
+        if host.shape != x.shape or host.dtype != x.dtype:
+          raise ValueError(f"params leaf {i} loaded as {host.dtype}{list(host.shape)}, "
+                           f"declared {x.dtype}{list(x.shape)}")
+        x = jax.device_put(host, device)
+        del host  # the device copy (or the transfer in flight) keeps what it needs
+      else:
+        x = jax.device_put(x, device)
+      # A new buffer (jit does not hand back its input): the state is donated
+      # each step and must not alias the caller's arrays.
+      return jax.jit(lambda x: fn(x.astype(jnp.float32)))(x)
   if not jax.tree.leaves(shapes):
     raise ValueError("params has no leaves")
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):

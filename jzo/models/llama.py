@@ -1,0 +1,514 @@
+"""The Llama family (Llama 2 and 3, Mistral, Qwen2 and Qwen3) in Flax NNX.
+
+`Llama` is the module; `init_params`, `forward` and `loss_fn` are the same
+model as functions of a nested dict of arrays, which is what the ZeRO engine
+partitions and trains (the functional view of jzo.models.gpt). Pre-RMSNorm
+blocks with rotary position embeddings, grouped-query causal attention
+through jax.nn.dot_product_attention (cuDNN flash attention on GPU) and a
+SwiGLU MLP; tied or untied output embeddings; Qwen2's q/k/v biases and
+Qwen3's per-head q/k norms. The layers are stored stacked (leading axis =
+layer, under `LAYERS`) and run as a scan with a choice of rematerialization;
+each scan step passes its layer's params through `jzo.gather_layer`, so ZeRO
+stage 3 gathers one layer at a time.
+
+Layout: q, k and v are one matrix `qkv` (D, (H + 2 K) hd) and the MLP's gate
+and up one matrix `gate_up` (D, 2 F), so each runs as one matmul; kernels
+are (in, out). jzo.models.hf converts to and from Hugging Face's tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jzo
+from jzo.models.gpt import REMAT_POLICIES
+
+# Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
+LAYERS = "layers"
+# Hugging Face model_type -> the class transformers builds for it.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int = 32000
+  seq_len: int = 4096  # longest context (Hugging Face's max_position_embeddings)
+  n_layer: int = 32
+  n_head: int = 32  # query heads
+  # Key/value heads (grouped-query attention): n_head for plain multi-head
+  # attention; each K/V head serves n_head / n_kv_head query heads.
+  n_kv_head: int = 32
+  d_model: int = 4096
+  d_ff: int = 11008  # the SwiGLU MLP's hidden width (intermediate_size)
+  # Width of one head; None: d_model // n_head. Qwen3 and some Mistral
+  # checkpoints set it apart from d_model (then H hd != D).
+  head_dim: int | None = None
+  rope_theta: float = 10000.0  # RoPE base wavelength
+  # "default", "linear" (positions divided by rope_factor) or "llama3"
+  # (Llama 3.1's: low frequencies divided by rope_factor, a smooth ramp
+  # between rope_low_freq_factor and rope_high_freq_factor).
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0  # llama3 only
+  rope_high_freq_factor: float = 4.0  # llama3 only
+  rope_original_seq_len: int = 8192  # llama3 only: the context pre-training used
+  norm_eps: float = 1e-5  # RMSNorm's epsilon (rms_norm_eps)
+  tie_embeddings: bool = False  # logits through the input embedding (no lm_head)
+  qkv_bias: bool = False  # biases on q, k, v (Qwen2; Llama's attention_bias)
+  o_bias: bool = False  # a bias on the attention output (Llama's attention_bias)
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+  # Mistral's sliding-window attention: windows smaller than a sequence are
+  # refused (forward raises) rather than computed as plain causal attention.
+  sliding_window: int | None = None
+  # Which Hugging Face family to_hf writes (llama, mistral, qwen2, qwen3).
+  model_type: str = "llama"
+  # Token ids written back to config.json (generation stops at eos); None: unset.
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  # What the backward pass recomputes: "full" (each layer's activations:
+  # least memory, one more forward), "dots" (saves the matmul outputs, redoes
+  # the cheap elementwise ops and attention), "none" (saves everything).
+  remat: str = "full"
+  # "auto": cuDNN flash attention on GPU for bf16/fp16 (never materialises
+  # the T x T scores), XLA's otherwise; or "cudnn" / "xla" to force one.
+  attention: str = "auto"
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      if self.d_model % self.n_head:
+        raise ValueError(f"d_model {self.d_model} is not a multiple of n_head {self.n_head} "
+                         "(set head_dim)")
+      object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+    if min(self.vocab_size, self.seq_len, self.n_layer, self.n_head, self.n_kv_head,
+           self.d_model, self.d_ff, self.head_dim) < 1:
+      raise ValueError(f"every size must be >= 1: {self}")
+    if self.n_head % self.n_kv_head:
+      raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"rope type {self.rope_type!r} is not supported (only "
+                       f"{', '.join(ROPE_TYPES)})")
+    if self.model_type not in ARCHITECTURES:
+      raise ValueError(f"model_type {self.model_type!r} is not supported (only "
+                       f"{', '.join(ARCHITECTURES)})")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention not in ("auto", "cudnn", "xla"):
+      raise ValueError(f"attention must be auto, cudnn or xla, got {self.attention!r}")
+
+  @property
+  def n_params(self) -> int:
+    """Parameters: V D (twice untied) + D + L (2 D + D (H + 2 K) hd + H hd D
+    + 3 D F), plus the biases and q/k norms where the config has them."""
+    D, hd = self.d_model, self.head_dim
+    qkv = (self.n_head + 2 * self.n_kv_head) * hd
+    layer = 2 * D + D * qkv + self.n_head * hd * D + 3 * D * self.d_ff
+    layer += qkv * self.qkv_bias + D * self.o_bias + 2 * hd * self.qk_norm
+    embeddings = self.vocab_size * D * (1 if self.tie_embeddings else 2)
+    return embeddings + D + self.n_layer * layer
+
+  def flops_per_token(self, seq_len: int | None = None) -> float:
+    """Model FLOPs of one training token, forward and backward: 6 N for the
+    matmuls plus 12 L (H hd) T for attention scores and values (Chowdhery et
+    al., PaLM, 2022, appendix B); recomputation is not counted."""
+    attention = 12 * self.n_layer * self.n_head * self.head_dim * (seq_len or self.seq_len)
+    return 6 * self.n_params + attention
+
+  @classmethod
+  def from_hf(cls, hf: dict, **overrides) -> LlamaConfig:
+    """The config of a Hugging Face config.json (as a dict) of model_type
+    llama, mistral, qwen2 or qwen3; `overrides` set jzo's own fields (remat,
+    attention). Missing optional keys take transformers' defaults.
+
+    Raises:
+      ValueError: an unknown model_type, a rope type other than default,
+        linear or llama3, or a feature this model lacks, naming it.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+      raise ValueError(f"model_type {model_type!r} is not supported (only "
+                       f"{', '.join(ARCHITECTURES)})")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+      if key not in hf:
+        raise ValueError(f"config has no {key!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("mlp_bias"):
+      raise ValueError("mlp_bias is not supported")
+    heads = hf["num_attention_heads"]
+    # transformers' defaults where a key is absent: Qwen3's head_dim is 128,
+    # Mistral slides a 4,096-token window, Qwen slides only when told to.
+    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3"
+                                      else hf["hidden_size"] // heads)
+    window = hf.get("sliding_window", 4096)
+    if model_type == "llama" or (model_type != "mistral" and not hf.get("use_sliding_window")):
+      window = None
+    bias = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id")
+    return cls(
+        vocab_size=hf["vocab_size"], seq_len=hf.get("max_position_embeddings", 2048),
+        n_layer=hf["num_hidden_layers"], n_head=heads,
+        n_kv_head=hf.get("num_key_value_heads") or heads, d_model=hf["hidden_size"],
+        d_ff=hf["intermediate_size"], head_dim=head_dim,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=bias or model_type == "qwen2", o_bias=bias and model_type in ("llama", "qwen3"),
+        qk_norm=model_type == "qwen3", sliding_window=window, model_type=model_type,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list)
+        else eos, **_rope_from_hf(hf), **overrides)
+
+  def to_hf(self) -> dict:
+    """This config as a Hugging Face config.json dict (without the dtype,
+    which belongs to the weights). RoPE is written in both spellings, the
+    older `rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`,
+    so either generation of transformers reads it.
+
+    Raises:
+      ValueError: the config has a feature its model_type cannot express.
+    """
+    expressible = {"llama": self.qkv_bias == self.o_bias and not self.qk_norm,
+                   "mistral": not (self.qkv_bias or self.o_bias or self.qk_norm),
+                   "qwen2": self.qkv_bias and not (self.o_bias or self.qk_norm),
+                   "qwen3": self.qkv_bias == self.o_bias and self.qk_norm}
+    if not expressible[self.model_type]:
+      raise ValueError(f"model_type {self.model_type} has no form for qkv_bias={self.qkv_bias}, "
+                       f"o_bias={self.o_bias}, qk_norm={self.qk_norm}")
+    scaling = None
+    if self.rope_type == "linear":
+      scaling = {"rope_type": "linear", "factor": self.rope_factor}
+    elif self.rope_type == "llama3":
+      scaling = {"rope_type": "llama3", "factor": self.rope_factor,
+                 "low_freq_factor": self.rope_low_freq_factor,
+                 "high_freq_factor": self.rope_high_freq_factor,
+                 "original_max_position_embeddings": self.rope_original_seq_len}
+    eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+    hf = {
+        "architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+        "vocab_size": self.vocab_size, "max_position_embeddings": self.seq_len,
+        "hidden_size": self.d_model, "intermediate_size": self.d_ff,
+        "num_hidden_layers": self.n_layer, "num_attention_heads": self.n_head,
+        "num_key_value_heads": self.n_kv_head, "head_dim": self.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": self.norm_eps, "initializer_range": 0.02,
+        "rope_theta": self.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": self.rope_type, "rope_theta": self.rope_theta,
+                            **(scaling or {})},
+        "tie_word_embeddings": self.tie_embeddings, "attention_dropout": 0.0,
+        "bos_token_id": self.bos_token_id, "eos_token_id": eos, "use_cache": True,
+    }
+    if self.model_type in ("llama", "qwen3"):
+      hf["attention_bias"] = self.qkv_bias
+    if self.model_type == "llama":
+      hf["mlp_bias"] = False
+    if self.model_type == "mistral":
+      hf["sliding_window"] = self.sliding_window
+    if self.model_type in ("qwen2", "qwen3"):
+      # Window on every layer (max_window_layers 0): what forward's refusal assumes.
+      hf.update(use_sliding_window=self.sliding_window is not None,
+                sliding_window=self.sliding_window, max_window_layers=0)
+    return hf
+
+
+def _rope_from_hf(hf: dict) -> dict:
+  """LlamaConfig's rope fields from config.json: `rope_scaling` (older
+  transformers, beside a top-level `rope_theta`) or transformers 5's
+  `rope_parameters` (theta inside)."""
+  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ROPE_TYPES:
+    raise ValueError(f"rope type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
+  if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise ValueError("partial_rotary_factor is not supported (only 1.0)")
+  theta = hf.get("rope_theta") or hf.get("rope_parameters", {}).get("rope_theta", 10000.0)
+  fields = {"rope_theta": float(theta), "rope_type": rope_type}
+  if rope_type != "default":
+    fields["rope_factor"] = float(rope["factor"])
+  if rope_type == "llama3":
+    fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                  rope_high_freq_factor=float(rope["high_freq_factor"]),
+                  rope_original_seq_len=int(rope["original_max_position_embeddings"]))
+  return fields
+
+
+def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None,
+                     itemsize: int = 2) -> int:
+  """Bytes of activations one device needs at the peak of a training step
+  with `batch` sequences (its micro-batch): what the scan saves for the
+  backward pass, plus the larger of the loss's logits (logits in the compute
+  dtype and their float32 gradient: with vocabularies of 128-152k these are
+  often the peak) and one layer's recomputed intermediates and gradients.
+
+  Per token and layer (Q = H hd, KV = K hd), `remat` full saves the layer
+  input (D values), dots also the matmul outputs (qkv Q + 2 KV, o D, gate_up
+  2 F, down D), none every intermediate (6 D + 3 Q + 3 KV + 4 F: norms,
+  residuals, rotated q and k, attention output, the MLP's gate, up, silu and
+  product). One layer's backward holds its intermediates plus the gate_up
+  gradient (2 F). The same count as gpt.activation_bytes, whose constants
+  were checked against XLA's peak on an H100; these were not.
+  """
+  T = seq_len or config.seq_len
+  tokens = batch * T
+  D, F = config.d_model, config.d_ff
+  Q, KV = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+  everything = 6 * D + 3 * Q + 3 * KV + 4 * F
+  saved_per_layer = {"full": D, "dots": 4 * D + Q + 2 * KV + 2 * F,
+                     "none": everything}[config.remat]
+  saved = config.n_layer * tokens * saved_per_layer * itemsize
+  logits = tokens * config.vocab_size * (itemsize + 4)
+  layer = tokens * (everything + 2 * F) * itemsize
+  return saved + max(logits, layer)
+
+
+_LLAMA3_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_seq_len=8192)
+_QWEN25 = dict(vocab_size=152064, seq_len=32768, rope_theta=1e6, qkv_bias=True,
+               model_type="qwen2", bos_token_id=151643, eos_token_id=151643)
+
+# The published shapes (each model's config.json on the Hugging Face hub).
+PRESETS = {
+    "llama-tiny": LlamaConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_kv_head=2,
+                              d_model=128, d_ff=384),
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, seq_len=131072, n_layer=16, n_head=32,
+                                n_kv_head=8, d_model=2048, d_ff=8192, head_dim=64,
+                                rope_factor=32.0, tie_embeddings=True, bos_token_id=128000,
+                                eos_token_id=128001, **_LLAMA3_ROPE),
+    "llama-3.2-3b": LlamaConfig(vocab_size=128256, seq_len=131072, n_layer=28, n_head=24,
+                                n_kv_head=8, d_model=3072, d_ff=8192, head_dim=128,
+                                rope_factor=32.0, tie_embeddings=True, bos_token_id=128000,
+                                eos_token_id=128001, **_LLAMA3_ROPE),
+    "llama-3.1-8b": LlamaConfig(vocab_size=128256, seq_len=131072, n_layer=32, n_head=32,
+                                n_kv_head=8, d_model=4096, d_ff=14336, rope_factor=8.0,
+                                bos_token_id=128000, eos_token_id=128001, **_LLAMA3_ROPE),
+    "llama-2-13b": LlamaConfig(vocab_size=32000, seq_len=4096, n_layer=40, n_head=40,
+                               n_kv_head=40, d_model=5120, d_ff=13824, bos_token_id=1,
+                               eos_token_id=2),
+    # v0.3: the vocabulary grown to 32,768 and no sliding window.
+    "mistral-7b": LlamaConfig(vocab_size=32768, seq_len=32768, n_layer=32, n_head=32,
+                              n_kv_head=8, d_model=4096, d_ff=14336, rope_theta=1e6,
+                              model_type="mistral", bos_token_id=1, eos_token_id=2),
+    # 32,768 tokens: the context Qwen2.5 pre-trains on (longer takes YaRN).
+    "qwen2.5-7b": LlamaConfig(n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_ff=18944,
+                              norm_eps=1e-6, **_QWEN25),
+    "qwen2.5-14b": LlamaConfig(n_layer=48, n_head=40, n_kv_head=8, d_model=5120, d_ff=13824,
+                               norm_eps=1e-5, **_QWEN25),
+}
+
+
+def _attention_impl(config: LlamaConfig, dtype) -> str:
+  """The dot_product_attention implementation for activations of `dtype`."""
+  if config.attention != "auto":
+    return config.attention
+  cudnn_ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+              and config.head_dim % 8 == 0 and config.head_dim <= 128)
+  return "cudnn" if cudnn_ok else "xla"
+
+
+def _inv_freq(config: LlamaConfig) -> np.ndarray:
+  """RoPE's angular frequencies, float32 (head_dim / 2,), after the
+  config's scaling (Llama 3.1's: wavelengths above original / low_freq_factor
+  slowed by `factor`, below original / high_freq_factor kept, a linear ramp
+  in original / wavelength between)."""
+  hd = config.head_dim
+  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+  if config.rope_type == "linear":
+    inv_freq = inv_freq / config.rope_factor
+  elif config.rope_type == "llama3":
+    original = config.rope_original_seq_len
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    ramp = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    inv_freq = (1 - ramp) * inv_freq / config.rope_factor + ramp * inv_freq
+  return inv_freq.astype(np.float32)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x (B, T, heads, hd) rotated by RoPE in float32, Hugging Face's layout:
+  the first half of each head pairs with the second; cos, sin (T, hd / 2)."""
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # each (B, T, heads, hd / 2)
+  cos, sin = cos[:, None], sin[:, None]  # (T, 1, hd / 2), broadcast over heads
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis with float32 statistics. As in Hugging Face's
+  Llama, the normalised input is cast back to its dtype before the scale
+  multiplies it, so bf16 training matches the checkpoint's own arithmetic."""
+
+  def __init__(self, dim: int, eps: float):
+    self.scale = nnx.Param(jnp.ones((dim,)))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+    return normed.astype(x.dtype) * self.scale[...]
+
+
+class Block(nnx.Module):
+  """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    D, hd, eps = config.d_model, config.head_dim, config.norm_eps
+    qkv = (config.n_head + 2 * config.n_kv_head) * hd
+
+    # Hugging Face's initialisation: every matrix N(0, 0.02), biases zero.
+    def linear(n_in, n_out, bias=False):
+      return nnx.Linear(n_in, n_out, use_bias=bias, kernel_init=nnx.initializers.normal(0.02),
+                        rngs=rngs)
+    self.config = config
+    self.attn_norm, self.mlp_norm = RMSNorm(D, eps), RMSNorm(D, eps)
+    self.qkv = linear(D, qkv, config.qkv_bias)
+    self.o = linear(config.n_head * hd, D, config.o_bias)
+    if config.qk_norm:
+      self.q_norm, self.k_norm = RMSNorm(hd, eps), RMSNorm(hd, eps)
+    self.gate_up, self.down = linear(D, 2 * config.d_ff), linear(config.d_ff, D)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # (B, T, D)
+    config = self.config
+    B, T, _ = x.shape
+    H, K, hd = config.n_head, config.n_kv_head, config.head_dim
+    qkv = self.qkv(self.attn_norm(x)).reshape(B, T, H + 2 * K, hd)
+    q, k, v = qkv[:, :, :H], qkv[:, :, H:H + K], qkv[:, :, H + K:]  # (B, T, H|K|K, hd)
+    if config.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    # K/V keep their K heads: dot_product_attention groups the H query heads over them.
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=_attention_impl(config, x.dtype))
+    x = x + self.o(att.reshape(B, T, H * hd))  # (B, T, D)
+    gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)  # each (B, T, F)
+    return x + self.down(jax.nn.silu(gate) * up)
+
+
+class Llama(nnx.Module):
+  """Token embeddings, a stack of blocks (params stacked on a leading layer
+  axis, run as a scan), a final RMSNorm, and logits through `lm_head` (V, D),
+  or the embedding itself when tied."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    # Plain Params rather than nnx.Embed, which computes in float32 whatever
+    # the params' dtype; the engine hands the model bf16 or fp16 params.
+    normal = lambda *shape: nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape))
+    self.embed = normal(config.vocab_size, config.d_model)  # (V, D)
+
+    @nnx.split_rngs(splits=config.n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked_blocks(rngs):
+      return Block(config, rngs=rngs)
+    self.layers = stacked_blocks(rngs)
+    self.norm = RMSNorm(config.d_model, config.norm_eps)
+    if not config.tie_embeddings:
+      self.lm_head = normal(config.vocab_size, config.d_model)  # (V, D)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
+    config = self.config
+    T = tokens.shape[1]
+    if T > config.seq_len:
+      raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
+    if config.sliding_window is not None and T > config.sliding_window:
+      raise ValueError(f"sequence of {T} tokens is longer than the model's sliding window of "
+                       f"{config.sliding_window}, which jzo does not implement")
+    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * _inv_freq(config)  # (T, hd / 2)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = self.embed[...][tokens]  # (B, T, D)
+    block, layers = nnx.split(self.layers)
+
+    def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
+      return nnx.merge(block, jzo.gather_layer(layer))(x, cos, sin), None
+    if config.remat != "none":
+      # prevent_cse=False: inside a scan CSE cannot merge the recomputation
+      # away, and the barriers it would add keep XLA from fusing across them.
+      step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(step, x, nnx.to_pure_dict(layers))
+    head = self.embed if config.tie_embeddings else self.lm_head
+    return self.norm(x) @ head[...].T  # (B, T, V)
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+  """A new model's parameters as a nested dict of arrays: what the ZeRO
+  engine partitions and trains, and `forward` turns back into the module."""
+  model = Llama(config, rngs=nnx.Rngs(key))
+  return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@functools.lru_cache(maxsize=None)
+def _graphdef(config: LlamaConfig) -> nnx.GraphDef:
+  """The module's structure, without materialising any parameter."""
+  return nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+
+
+def forward(config: LlamaConfig, params: dict, tokens: jax.Array) -> jax.Array:
+  """Logits (B, T, V) for int tokens (B, T), in the params' dtype.
+
+  Raises:
+    ValueError: T is longer than config.seq_len or the sliding window.
+  """
+  return nnx.merge(_graphdef(config), params)(tokens)
+
+
+def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
+  """Next-token cross-entropy, averaged over all B T positions.
+
+  Args:
+    batch: "tokens", int (B, T + 1); optionally "loss_weight", float32
+      (B, T): each position's cross-entropy is multiplied by its weight
+      before the mean over all B T positions (a 0/1 answer mask scaled by
+      positions / answer tokens of the whole step puts the loss on answer
+      tokens, normalised across devices and micro-batches).
+  """
+  tokens = batch["tokens"]
+  logits = forward(config, params, tokens[:, :-1]).astype(jnp.float32)  # (B, T, V)
+  # logsumexp minus the target's logit, picked by comparison with an iota:
+  # XLA fuses both into reductions over the logits, where log_softmax would
+  # write a float32 copy of them and take_along_axis's gradient a scatter.
+  is_target = jnp.arange(logits.shape[-1]) == tokens[:, 1:, None]
+  target = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+  loss = jax.nn.logsumexp(logits, axis=-1) - target  # (B, T)
+  if "loss_weight" in batch:
+    loss = loss * batch["loss_weight"]
+  return loss.mean()
+
+
+def generate(config: LlamaConfig, params: dict, prompt: np.ndarray, n_tokens: int,
+             key: jax.Array, temperature: float = 0.8) -> np.ndarray:
+  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones.
+
+  The model always sees a full window of min(seq_len, prompt + n_tokens)
+  tokens (zeros after the current position, which causal attention
+  ignores), so one compiled forward serves every step; past the window it
+  slides.
+  """
+  if len(prompt) < 1:
+    raise ValueError("generate needs a prompt of at least one token")
+  S = min(config.seq_len, len(prompt) + n_tokens)
+  window = np.zeros(S, np.int32)
+  prompt = np.asarray(prompt, np.int32)[-(S - 1):]
+  window[:len(prompt)] = prompt
+  pos = len(prompt)
+
+  @jax.jit
+  def sample(params, window, pos, key):
+    logits = forward(config, params, window[None])[0, pos - 1].astype(jnp.float32)
+    return jax.random.categorical(key, logits / temperature)
+
+  out = []
+  for i in range(n_tokens):
+    if pos == S:  # slide the window by one token
+      window = np.roll(window, -1)
+      pos -= 1
+    token = int(sample(params, window, pos, jax.random.fold_in(key, i)))
+    window[pos] = token
+    pos += 1
+    out.append(token)
+  return np.asarray(out, np.int32)
