@@ -73,7 +73,7 @@ def test_learning_rate_and_warmup_suit_the_model():
   cfg = train.TrainConfig(model="gpt2-10b", steps=1000, batch_size=32, seq_len=1024)
   assert options.peak_lr(cfg, big) == 1e-4
   assert options.warmup_steps(cfg, big) == 100  # 375M tokens would be 11,445 steps
-  cfg = train.TrainConfig(model="gpt2-10b", steps=100_000, batch_size=32, seq_len=1024)
+  cfg = train.TrainConfig(model="gpt2-10b", steps=200_000, batch_size=32, seq_len=1024)
   assert options.warmup_steps(cfg, big) == 11_445
   tuned = train.TrainConfig(init_from="somewhere", steps=1000)
   llama = models.PRESETS["llama-3.1-8b"]

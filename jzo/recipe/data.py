@@ -1,5 +1,6 @@
 """Token streams for language-model training, deterministic batches, and
-the data of a recipe run (`load_data`).
+the data of a recipe run (`load_data`): bytes without a tokenizer, else the
+checkpoint's tokenizer over text and JSONL (jzo.recipe.tokens, .packing).
 
 Sources, all to a 1-D array of token ids:
   * the embedded corpus: the top-level source files of Python's own standard
@@ -21,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from jzo.recipe import packing, tokens as tokens_lib
 from jzo.recipe.options import TrainConfig, UserError
 
 BYTE_VOCAB = 256
@@ -137,30 +139,66 @@ class Data:
     vocab: vocabulary the data needs (256 for byte-level text).
     batch: batch(step) -> the training batch of that step (--batch-size
       sequences): {"tokens": int32 (B, seq_len + 1)}, with "loss_weight"
-      float32 (B, seq_len) where only some tokens carry the loss.
+      float32 (B, seq_len) where only some targets carry the loss (see
+      `loss_weight`).
     val: val(i) -> held-out batch i, the same form.
     val_tokens: the held-out stream (the sample's prompt comes from it).
+    tokenizer: what turned text into the tokens (None: bytes).
   """
   n_tokens: int
   vocab: int
   batch: Callable[[int], dict]
   val: Callable[[int], dict]
   val_tokens: np.ndarray
+  tokenizer: tokens_lib.Tokenizer | None = None
+
+
+def tokenizer_folder(cfg: TrainConfig) -> str | None:
+  """Where the run's tokenizer.json is: --tokenizer, else --init-from's if
+  it has one; None: byte-level text.
+
+  Raises:
+    UserError: --tokenizer without a tokenizer.json.
+  """
+  if cfg.tokenizer:
+    return cfg.tokenizer
+  if cfg.init_from and (pathlib.Path(cfg.init_from) / "tokenizer.json").is_file():
+    return cfg.init_from
+  return None
 
 
 def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
-  """Token stream and vocabulary size for the chosen data."""
+  """Token stream and vocabulary size for the chosen data (no tokenizer)."""
   if not cfg.data:
     return embedded_corpus(), BYTE_VOCAB
   if cfg.data.endswith(".bin"):
     vocab = cfg.vocab_size or model_vocab
     return read_tokens(cfg.data, vocab), vocab
+  if cfg.data.endswith(".jsonl"):
+    raise ValueError(f"--data {cfg.data}: JSONL data is read with a tokenizer: --init-from a "
+                     "checkpoint that has one, or --tokenizer DIR")
   return read_text(cfg.data), BYTE_VOCAB
 
 
-def load_data(cfg: TrainConfig, model_vocab: int) -> Data:
-  """Reads the data and holds out its end."""
+def loss_weight(mask: np.ndarray) -> np.ndarray:
+  """float32 (B, T) weights of the targets of a whole batch: the 0/1 `mask`
+  times positions / targets with the loss, so that the mean over positions
+  of weight x loss, which the model takes on each device's micro-batch and
+  the engine averages, is the mean loss over the targets with the loss of
+  the whole batch (not a mean of micro-batch means: each answer token
+  counts once, however the batch is split)."""
+  return mask * np.float32(mask.size / max(1, np.count_nonzero(mask)))
+
+
+def load_data(cfg: TrainConfig, model_vocab: int, cache_dir: pathlib.Path,
+              progress: bool = True) -> Data:
+  """Reads the data and holds out its end: with a tokenizer (see
+  `tokenizer_folder`), tokenized once into `cache_dir`; else as bytes.
+  `progress`: a progress bar while tokenizing."""
+  folder = tokenizer_folder(cfg)
   try:
+    if folder is not None:
+      return _tokenized(cfg, tokens_lib.load_tokenizer(folder), cache_dir, progress)
     tokens, vocab = load_tokens(cfg, model_vocab)
     train_tokens, val_tokens = train_val_split(tokens)
     batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -169,3 +207,28 @@ def load_data(cfg: TrainConfig, model_vocab: int) -> Data:
     raise UserError(str(e)) from e
   as_batch = lambda batches: (lambda step: {"tokens": batches[step]})
   return Data(len(tokens), vocab, as_batch(batches), as_batch(val), val_tokens)
+
+
+def _tokenized(cfg: TrainConfig, tokenizer: tokens_lib.Tokenizer, cache_dir: pathlib.Path,
+               progress: bool) -> Data:
+  """Data read with `tokenizer`."""
+  if not cfg.data:
+    raise ValueError("with a tokenizer (--init-from or --tokenizer) give the text to train on: "
+                     "--data FILE or FOLDER (text or JSONL)")
+  if cfg.data.endswith(".bin"):
+    raise ValueError(f"--data {cfg.data} holds token ids already: a tokenizer reads text")
+  stream = packing.tokenize_cached(cfg.data, tokenizer, cache_dir, progress=progress)
+  train_rows, val_rows = packing.split_rows(len(stream.tokens), cfg.seq_len)
+
+  def batches(rows: range, seed: int):
+    packed = packing.PackedBatches(stream.tokens, stream.loss_mask, cfg.batch_size,
+                                   cfg.seq_len, seed, rows)
+
+    def batch(step: int) -> dict:
+      drawn = packed[step]
+      return {"tokens": drawn["tokens"], "loss_weight": loss_weight(drawn["loss_mask"])}
+    return batch
+  val_tokens = np.asarray(stream.tokens[val_rows.start * cfg.seq_len:], np.int32)
+  return Data(len(stream.tokens), tokenizer.vocab_size, batches(train_rows, cfg.seed),
+              batches(val_rows, cfg.seed + 1), val_tokens, tokenizer)
+

@@ -63,9 +63,10 @@ def source_model(cfg: TrainConfig) -> tuple[models.Model, object | None]:
     raise UserError(str(e)) from e
 
 
-def run_model(cfg: TrainConfig, model: models.Model, vocab: int) -> models.Model:
+def run_model(cfg: TrainConfig, model: models.Model, data: data_lib.Data) -> models.Model:
   """The model with the run's remat policy; a GPT also with --seq-len as its
   context and, for tiny and token files, the data's vocabulary."""
+  vocab = data.vocab
   config = dataclasses.replace(model.config, remat=cfg.remat)
   if model.family is models.GPT:
     # tiny and token files take the data's vocabulary, padded to a multiple of 128.
@@ -73,8 +74,9 @@ def run_model(cfg: TrainConfig, model: models.Model, vocab: int) -> models.Model
     config = dataclasses.replace(config, seq_len=cfg.seq_len, vocab_size=-(-vocab // 128) * 128
                                  if own_vocab else config.vocab_size)
   if vocab > config.vocab_size:
-    raise UserError(f"the data needs a vocabulary of {vocab}, {model.name} has "
-                    f"{config.vocab_size}")
+    what = (f"the tokenizer in {data_lib.tokenizer_folder(cfg)} has {vocab} ids"
+            if data.tokenizer else f"the data needs a vocabulary of {vocab}")
+    raise UserError(f"{what}, {model.name} has a vocabulary of {config.vocab_size}")
   return dataclasses.replace(model, config=config)
 
 
@@ -134,14 +136,18 @@ def evaluate(model: models.Model, params, val, n: int) -> float:
   return float(np.mean([loss(params, val(i)) for i in range(n)]))
 
 
-def print_sample(model: models.Model, params, val_tokens: np.ndarray, cfg: TrainConfig):
-  """Generates from a prompt taken from the held-out split (byte-level text)."""
-  prompt = val_tokens[:32]
-  text = model.family.module.generate(model.config, params, prompt, cfg.sample_tokens,
-                                      jax.random.PRNGKey(cfg.seed))
-  print("\n--- sample (prompt from the held-out split) ---\n"
-        + bytes(np.asarray(prompt, np.uint8)).decode("utf-8", "replace")
-        + bytes(text.astype(np.uint8)).decode("utf-8", "replace"))
+def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainConfig):
+  """Generates from a prompt taken from the held-out split."""
+  prompt = data.val_tokens[:32]
+  new = model.family.module.generate(model.config, params, prompt, cfg.sample_tokens,
+                                     jax.random.PRNGKey(cfg.seed))
+  if data.tokenizer is not None:
+    decode = lambda ids: data.tokenizer.backend.decode([int(i) for i in ids])
+  elif data.vocab == data_lib.BYTE_VOCAB:
+    decode = lambda ids: bytes(np.asarray(ids, np.uint8)).decode("utf-8", "replace")
+  else:  # token ids of a .bin file, whose tokenizer the run does not know
+    decode = lambda ids: " ".join(map(str, ids))
+  print("\n--- sample (prompt from the held-out split) ---\n" + decode(prompt) + decode(new))
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -159,20 +165,22 @@ def train(cfg: TrainConfig) -> dict:
     cap_pinned_pool(model)  # before JAX starts its GPU backend, which reads the cap
   devices = pick_devices(cfg)
   micro_batch(cfg, devices)  # refuses a batch that does not split before reading the data
-  data = data_lib.load_data(cfg, model.config.vocab_size)
-  model = run_model(cfg, model, data.vocab)
   out = pathlib.Path(cfg.out)
+  primary = distributed.is_primary()  # prints, logs and plots
   check_checkpoint_to_continue(cfg, out)
   check_no_earlier_run(cfg, out)
+  # Tokenized data is cached in --out, once it has been read whole: bad
+  # data leaves --out as it was.
+  data = data_lib.load_data(cfg, model.config.vocab_size, out / "data-cache", progress=primary)
+  model = run_model(cfg, model, data)
   out.mkdir(parents=True, exist_ok=True)
-  primary = distributed.is_primary()  # prints, logs and plots
   if cfg.sample:
     with checkpoint.open_manager(out / "checkpoints") as manager:
       engine = build_engine(cfg, model, params, devices)
       restore_run(manager, engine, cfg, out)
       params = engine.params  # every process takes part in the gather
       if primary:
-        print_sample(model, params, data.val_tokens, cfg)
+        print_sample(model, params, data, cfg)
       engine.close()
       return {}
   if primary:
@@ -228,10 +236,10 @@ def train(cfg: TrainConfig) -> dict:
   engine.close()
   if primary:
     plot(history, out / "loss.png")
-  if cfg.sample_tokens and data.vocab == data_lib.BYTE_VOCAB:
+  if cfg.sample_tokens:
     params = engine.params  # every process takes part in the gather
     if primary:
-      print_sample(model, params, data.val_tokens, cfg)
+      print_sample(model, params, data, cfg)
   if primary:
     print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last

@@ -27,7 +27,7 @@ import math
 import types
 from typing import Any, Callable
 
-from jzo.models import gpt
+from jzo.models import gpt, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +54,11 @@ class Family:
   module: types.ModuleType
   layers: str  # dotted path of the stacked layers (stage 3 gathers one at a time)
   decays: Callable[[str], bool]  # weight decay on a leaf, by its last key
-  context: Callable[[Any], int]  # the longest sequence a config takes
 
 
 # Matrices and embeddings decay; norm scales and biases do not.
-GPT = Family(gpt, "blocks", lambda key: key in ("wte", "wpe", "kernel"),
-             lambda config: config.seq_len)
-
+GPT = Family(gpt, "blocks", lambda key: key in ("wte", "wpe", "kernel"))
+LLAMA = Family(llama, llama.LAYERS, lambda key: key in ("embed", "lm_head", "kernel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +72,7 @@ class Model:
   @property
   def max_seq_len(self) -> int:
     """Longest context the model takes."""
-    return self.family.context(self.config)
+    return self.config.seq_len
 
   def init_params(self, key):
     return self.family.module.init_params(self.config, key)
@@ -112,7 +110,7 @@ def _presets() -> dict[str, Model]:
     # tiny trains from scratch on bytes in minutes on a CPU: a small model takes a large rate.
     defaults = Defaults(3e-3, None, 2e-5) if name == "tiny" else _gpt_defaults(config)
     out[name] = Model(name, GPT, config, defaults)
-  for name, config in {}.items():
+  for name, config in llama.PRESETS.items():
     out[name] = Model(name, LLAMA, config, _LLAMA_DEFAULTS.get(name, Defaults(3e-3, None, 2e-5)))
   return out
 
@@ -127,9 +125,12 @@ def from_hf(folder: str) -> tuple[Model, Any]:
   Raises:
     FileNotFoundError, ValueError: the folder, its config or weights, named.
   """
+  from jzo.models import hf  # its readers matter only to fine-tuning
   config, params = hf.param_sources(folder)
-  defaults = {"qwen2": _QWEN25, "qwen3": _QWEN25}.get(config.model_type, None)
-  if defaults is None:
-    defaults = _LLAMA3 if config.rope_type == "llama3" else _LLAMA2 \
-        if config.model_type == "llama" else _OTHER
+  if config.model_type in ("qwen2", "qwen3"):
+    defaults = _QWEN25
+  elif config.model_type == "llama":
+    defaults = _LLAMA3 if config.rope_type == "llama3" else _LLAMA2
+  else:
+    defaults = _OTHER
   return Model(folder, LLAMA, config, defaults), params
