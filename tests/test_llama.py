@@ -132,6 +132,9 @@ def test_both_rope_spellings_read_the_same_and_presets_round_trip():
   qwen = llama.LlamaConfig.from_hf(HF | {"model_type": "qwen2", "sliding_window": 131072,
                                          "use_sliding_window": False})
   assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+  several_eos = llama.LlamaConfig.from_hf(HF | {"eos_token_id": [1, 2]})
+  assert several_eos.eos_token_id == (1, 2) and several_eos.to_hf()["eos_token_id"] == [1, 2]
+  assert llama.LlamaConfig.from_hf(HF, remat="dots", seq_len=64).seq_len == 64
   qwen3 = llama.LlamaConfig.from_hf(HF | {"model_type": "qwen3"})
   assert qwen3.qk_norm and qwen3.head_dim == 128  # transformers' Qwen3 default
 

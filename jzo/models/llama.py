@@ -156,7 +156,7 @@ class LlamaConfig:
       window = None
     bias = bool(hf.get("attention_bias", False))
     eos = hf.get("eos_token_id")
-    return cls(
+    fields = dict(
         vocab_size=hf["vocab_size"], seq_len=hf.get("max_position_embeddings", 2048),
         n_layer=hf["num_hidden_layers"], n_head=heads,
         n_kv_head=hf.get("num_key_value_heads") or heads, d_model=hf["hidden_size"],
@@ -164,8 +164,9 @@ class LlamaConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=bias or model_type == "qwen2", o_bias=bias and model_type in ("llama", "qwen3"),
         qk_norm=model_type == "qwen3", sliding_window=window, model_type=model_type,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list)
-        else eos, **_rope_from_hf(hf), **overrides)
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    return cls(**fields | _rope_from_hf(hf) | overrides)
 
   def to_hf(self) -> dict:
     """This config as a Hugging Face config.json dict (without the dtype,
@@ -260,7 +261,7 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   D, F = config.d_model, config.d_ff
   Q, KV = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
   everything = 6 * D + 3 * Q + 3 * KV + 4 * F
-  saved_per_layer = {"full": D, "dots": 4 * D + Q + 2 * KV + 2 * F,
+  saved_per_layer = {"full": D, "dots": 3 * D + Q + 2 * KV + 2 * F,
                      "none": everything}[config.remat]
   saved = config.n_layer * tokens * saved_per_layer * itemsize
   logits = tokens * config.vocab_size * (itemsize + 4)
