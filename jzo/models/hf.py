@@ -150,7 +150,10 @@ def _read_header(path: str) -> dict[str, _Tensor]:
   for name, entry in header.items():
     if name == "__metadata__":
       continue
-    code, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    try:
+      code, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+      raise ValueError(f"{path}: tensor {name} has a malformed header entry {entry}") from None
     itemsize = DTYPES[code].itemsize if code in DTYPES else None
     if itemsize is not None and (end - begin != math.prod(shape) * itemsize
                                  or data + end > size):
