@@ -1,5 +1,12 @@
 """`python -m jzo.export --out DIR`: a run's trained weights, loadable without jzo's engine.
 
+`--format hf` (a run of the Llama family, fine-tuned from a Hugging Face
+checkpoint or trained from a preset) writes DIR as a Hugging Face folder:
+config.json, model.safetensors (or shards with model.safetensors.index.json)
+and the tokenizer's files the run started from, which
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is.
+The rest of this docstring is `--format jzo`, the form of jzo's own GPTs.
+
 What DeepSpeed's zero_to_fp32.py is to DeepSpeed: it reads the float32 master
 weights of a checkpoint of `python -m jzo.train` (by default the latest
 complete one in `--run`'s checkpoints folder), whatever stage, placement and
@@ -57,7 +64,10 @@ import safetensors.numpy
 from flax import traverse_util
 
 from jzo import checkpoint, config as config_lib
-from jzo.models import gpt
+from jzo.models import gpt, hf, llama
+from jzo.recipe import runs
+
+FORMATS = ("jzo", "hf")
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -70,13 +80,13 @@ class ExportError(ValueError):
 class Exported:
   """What `export` wrote."""
   step: int  # the checkpoint's step (optimizer steps done)
-  safetensors: pathlib.Path  # model.safetensors
-  nnx_state: pathlib.Path  # the orbax checkpoint of the gpt.GPT state
-  config: pathlib.Path  # config.json: the GPTConfig
+  safetensors: pathlib.Path  # model.safetensors (hf with shards: model.safetensors.index.json)
+  nnx_state: pathlib.Path | None  # the orbax checkpoint of the gpt.GPT state (hf: None)
+  config: pathlib.Path  # config.json: the GPTConfig (hf: Hugging Face's)
 
 
 def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int | None = None,
-           dtype: str = "float32", overwrite: bool = False) -> Exported:
+           dtype: str = "float32", overwrite: bool = False, format: str = "jzo") -> Exported:
   """Writes the weights of one of a run's checkpoints to `out_dir` (see the module docstring).
 
   The work is the host's, but orbax starts JAX's backends (it asks for the
@@ -91,6 +101,7 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
     dtype: of the weights written: "float32" (the masters as they are) or
       "bfloat16" (rounded to nearest even).
     overwrite: replace an `out_dir` that holds files.
+    format: "jzo" (a GPT run) or "hf" (a run of the Llama family).
 
   Returns:
     The step exported and the paths written.
@@ -101,32 +112,52 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   """
   if dtype not in DTYPES:
     raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+  if format not in FORMATS:
+    raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
   run, out = pathlib.Path(run_dir).absolute(), pathlib.Path(out_dir).absolute()
   _check_out(out, overwrite)
-  step, config, params = read_run(run, step)
-  params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
+  hf_config = runs.model_folder(run) / "config.json"
+  if format == "hf" and not hf_config.is_file():
+    raise ExportError(f"{run} trained none of the Llama family (no {hf_config}): a GPT of "
+                      "jzo's own exports with --format jzo")
+  if format == "jzo" and hf_config.is_file():
+    raise ExportError(f"{run} trained a model of the Llama family: --format hf writes it in "
+                      "Hugging Face's format")
+  step, config, params = read_run(run, step, hf_config if format == "hf" else None)
+  if format == "jzo":
+    params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = _new_folder_beside(out, "tmp")
   try:
-    write(staging, step, config, params)
+    if format == "hf":
+      write_hf(staging, run, config, params, dtype)
+    else:
+      write(staging, step, config, params)
     _replace(out, staging)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
+  if format == "hf":
+    index = out / "model.safetensors.index.json"
+    return Exported(step, index if index.exists() else out / "model.safetensors", None,
+                    out / "config.json")
   return Exported(step, out / "model.safetensors", out / "nnx_state", out / "config.json")
 
 
-def read_run(run: pathlib.Path, step: int | None) -> tuple[int, gpt.GPTConfig, dict]:
-  """(step, model config, float32 params in full shapes, numpy) of a run's checkpoint."""
+def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None):
+  """(step, model config, float32 params in full shapes, numpy) of a run's
+  checkpoint: a GPT's, or with `hf_config` (the run's model/config.json) a
+  Llama-family model's."""
   if not run.is_dir():
     raise ExportError(f"no run folder {run}" + (" (a file)" if run.exists() else ""))
   try:
     step, masters = checkpoint.read_masters(run / "checkpoints", step)
   except checkpoint.CheckpointError as e:
     raise ExportError(str(e)) from e
-  config = model_config(run, masters)
+  family = gpt if hf_config is None else llama
+  config = model_config(run, masters) if hf_config is None else _hf_model(hf_config)
   # The key is made inside the trace: no device is touched.
-  shapes = jax.eval_shape(lambda: gpt.init_params(config, jax.random.key(0)))
+  shapes = jax.eval_shape(lambda: family.init_params(config, jax.random.key(0)))
   try:
     return step, config, checkpoint.masters_in_shapes(masters, shapes)
   except ValueError as e:
@@ -151,6 +182,25 @@ def model_config(run: pathlib.Path, masters: dict) -> gpt.GPTConfig:
   # count of padding besides).
   return dataclasses.replace(preset, vocab_size=masters["wte"].size // D,
                              seq_len=masters["wpe"].size // D, remat=remat)
+
+
+def _hf_model(path: pathlib.Path) -> llama.LlamaConfig:
+  """The LlamaConfig of a run's model/config.json."""
+  try:
+    return llama.LlamaConfig.from_hf(json.loads(path.read_text()))
+  except (OSError, ValueError) as e:
+    raise ExportError(f"{path} is not a model config jzo reads: {e}") from e
+
+
+def write_hf(folder: pathlib.Path, run: pathlib.Path, config: llama.LlamaConfig, params: dict,
+             dtype: str) -> None:
+  """Writes a Hugging Face folder: config.json and the weights in `dtype`
+  (jzo.models.hf), and the files the run kept beside its model (the tokenizer's)."""
+  hf.save_pretrained(str(folder), config, params, dtype=dtype)
+  kept = runs.model_folder(run)
+  for name in runs.MODEL_FILES:
+    if (kept / name).is_file():
+      shutil.copyfile(kept / name, folder / name)
 
 
 def write(folder: pathlib.Path, step: int, config: gpt.GPTConfig, params: dict) -> None:
@@ -208,7 +258,8 @@ def _new_folder_beside(out: pathlib.Path, kind: str) -> pathlib.Path:
 
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
-  """Export a jzo.train run's weights as safetensors and an orbax checkpoint of gpt.GPT."""
+  """Export a jzo.train run's weights: a Hugging Face folder (--format hf), or safetensors and
+  an orbax checkpoint of gpt.GPT."""
 
   out: str
   """folder to write (model.safetensors, nnx_state/, config.json)"""
@@ -220,6 +271,8 @@ class ExportConfig:
   """dtype of the weights written: the float32 masters, or rounded to bfloat16"""
   overwrite: bool = False
   """replace --out if it holds files"""
+  format: Literal["jzo", "hf"] = "jzo"
+  """jzo (a GPT run: safetensors, nnx_state, config.json) or hf (Llama family: Hugging Face)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
   # training the next run) alone.
   jax.config.update("jax_platforms", "cpu")
   try:
-    done = export(cfg.run, cfg.out, cfg.step, cfg.dtype, cfg.overwrite)
+    done = export(cfg.run, cfg.out, cfg.step, cfg.dtype, cfg.overwrite, cfg.format)
   except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"exported step {done.step} of {pathlib.Path(cfg.run).absolute()}: {done.safetensors}, "
-        f"{done.nnx_state}, {done.config}")
+  written = [p for p in (done.safetensors, done.nnx_state, done.config) if p is not None]
+  print(f"exported step {done.step} of {pathlib.Path(cfg.run).absolute()}: "
+        + ", ".join(map(str, written)))
   return 0
 
 

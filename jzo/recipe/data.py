@@ -193,12 +193,17 @@ def loss_weight(mask: np.ndarray) -> np.ndarray:
 def load_data(cfg: TrainConfig, model_vocab: int, cache_dir: pathlib.Path,
               progress: bool = True) -> Data:
   """Reads the data and holds out its end: with a tokenizer (see
-  `tokenizer_folder`), tokenized once into `cache_dir`; else as bytes.
+  `tokenizer_folder`; refused before any work if it has more ids than
+  `model_vocab`), tokenized once into `cache_dir`; else as bytes.
   `progress`: a progress bar while tokenizing."""
   folder = tokenizer_folder(cfg)
   try:
     if folder is not None:
-      return _tokenized(cfg, tokens_lib.load_tokenizer(folder), cache_dir, progress)
+      tokenizer = tokens_lib.load_tokenizer(folder)
+      if tokenizer.vocab_size > model_vocab:
+        raise ValueError(f"the tokenizer in {folder} has {tokenizer.vocab_size} ids, the model "
+                         f"has a vocabulary of {model_vocab}")
+      return _tokenized(cfg, tokenizer, cache_dir, progress)
     tokens, vocab = load_tokens(cfg, model_vocab)
     train_tokens, val_tokens = train_val_split(tokens)
     batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed)

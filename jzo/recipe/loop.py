@@ -25,7 +25,8 @@ from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (TrainConfig, UserError, check, check_for_model, lr_schedule)
 from jzo.recipe.runs import (barrier, check_checkpoint_to_continue, check_no_earlier_run,
-                             remove_partial_checkpoints, restore_run, start_log)
+                             keep_model_files, remove_partial_checkpoints, restore_run,
+                             start_log)
 from jzo.recipe.signals import Interrupted, Interrupts
 
 
@@ -190,6 +191,10 @@ def train(cfg: TrainConfig) -> dict:
     engine = build_engine(cfg, model, params, devices)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
     history = start_log(cfg, out, first) if primary else []
+    if primary and not first:
+      hf_config = model.config.to_hf() if model.family is models.LLAMA else None
+      keep_model_files(out, hf_config, [f for f in (data_lib.tokenizer_folder(cfg),
+                                                    cfg.init_from) if f])
     peak = peak_tflops(cfg, devices)
     if primary:
       print(banner(cfg, model, data.n_tokens, devices, peak))

@@ -1,6 +1,7 @@
-"""The run folder (`--out`): its config and log, and its checkpoints:
-which one to continue from, the damaged and unfinished ones, and a new run
-refused where an earlier one lives."""
+"""The run folder (`--out`): its config and log, the model's own files
+(`model/`: what `python -m jzo.export --format hf` writes back beside the
+weights), and its checkpoints: which one to continue from, the damaged and
+unfinished ones, and a new run refused where an earlier one lives."""
 
 from __future__ import annotations
 
@@ -175,3 +176,29 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
 
+
+
+# Files of a Hugging Face folder that belong with its weights: the tokenizer's
+# and the generation defaults.
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "chat_template.jinja", "tokenizer.model", "generation_config.json")
+
+
+def model_folder(out: pathlib.Path) -> pathlib.Path:
+  """Where a run keeps its model's config.json and tokenizer files."""
+  return out / "model"
+
+
+def keep_model_files(out: pathlib.Path, hf_config: dict | None, sources: list[str]) -> None:
+  """Writes the model's Hugging Face config.json (None: a family without
+  one) and copies MODEL_FILES from `sources` (folders, the first that has a
+  file wins) into `model_folder(out)`, so that an export needs neither the
+  checkpoint it started from nor its tokenizer to be still there."""
+  folder = model_folder(out)
+  folder.mkdir(exist_ok=True)
+  if hf_config is not None:
+    write_whole(folder / "config.json", json.dumps(hf_config, indent=2) + "\n")
+  for name in MODEL_FILES:
+    found = [pathlib.Path(s) / name for s in sources if (pathlib.Path(s) / name).is_file()]
+    if found:
+      shutil.copyfile(found[0], folder / name)
