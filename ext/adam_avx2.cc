@@ -1,4 +1,4 @@
-// AVX2 + FMA + F16C Adam kernel, 8 floats a vector. Compiled with
+// AVX2 + FMA + F16C Adam and accumulation kernels, 8 floats a vector. Compiled with
 // -mavx2 -mfma -mf16c and only called after a CPUID check.
 #include <immintrin.h>
 
@@ -56,8 +56,14 @@ struct V {
 }  // namespace
 
 #include "adam_kernel_impl.h"
+#include "accumulate_impl.h"
 
 void jzo::isa::adam_range_avx2(const AdamBuffers& b, const AdamScalars& s,
                                int64_t begin, int64_t end) {
   dispatch(b, s, begin, end);
+}
+
+jzo::AccumStats jzo::isa::accumulate_range_avx2(const AccumBuffers& b, int64_t begin,
+                                                int64_t end) {
+  return accumulate_dispatch(b, begin, end);
 }

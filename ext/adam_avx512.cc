@@ -1,5 +1,5 @@
-// AVX-512 (F, BW, VL) Adam kernel, 16 floats a vector. Compiled with AVX-512
-// target flags and only called after a CPUID check.
+// AVX-512 (F, BW, VL) Adam and accumulation kernels, 16 floats a vector.
+// Compiled with AVX-512 target flags and only called after a CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -54,8 +54,14 @@ struct V {
 }  // namespace
 
 #include "adam_kernel_impl.h"
+#include "accumulate_impl.h"
 
 void jzo::isa::adam_range_avx512(const AdamBuffers& b, const AdamScalars& s,
                                  int64_t begin, int64_t end) {
   dispatch(b, s, begin, end);
+}
+
+jzo::AccumStats jzo::isa::accumulate_range_avx512(const AccumBuffers& b, int64_t begin,
+                                                  int64_t end) {
+  return accumulate_dispatch(b, begin, end);
 }

@@ -1,5 +1,5 @@
-// Portable Adam kernel: one element at a time, for CPUs without AVX2 and
-// for non-x86 builds. Same operation sequence as the SIMD versions
+// Portable Adam and accumulation kernels: one element at a time, for CPUs
+// without AVX2 and for non-x86 builds. Same operation sequence as the SIMD versions
 // (fused multiply-add included), so it gives the same bits.
 #include <cstdint>
 #include <cstring>
@@ -51,8 +51,14 @@ struct V {
 }  // namespace
 
 #include "adam_kernel_impl.h"
+#include "accumulate_impl.h"
 
 void jzo::isa::adam_range_scalar(const AdamBuffers& b, const AdamScalars& s,
                                  int64_t begin, int64_t end) {
   dispatch(b, s, begin, end);
+}
+
+jzo::AccumStats jzo::isa::accumulate_range_scalar(const AccumBuffers& b, int64_t begin,
+                                                  int64_t end) {
+  return accumulate_dispatch(b, begin, end);
 }

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "accumulate_kernel.h"
 #include "adam_kernel.h"
 
 namespace jzo {
@@ -79,6 +80,19 @@ void adam_range(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64
 #endif
     default:
       return isa::adam_range_scalar(b, s, begin, end);
+  }
+}
+
+AccumStats accumulate_range(const AccumBuffers& b, int64_t begin, int64_t end) {
+  switch (g_level.load(std::memory_order_relaxed)) {
+#if defined(JZO_HAVE_X86_KERNELS)
+    case kAvx512:
+      return isa::accumulate_range_avx512(b, begin, end);
+    case kAvx2:
+      return isa::accumulate_range_avx2(b, begin, end);
+#endif
+    default:
+      return isa::accumulate_range_scalar(b, begin, end);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>  // SSE2, part of every x86-64: no run-time check needed
@@ -47,6 +48,24 @@ void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) 
       n_tasks,
       [&](int64_t t) { adam_range(b, s, t * kAdamChunk, std::min(b.n, (t + 1) * kAdamChunk)); },
       max_threads);
+}
+
+AccumStats accumulate_parallel(const AccumBuffers& b, int max_threads) {
+  const int64_t n_tasks = (b.n + kAdamChunk - 1) / kAdamChunk;
+  if (n_tasks <= 1) return accumulate_range(b, 0, b.n);
+  std::vector<AccumStats> parts(static_cast<size_t>(n_tasks));
+  parallel_for(
+      n_tasks,
+      [&](int64_t t) {
+        parts[t] = accumulate_range(b, t * kAdamChunk, std::min(b.n, (t + 1) * kAdamChunk));
+      },
+      max_threads);
+  AccumStats all;
+  for (const AccumStats& p : parts) {
+    all.sumsq += p.sumsq;
+    all.finite = all.finite && p.finite;
+  }
+  return all;
 }
 
 void parallel_copy(void* dst, const void* src, size_t bytes, int max_threads) {

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "accumulate_kernel.h"
 #include "adam_kernel.h"
 
 namespace jzo {
@@ -16,6 +17,11 @@ constexpr int64_t kAdamChunk = int64_t{1} << 16;
 // The Adam kernel over all b.n elements on up to max_threads threads
 // (0: the pool's size). Bitwise identical for any thread count.
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads = 0);
+
+// The accumulation kernel over all b.n elements on up to max_threads threads,
+// in chunks of kAdamChunk whose statistics are combined in chunk order: the
+// result is bitwise the same for any thread count.
+AccumStats accumulate_parallel(const AccumBuffers& b, int max_threads = 0);
 
 // memcpy of `bytes` bytes split over up to max_threads threads; copies over
 // 4 MiB use non-temporal stores.

@@ -6,10 +6,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi_adam.h"
@@ -117,6 +119,50 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   jzo::adam_parallel(b, s, num_threads);
 }
 
+// acc (optional: absent for a cast) = (add ? acc : 0) + grad, and a
+// bf16/fp16 copy of the result into lowp_out (optional); returns the sum of
+// the results' squares and whether all are finite.
+std::pair<double, bool> accumulate(std::optional<F32Array> acc, ReadArray grad, int grad_dtype,
+                                   bool add, std::optional<WriteArray> lowp_out,
+                                   int lowp_dtype, int num_threads) {
+  jzo::AccumBuffers b;
+  b.n = static_cast<int64_t>(grad.size());
+  b.grad_dtype = to_dtype(grad_dtype, "grad");
+  check_storage(grad, b.grad_dtype, "grad");
+  if (add && !acc) throw std::invalid_argument("add needs acc");
+  if (!acc && !lowp_out) throw std::invalid_argument("nothing to write: give acc or lowp_out");
+  std::vector<Span> spans = {span_of("grad", grad)};
+  auto same_size = [&](size_t n, const char* name) {
+    if (static_cast<int64_t>(n) != b.n)
+      throw std::invalid_argument(std::string(name) + " has " + std::to_string(n) +
+                                  " elements, grad has " + std::to_string(b.n));
+  };
+  if (acc) {
+    same_size(acc->size(), "acc");
+    spans.push_back(span_of("acc", *acc));
+    b.acc = acc->data();
+  }
+  if (lowp_out) {
+    b.lowp_dtype = to_dtype(lowp_dtype, "lowp_out");
+    if (b.lowp_dtype == jzo::DType::kF32)
+      throw nb::type_error("lowp_out must be bfloat16 or float16");
+    check_storage(*lowp_out, b.lowp_dtype, "lowp_out");
+    same_size(lowp_out->size(), "lowp_out");
+    spans.push_back(span_of("lowp_out", *lowp_out));
+    b.lowp_out = lowp_out->data();
+  }
+  check_disjoint(spans);
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
+  b.grad = grad.data();
+  b.add = add;
+  jzo::AccumStats stats;
+  {
+    nb::gil_scoped_release release;
+    stats = jzo::accumulate_parallel(b, num_threads);
+  }
+  return {stats.sumsq, stats.finite};
+}
+
 void parallel_copy(WriteArray dst, ReadArray src, int num_threads) {
   if (dst.nbytes() != src.nbytes())
     throw std::invalid_argument("dst has " + std::to_string(dst.nbytes()) + " bytes, src has " +
@@ -137,6 +183,11 @@ NB_MODULE(_ext, m) {
         nb::arg("lowp_dtype"), nb::arg("scalars").noconvert(), nb::arg("nesterov"),
         nb::arg("num_threads"),
         "Fused in-place Adam(W) step over host arrays; releases the GIL.");
+  m.def("accumulate", &accumulate, nb::arg("acc").noconvert().none(), nb::arg("grad").noconvert(),
+        nb::arg("grad_dtype"), nb::arg("add"), nb::arg("lowp_out").noconvert().none(),
+        nb::arg("lowp_dtype"), nb::arg("num_threads"),
+        "Sums a gradient into a float32 accumulator (or casts); returns (sum of squares, "
+        "finite). Releases the GIL.");
   m.def("parallel_copy", &parallel_copy, nb::arg("dst").noconvert(), nb::arg("src").noconvert(),
         nb::arg("num_threads"), "memcpy split over threads; releases the GIL.");
   m.def("num_threads", &jzo::num_threads);

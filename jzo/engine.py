@@ -88,6 +88,12 @@ class ZeroEngine:
     host_transfer: how offload moves gradients down and weights up: "auto"
       (pinned host memory where the devices have it, else the portable
       path, with a warning), "pinned", or "portable" (see jzo.transfer).
+    accumulation: with offload and grad_accum > 1, where the micro-batches'
+      gradients are summed (float32): "device" (one jitted call a step; a
+      float32 sum of every shard on the device), "host" (a call per
+      micro-batch; the host parts' gradients go down after each and are
+      summed on the host, the device parts' on the device: the device holds
+      one micro-batch's gradients), or "auto": the device where it fits.
 
   Raises:
     ValueError, TypeError: a bad option, naming it.
@@ -102,7 +108,7 @@ class ZeroEngine:
                offload: bool | float | str = False, delayed_update: bool = False,
                dpu_warmup: int = 10, host_memory: int | None = None,
                device_memory: int | None = None, activation_memory: int = 0,
-               host_transfer: str = "auto"):
+               host_transfer: str = "auto", accumulation: str = "auto"):
     _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup, host_transfer)
     hyper = getattr(tx.update, "adam_hyperparams", None)
     offloading = offload is not False
@@ -139,7 +145,8 @@ class ZeroEngine:
         layers=layers, offload=offload, delayed_update=delayed_update, dpu_warmup=dpu_warmup,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
-        activations=activation_memory, processes=mesh.devices.size // len(self.positions))
+        activations=activation_memory, processes=mesh.devices.size // len(self.positions),
+        accumulation=accumulation)
     self.loss_fn, self.mesh = loss_fn, mesh
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = None
@@ -158,7 +165,7 @@ class ZeroEngine:
       transfer.reserve()  # before the build pins its chunks
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
-      self.host_update = HostUpdate(adam, transfer)
+      self.host_update = HostUpdate(adam, transfer, self.plan.landing_limit)
       self._install_fn = step_lib.host_part_installer(self.plan, mesh)
     self.host = adam  # the host part's state and kernel (None without offload)
     self._step_fns: dict = {}
@@ -240,6 +247,8 @@ class ZeroEngine:
       RuntimeError: the engine is closed, or an earlier host update failed
         (its exception is the cause; the engine cannot go on).
     """
+    if self.plan.host_accumulation:
+      return self._accumulated_step(batch)
     metrics, grad_scale = self.run_device_step(batch)
     if self.host_update is not None:
       delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
@@ -249,12 +258,62 @@ class ZeroEngine:
                                 install=self._install)
     return metrics
 
+  def _accumulated_step(self, batch) -> StepMetrics:
+    """A step under host accumulation: a device call per micro-batch, each
+    followed by its host parts' trip down and their sums on the host; then
+    the end of the step on the devices with the host's sums of squares; then
+    the host update (see jzo.step and jzo.offload)."""
+    metrics, grad_scale = self._micro_calls(batch, self.host_update)
+    delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
+    self.host_update.exchange_accumulated(metrics.skipped, grad_scale, delayed=delayed,
+                                          install=self._install)
+    return metrics
+
+  def _micro_calls(self, batch, host: HostUpdate | None) -> tuple[StepMetrics, jax.Array]:
+    """The device calls of a host-accumulated step; host None drops the host
+    parts' gradients (the device alone, as if they summed to zero)."""
+    if self._closed:
+      raise RuntimeError("this engine is closed: it runs no more steps")
+    first, rest, finish = self._step_fn(batch)
+    losses = []
+    for j, micro in enumerate(self._micro_batches(batch)):
+      self.state, loss = (first if j == 0 else rest)(self.state, self._global_batch(micro))
+      losses.append(loss)
+      grads = jax.tree.leaves(self.state.grads)
+      self.state = self.state._replace(grads=None)
+      if host is not None:
+        host.accumulate(grads, first=j == 0)
+      del grads
+    n = len(self.positions)
+    sq, bad = host.host_sums() if host is not None else (np.zeros(n, np.float32),) * 2
+    per_device = NamedSharding(self.mesh, P(self.plan.axis))
+    on_devices = lambda x: jax.make_array_from_process_local_data(per_device, x)
+    self.state, metrics, grad_scale = finish(self.state, on_devices(sq), on_devices(bad),
+                                             sum(losses) / len(losses))
+    self._steps += 1
+    return metrics, grad_scale
+
+  def _micro_batches(self, batch) -> list:
+    """This process's batch as grad_accum micro-batches: micro-batch j holds
+    rows [j m, (j + 1) m) of every device's block of m K rows, the rows the
+    device accumulation's scan gives its j-th iteration."""
+    devices, k = len(self.positions), self.plan.grad_accum
+
+    def take(x, j):
+      xp = np if isinstance(x, np.ndarray) else jnp
+      blocks = xp.reshape(x, (devices, k, -1) + x.shape[1:])
+      return xp.reshape(blocks[:, j], (-1,) + x.shape[1:])
+    return [jax.tree.map(lambda x: take(x, j), batch) for j in range(k)]
+
   def run_device_step(self, batch) -> tuple[StepMetrics, jax.Array]:
     """The device part of one step alone: forward, backward, the update of
     the device-resident state; the host parts' gradients stay in
-    `state.grads`; returns (metrics, the host's grad scale). `step` calls
-    it, then the host side; called alone (to time the device), the host
-    parts' weights are not updated."""
+    `state.grads` (under host accumulation they are dropped, each
+    micro-batch's as the next one starts); returns (metrics, the host's
+    grad scale). `step` calls it, then the host side; called alone (to
+    time the device), the host parts' weights are not updated."""
+    if self.plan.host_accumulation:
+      return self._micro_calls(batch, None)
     if self._closed:
       raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
@@ -280,8 +339,12 @@ class ZeroEngine:
     return leaves[i]
 
   def lower(self, batch) -> jax.stages.Lowered:
-    """The lowered step for `batch` (to read its HLO or compile it ahead)."""
+    """The lowered step for `batch` (to read its HLO or compile it ahead);
+    under host accumulation, its first micro-batch's call."""
     state = self.state._replace(grads=None) if self.plan.offload else self.state
+    if self.plan.host_accumulation:
+      micro = self._micro_batches(batch)[0]
+      return self._step_fn(batch)[0].lower(state, self._global_batch(micro))
     return self._step_fn(batch).lower(state, self._global_batch(batch))
 
   def close(self) -> None:
@@ -313,7 +376,15 @@ class ZeroEngine:
       raise ValueError(f"{whose}batch of {size} examples does not split into {devices} "
                        f"devices x {self.plan.grad_accum} micro-batches")
     key = jax.tree.structure(batch)
-    if key not in self._step_fns:
+    if key in self._step_fns:
+      return self._step_fns[key]
+    if self.plan.host_accumulation:  # (first micro-batch, the others, the end)
+      micro = self._micro_batches(batch)[0]
+      make = lambda first: step_lib.make_micro_step(self.plan, self.mesh, self.loss_fn, self.tx,
+                                                    micro, first)
+      self._step_fns[key] = (make(True), make(False),
+                             step_lib.make_finish(self.plan, self.mesh, self.tx))
+    else:
       self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn, self.tx,
                                                batch)
     return self._step_fns[key]

@@ -249,6 +249,68 @@ def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale) ->
   return scalars
 
 
+def accumulate_(acc: np.ndarray, grad: np.ndarray, *, add: bool,
+                num_threads: int | None = None) -> tuple[float, bool]:
+  """Sums one micro-batch's gradient into a float32 accumulator, in place.
+
+  In one pass: acc = acc + float32(grad) (add=True), or acc = float32(grad)
+  (add=False: the first micro-batch writes, so the accumulator needs no
+  zeroing pass). The sums are float32, as the device's accumulation.
+
+  Args:
+    acc: float32 accumulator, any shape; written.
+    grad: the gradient, of acc's size: float32, bfloat16 or float16.
+    add: add into acc's values (else overwrite them).
+    num_threads: threads to use (default: `num_threads()`).
+
+  Returns:
+    (sum of the new acc's squares, each square in float32 and summed in
+    double across vectors; whether every new value is finite). The sum does
+    not depend on the thread count; its last bits depend on the instruction
+    set (the order of summation).
+
+  Raises:
+    TypeError, ValueError: naming the offending argument, before anything is
+      written (dtype, size, non-contiguous or read-only acc, overlap).
+  """
+  _require_host_array("acc", acc, writable=True)
+  _require_host_array("grad", grad, writable=False)
+  if acc.dtype != np.float32:
+    raise TypeError(f"acc must be float32, got {acc.dtype}")
+  if grad.dtype not in GRAD_DTYPES:
+    raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
+  if grad.size != acc.size:
+    raise ValueError(f"grad has {grad.size} elements, acc has {acc.size}")
+  return _ext.accumulate(acc, _payload(grad), _DTYPE_CODES[grad.dtype], bool(add), None, 1,
+                         _threads(num_threads))
+
+
+def cast_(dst: np.ndarray, src: np.ndarray, *, num_threads: int | None = None) -> None:
+  """dst = src rounded to dst's dtype (bfloat16 or float16, to nearest even,
+  as the Adam kernel's `lowp_out`), from float32, in one multi-threaded pass.
+
+  Raises:
+    TypeError, ValueError: a wrong dtype or size, a read-only dst, overlap.
+  """
+  _require_host_array("dst", dst, writable=True)
+  _require_host_array("src", src, writable=False)
+  if src.dtype != np.float32:
+    raise TypeError(f"src must be float32, got {src.dtype}")
+  if dst.dtype not in LOWP_DTYPES:
+    raise TypeError(f"dst must be bfloat16 or float16, got {dst.dtype}")
+  if dst.size != src.size:
+    raise ValueError(f"dst has {dst.size} elements, src has {src.size}")
+  _ext.accumulate(None, src, _DTYPE_CODES[src.dtype], False, _payload(dst),
+                  _DTYPE_CODES[dst.dtype], _threads(num_threads))
+
+
+def _threads(num_threads) -> int:
+  """num_threads checked, as the C++ side takes it (0: the default)."""
+  if num_threads is not None and (not _is_int(num_threads) or not 1 <= num_threads <= _INT32_MAX):
+    raise ValueError(f"num_threads must be an integer in [1, 2**31 - 1], got {num_threads!r}")
+  return int(num_threads or 0)
+
+
 def aligned_empty(shape, dtype, *, alignment: int = 4096) -> np.ndarray:
   """An uninitialized C-contiguous numpy array whose data starts on an
   `alignment`-byte boundary (a power of two; default one page).

@@ -21,13 +21,27 @@ Uploads wait for the device step to finish, so the new weights never sit
 beside the step's activations, and the device keeps the host parts'
 gradients only until they are down, before the next step starts. The host
 holds one set of landing buffers.
+
+Under host accumulation (`plan.host_accumulation`) the engine calls
+`accumulate` after each micro-batch: each leaf's host parts go down into a
+landing buffer (at most `plan.landing_limit` bytes of them at once) and the
+update thread sums them into the float32 accumulators (the first
+micro-batch writes), then frees the buffer. `host_sums` gives the end of
+the step its sum of squares and finite check; `exchange_accumulated` runs
+AdamW over the accumulators. One thread runs every host pass in order, so
+a leaf's next gradient is summed only into an accumulator the update has
+finished reading (the delayed update's), and the new weights go up from
+buffers made again from the masters when they are installed (a leaf at a
+time), not from a second set of landing buffers.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import queue
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -73,12 +87,41 @@ class HostAdam:
     self.master = on(lambda l: kernels.aligned_empty(shape(l), np.float32))
     self.mu = on(lambda l: zeros(l, hyper.mu_dtype))
     self.nu = on(lambda l: zeros(l, hyper.nu_dtype))
+    # Host accumulation: the float32 sums of the micro-batches' host parts,
+    # written by each step's first micro-batch (never zeroed).
+    self.acc = (on(lambda l: kernels.aligned_empty(shape(l), np.float32))
+                if plan.host_accumulation else None)
 
   def arrays(self) -> list:
-    """Every host array this owns (masters and moments)."""
-    return [x for t in (self.master, self.mu, self.nu) for x in jax.tree.leaves(t)]
+    """Every host array this owns (masters, moments, accumulators)."""
+    trees = (self.master, self.mu, self.nu) + ((self.acc,) if self.acc is not None else ())
+    return [x for t in trees for x in jax.tree.leaves(t)]
 
-  def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float) -> Iterator[int]:
+  def accumulate(self, i: int, grads: list, first: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Sums one micro-batch's gradients of leaf i's host parts (grads[d]: this
+    process's d-th device's, any dtype the kernel takes) into its float32
+    accumulators; the first micro-batch of a step writes them. Returns, as
+    float32 arrays with one entry per device, the sum of squares of the new
+    sums and 1 where any of them is not finite (else 0)."""
+    acc = jax.tree.leaves(self.acc)[i]
+    sq, bad = np.zeros(len(grads), np.float32), np.zeros(len(grads), np.float32)
+    for d, grad in enumerate(grads):
+      total, finite = kernels.accumulate_(acc[d], grad, add=not first)
+      sq[d], bad[d] = total, not finite
+    return sq, bad
+
+  def lowp_weights(self, i: int, out: list) -> None:
+    """Writes leaf i's host parts' weights in the compute dtype into out[d]
+    (this process's devices' pieces of a landing buffer), from the masters."""
+    master = jax.tree.leaves(self.master)[i]
+    for d, piece in enumerate(out):
+      if self._lowp_dtype == np.float32:
+        kernels.parallel_copy(piece, master[d])
+      else:
+        kernels.cast_(piece, master[d])
+
+  def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float,
+                    lowp: bool = True) -> Iterator[int]:
     """One AdamW step of every shard, leaf by leaf, largest first; yields
     each leaf's index (jax.tree.leaves order) once it is done, so its upload
     can overlap the update of the rest. Leaves without a host part are
@@ -87,8 +130,10 @@ class HostAdam:
     Args:
       grads_of: grads_of(i)[d] is the gradient of leaf i's host part on
         this process's d-th device, a writable numpy array (float32/bf16/fp16); the new weights in
-        the compute dtype are written over it.
+        the compute dtype are written over it (unless lowp is False).
       grad_scale: multiplies the gradients first (1 / loss scale * clip).
+      lowp: write the new weights over the gradients (host accumulation's
+        float32 sums instead leave them to `lowp_weights`).
     """
     step = self.count
     h = self.hyper
@@ -100,15 +145,15 @@ class HostAdam:
         continue
       grads = grads_of(i)
       for d, grad in enumerate(grads):
-        if grad.dtype != self._lowp_dtype:
+        if lowp and grad.dtype != self._lowp_dtype:
           raise TypeError(f"leaf {i}: gradients land in {grad.dtype}, the weights go back "
                           f"in {self._lowp_dtype}; the landing buffer must carry both")
-        in_place = grad if self._lowp_dtype != np.float32 else None
+        in_place = grad if lowp and self._lowp_dtype != np.float32 else None
         kernels.adam_step_(masters[i][d], grad, mus[i][d], nus[i][d], learning_rate=lr,
                            count=step + 1, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
                            weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
                            grad_scale=grad_scale, lowp_out=in_place)
-        if in_place is None:  # float32 compute: the masters themselves go up
+        if lowp and in_place is None:  # float32 compute: the masters themselves go up
           kernels.parallel_copy(grad, masters[i][d])
       yield i
     self.count += 1
@@ -121,16 +166,27 @@ class HostUpdate:
     adam: the host state and kernel.
     transfer: moves gradients down and weights up.
 
+    landing_limit: host accumulation: bytes of landing buffers held at
+      once (0: no limit).
+
   Attributes:
     timings: seconds of the last update: `wait_grads` (waiting for the
       device step), `update` (the C++ kernel, on the update thread) and
       `upload` (the exchange of weights and gradients left after the kernel
-      finished its last leaf).
+      finished its last leaf); with host accumulation also `accumulate`
+      (the step's summing passes, on the update thread) and `wait_micro`
+      (the engine waiting for micro-batches' gradients to leave the devices).
   """
 
-  def __init__(self, adam: HostAdam, transfer: ShardTransfer):
+  def __init__(self, adam: HostAdam, transfer: ShardTransfer, landing_limit: int = 0):
     self.adam, self.transfer = adam, transfer
     self.timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
+    if adam.acc is not None:
+      self.timings.update(accumulate=0.0, wait_micro=0.0)
+    self._landing_limit = landing_limit
+    self._landing_held = 0  # bytes of landing buffers the accumulation holds now
+    self._landing_freed = threading.Condition()
+    self._sums: list = []  # futures of this step's accumulation: (leaf, sq, bad)
     self._executor = concurrent.futures.ThreadPoolExecutor(1, "jzo-host-update")
     self._pending: _Update | None = None
     # The first exception of an update: the host state may then be half
@@ -192,6 +248,86 @@ class HostUpdate:
     if not delayed:
       self._finish(install, None)
 
+  def accumulate(self, grads: list, *, first: bool) -> None:
+    """Host accumulation of one micro-batch: its host parts go down leaf by
+    leaf, largest first (each waits for room under the landing limit), and
+    the update thread sums each into the accumulators, after any host pass
+    queued before it. Returns once every gradient is off the devices.
+
+    Args:
+      grads: per leaf (jax.tree.leaves order), the micro-batch's local flat
+        gradients on the devices; entries are set to None once their copy
+        down is under way (the caller keeps no other reference).
+      first: the step's first micro-batch (it writes the sums).
+    """
+    with self._guard():
+      start = time.perf_counter()
+      if first:
+        self.timings.update(accumulate=0.0, wait_micro=0.0)
+      landed = []
+      for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
+        nbytes = self._landing_bytes(i)
+        with self._landing_freed:
+          self._landing_freed.wait_for(lambda: self._room(nbytes))
+          self._landing_held += nbytes
+        landing = self.transfer.download(i, grads[i])
+        grads[i] = None
+        landed.append(landing)
+        self._sums.append(self._executor.submit(self._sum_leaf, i, landing, nbytes, first))
+      jax.block_until_ready([x for x in landed if isinstance(x, jax.Array)])
+      self.timings["wait_micro"] += time.perf_counter() - start
+
+  def _landing_bytes(self, i: int) -> int:
+    """Bytes of leaf i's landing buffer: this process's devices' host parts."""
+    layout = self.transfer.layouts[i]
+    itemsize = self.transfer.dtype.itemsize
+    return len(self.adam.shards) * math.prod(layout.host_shape[1:]) * itemsize
+
+  def _room(self, nbytes: int) -> bool:
+    """A landing buffer of nbytes fits under the limit (one always may land)."""
+    return (not self._landing_limit or not self._landing_held
+            or self._landing_held + nbytes <= self._landing_limit)
+
+  def _sum_leaf(self, i: int, landing, nbytes: int, first: bool):
+    """On the update thread: sums a landed leaf, then lets its buffer go."""
+    start = time.perf_counter()
+    try:
+      sq, bad = self.adam.accumulate(i, self.transfer.views(i, landing), first)
+    finally:
+      del landing
+      with self._landing_freed:
+        self._landing_held -= nbytes
+        self._landing_freed.notify_all()
+      self.timings["accumulate"] += time.perf_counter() - start
+    return i, sq, bad
+
+  def host_sums(self) -> tuple[np.ndarray, np.ndarray]:
+    """Waits for the step's accumulation; returns, per device of this
+    process (float32, one entry a device), the sum of squares of its host
+    parts' sums and 1 where any is not finite (else 0)."""
+    with self._guard():
+      sums, self._sums = self._sums, []
+      last = {i: (sq, bad) for i, sq, bad in (f.result() for f in sums)}  # the whole step's
+      n = len(self.adam.shards)
+      sq = sum((v[0] for v in last.values()), np.zeros(n, np.float32))
+      bad = sum((v[1] for v in last.values()), np.zeros(n, np.float32))
+      return sq, np.minimum(bad, 1)
+
+  def exchange_accumulated(self, skipped, grad_scale, *, delayed: bool,
+                           install: Callable[[int, jax.Array], jax.Array]) -> None:
+    """The host side of a host-accumulated step, after its end on the
+    devices: installs the update in flight (the delayed update's), then,
+    unless the step was skipped, runs AdamW over the accumulators (left in
+    flight with `delayed`). Arguments as `exchange`'s."""
+    with self._guard():
+      self._finish(install, None)
+      if bool(skipped):
+        return
+      self._pending = _Update({}, float(grad_scale))
+      self._pending.future = self._executor.submit(self._run, self._pending)
+      if not delayed:
+        self._finish(install, None)
+
   def finish(self, install: Callable[[int, jax.Array], jax.Array]) -> None:
     """Applies the update in flight, if any (see `exchange`)."""
     with self._guard():
@@ -226,7 +362,12 @@ class HostUpdate:
         pending.future.result()  # re-raises with the update thread's traceback
       # One leaf at a time: its new weights are in the params, and the
       # uploaded copy freed, before the next leaf's come up.
-      jax.block_until_ready(install(i, self.transfer.upload(i, pending.landing.pop(i))))
+      weights = pending.landing.pop(i, None)
+      if weights is None:  # host accumulation: the weights are made again from the masters
+        weights = self.transfer.new_landing(i)
+        self.adam.lowp_weights(i, self.transfer.views(i, weights))
+      jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
+      del weights
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
@@ -240,8 +381,13 @@ class HostUpdate:
   def _run(self, update: "_Update") -> None:
     start = time.perf_counter()
     try:
-      views = lambda i: self.transfer.views(i, update.landing[i])
-      for i in self.adam.update_leaves(views, update.grad_scale):
+      if self.adam.acc is not None:  # host accumulation: the float32 sums
+        sums = jax.tree.leaves(self.adam.acc)
+        leaves = self.adam.update_leaves(lambda i: sums[i], update.grad_scale, lowp=False)
+      else:
+        views = lambda i: self.transfer.views(i, update.landing[i])
+        leaves = self.adam.update_leaves(views, update.grad_scale)
+      for i in leaves:
         update.done.put(i)
     except BaseException as e:
       update.done.put(e)

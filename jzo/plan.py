@@ -114,6 +114,11 @@ class Plan:
   dpu_warmup: int  # plain steps before delayed updates start
   moment_bytes: int  # optimizer state bytes per parameter besides the master weights
   processes: int = 1  # processes the data axis spans, each with n_devices / processes of it
+  # grad_accum > 1 with a host part: each micro-batch's host parts go down and
+  # are summed in float32 on the host (else the step sums everything on the device)
+  host_accumulation: bool = False
+  # host accumulation: bytes of landing buffers held at once (0: one micro-batch's set)
+  landing_limit: int = 0
 
   # ------------------------------------------------------------ structure
   @property
@@ -185,7 +190,9 @@ class Plan:
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
-    if self.grad_accum > 1:
+    if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
+      grads += 4 * self.device_elements
+    elif self.grad_accum > 1:
       grads += 4 * (self.n_params if self.stage < 2 else local)
     step = {"backward grads": grads, "activations": activations}
     if not self.has_host_state:
@@ -207,8 +214,19 @@ class Plan:
     """Bytes of host RAM the offloaded state takes in one process (its
     devices' shards: all of them with one process)."""
     n = self.host_elements // self.processes
-    return {"master": 4 * n, "moments": self.moment_bytes * n,
-            "landing": n * self.grad_dtype.itemsize}
+    landing = n * self.grad_dtype.itemsize
+    if not self.host_accumulation:
+      return {"master": 4 * n, "moments": self.moment_bytes * n, "landing": landing}
+    return {"master": 4 * n, "moments": self.moment_bytes * n, "accumulator": 4 * n,
+            "landing": min(landing, self.landing_limit or landing)}
+
+  def landing_ring(self) -> int:
+    """Bytes of the smallest landing ring of host accumulation: the two
+    largest leaves' host parts of this process's devices (one lands while
+    the host sums the other)."""
+    per_leaf = sorted(self.grad_dtype.itemsize * l.shards * _rows(l) * l.on_host
+                      // self.processes for l in self.leaves)
+    return sum(per_leaf[-2:])
 
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
@@ -404,18 +422,57 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
               device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              processes: int = 1) -> Plan:
+              processes: int = 1, accumulation: str = "auto") -> Plan:
   """The plan of an engine over params of `shapes` (a tree of arrays or
   ShapeDtypeStructs). `offload`: False, True, a fraction in [0, 1] or "auto"
   (needs `device_memory`). `processes`: how many share the data axis, each
   with its own host memory (`host_memory` is one process's). Checks that
   the plan fits the memory given (None: not checked) before anything is
-  allocated.
+  allocated. `accumulation` (grad_accum > 1 with offload): "device" sums
+  the micro-batches' gradients in float32 on the device, "host" sums the
+  host parts' on the host (one micro-batch's gradients on the device;
+  landing buffers for one micro-batch if the host has room, else a ring),
+  "auto" the device where its plan fits, else the host.
 
   Raises:
-    ValueError: a bad offload value.
+    ValueError: a bad offload or accumulation value.
     PlacementError: the plan does not fit.
   """
+  if accumulation not in ("auto", "device", "host"):
+    raise ValueError(f"accumulation must be 'auto', 'device' or 'host', got {accumulation!r}")
+  kw = dict(stage=stage, n_devices=n_devices, axis=axis, compute_dtype=compute_dtype,
+            grad_dtype=grad_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
+            max_grad_norm=max_grad_norm, layers=layers, offload=offload,
+            delayed_update=delayed_update, dpu_warmup=dpu_warmup, device_memory=device_memory,
+            host_memory=host_memory, activations=activations, processes=processes)
+  if grad_accum == 1 or offload is False or accumulation == "device":
+    return _make_plan(shapes, tx_state_bytes, host_accumulation=False, **kw)
+  if accumulation == "auto":
+    try:  # the device's sums need no host pass and no download per micro-batch
+      return _make_plan(shapes, tx_state_bytes, host_accumulation=False, **kw)
+    except PlacementError:
+      pass
+  plan = _make_plan(shapes, tx_state_bytes, host_accumulation=True, landing_limit=0,
+                    **{**kw, "host_memory": None, "device_memory": device_memory})
+  if not plan.has_host_state:
+    return dataclasses.replace(plan, host_accumulation=False)
+  check = lambda plan: check_fits(plan, activations=activations, device_memory=device_memory,
+                                 host_memory=host_memory)
+  try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
+    check(plan)
+    return plan
+  except PlacementError:
+    plan = dataclasses.replace(plan, landing_limit=plan.landing_ring())
+  check(plan)
+  return plan
+
+
+def _make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: str,
+               compute_dtype, grad_dtype, loss_scale, grad_accum: int, max_grad_norm,
+               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
+               device_memory: int | None, host_memory: int | None, activations: int,
+               processes: int, host_accumulation: bool, landing_limit: int = 0) -> Plan:
+  """make_plan with the accumulation decided."""
   auto = isinstance(offload, str)
   if auto and offload != "auto":
     raise ValueError(f"offload must be True, False, a fraction in [0, 1] or 'auto', "
@@ -438,7 +495,8 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
         grad_dtype=np.dtype(grad_dtype), loss_scale=loss_scale, grad_accum=grad_accum,
         max_grad_norm=max_grad_norm, layers=layers, offload=offload is not False,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup,
-        moment_bytes=tx_state_bytes, processes=processes)
+        moment_bytes=tx_state_bytes, processes=processes,
+        host_accumulation=host_accumulation, landing_limit=landing_limit)
   if auto:
     plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
   else:

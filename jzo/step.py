@@ -17,6 +17,16 @@ One step is one jitted `shard_map` over the data axis:
        step's peak), with the factor the host kernel unscales and clips by;
        jzo.transfer copies the host parts down after the step.
 
+With offload, grad_accum = K > 1 and the host part accumulated on the host
+(`plan.host_accumulation`), a step is K + 1 calls the engine drives instead:
+`make_micro_step` runs one micro-batch (stages 1-2 reduce-scatter its
+gradients at once), adds the device part into a float32 accumulator carried
+in the state (`acc`; the first micro-batch writes it) and outputs the host
+parts' gradients in the compute dtype for the host to sum; `make_finish`
+then takes the host's sum of squares and non-finite count per device and
+ends the step as above. So a device holds one micro-batch's gradients and
+the device part's accumulator, never a float32 sum of the host part.
+
 `host_part_installer` writes a leaf's host part's new weights, once
 uploaded, into the params in place. Nothing here keeps Python state: the engine holds
 the state and calls these.
@@ -49,6 +59,7 @@ class EngineState(NamedTuple):
   loss_scale: LossScaleState
   step: jax.Array  # int32: optimizer steps applied
   skipped: jax.Array  # int32: steps skipped for non-finite gradients
+  acc: Any = None  # host accumulation, inside a step: float32 sums of the device parts
 
 
 class StepMetrics(NamedTuple):
@@ -100,6 +111,11 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
       opt_state=opt_state_specs(plan, tx) if device_state else None,
       grads=_on_layouts(plan, lambda l: grad_spec(plan, l)),
       loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
+
+
+def acc_specs(plan: Plan):
+  """Specs of the device parts' accumulator (None: no device part)."""
+  return _on_layouts(plan, lambda l: l.spec(plan.axis)) if plan.has_device_state else None
 
 
 def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
@@ -231,19 +247,40 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   else:
     buffer = jax.tree.map(lambda x: x.astype(plan.grad_dtype), buffer)
 
-  sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(shard))
+  sq = _sum_of_squares(shard)
   # Offload checks what it ships (an fp16 rounding of an fp32 sum may overflow).
-  checked = jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.offload else ())
-  bad = sum(jnp.sum(~jnp.isfinite(x)) for x in checked).astype(jnp.float32)
-  if stage > 0:  # shards: sum over devices (stage 0 holds the full reduced gradient)
+  bad = _non_finite(jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.offload else ()))
+  return end_step(plan, tx, state, device_part, buffer, sq, bad,
+                  jax.lax.psum(loss, axis) / plan.n_devices)
+
+
+def _sum_of_squares(tree):
+  return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)),
+             jnp.float32(0))
+
+
+def _non_finite(leaves):
+  return sum((jnp.sum(~jnp.isfinite(x)) for x in leaves), jnp.int32(0)).astype(jnp.float32)
+
+
+def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, device_part,
+             buffer, sq, bad, loss):
+  """Inside shard_map, once the step's gradients are summed: the finite
+  check, the global norm and clip factor, the loss-scale update and the
+  device part's update. sq, bad: this device's sum of squares and count of
+  non-finite values (stage 0: of the full reduced gradient); device_part:
+  its float32-able device parts; buffer: what the state keeps as `grads`;
+  loss: the mean loss over the global batch. Returns (state, metrics,
+  the host's grad scale)."""
+  axis, layouts, scale = plan.axis, plan.layouts, state.loss_scale.scale
+  if plan.stage > 0:  # shards: sum over devices (stage 0 holds the full reduced gradient)
     sq, bad = jax.lax.psum((sq, bad), axis)
   finite = (bad == 0) & jnp.isfinite(sq)
   grad_norm = jnp.sqrt(sq) / scale
   factor = 1.0 / scale
   if plan.max_grad_norm is not None:
     factor = factor * jnp.minimum(1.0, plan.max_grad_norm / (grad_norm + 1e-6))
-  metrics = StepMetrics(loss=jax.lax.psum(loss, axis) / plan.n_devices, grad_norm=grad_norm,
-                        loss_scale=scale, skipped=~finite)
+  metrics = StepMetrics(loss=loss, grad_norm=grad_norm, loss_scale=scale, skipped=~finite)
   counters = dict(loss_scale=update_loss_scale(state.loss_scale, finite, plan.loss_scale),
                   step=state.step + finite.astype(jnp.int32),
                   skipped=state.skipped + (~finite).astype(jnp.int32))
@@ -263,6 +300,65 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
       lambda l, p, m: write_part(plan, l, p, m.astype(plan.compute_dtype), 0),
       layouts, state.params, master, is_leaf=is_layout)
   return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
+
+
+def make_micro_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
+                    micro_batch, first: bool) -> Callable:
+  """The jitted call of one micro-batch under host accumulation,
+  `(state, micro_batch) -> (state, loss)`: the state (donated) comes out
+  with `acc`, the device parts' float32 sums so far (the first micro-batch
+  writes them: `acc` goes in as None), and `grads`, this micro-batch's
+  gradient shards of the leaves with a host part in the compute dtype
+  (others empty); loss is its mean over the devices."""
+  specs = state_specs(plan, tx)
+  acc = acc_specs(plan)
+  batch_specs = jax.tree.map(lambda _: P(plan.axis), micro_batch)
+  fn = jax.shard_map(lambda s, b: local_micro_step(plan, loss_fn, s, b, first), mesh=mesh,
+                     in_specs=(specs._replace(grads=None, acc=None if first else acc),
+                               batch_specs),
+                     out_specs=(specs._replace(acc=acc), P()), check_vma=False)
+  return jax.jit(fn, donate_argnums=0)
+
+
+def local_micro_step(plan: Plan, loss_fn: Callable, state: EngineState, batch, first: bool):
+  """One device's micro-batch inside shard_map (see make_micro_step)."""
+  grad_fn = jax.value_and_grad(
+      lambda p, b: scaled_loss(plan, loss_fn, p, b, state.loss_scale.scale), has_aux=True)
+  (_, loss), g = grad_fn(state.params, batch)
+  flatten = lambda f, tree: jax.tree.map(f, plan.layouts, tree, is_leaf=is_layout)
+  if plan.stage in (1, 2):  # each micro-batch's shard: stage 1 has no full fp32 sum to keep
+    g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), plan.axis, tiled=True), g)
+  acc = None
+  if plan.has_device_state:
+    part = flatten(lambda l, x: x[..., :l.on_device].astype(jnp.float32), g)
+    acc = part if first else jax.tree.map(jnp.add, state.acc, part)
+  host = flatten(lambda l, x: (x if l.on_host else x[..., :0]).astype(plan.grad_dtype), g)
+  return state._replace(grads=host, acc=acc), jax.lax.psum(loss, plan.axis) / plan.n_devices
+
+
+def make_finish(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation) -> Callable:
+  """The jitted end of a host-accumulated step, `(state, host_sq, host_bad,
+  loss) -> (state, metrics, grad_scale)`: host_sq and host_bad (float32,
+  (n_devices,), sharded over the data axis) are the sum of squares and the
+  count of non-finite values of each device's host parts, as the host
+  summed them; loss is the mean over the micro-batches. The state (donated)
+  comes out without `acc`, its device part updated as `make_step`'s."""
+  specs = state_specs(plan, tx)
+  fn = jax.shard_map(lambda s, sq, bad, loss: local_finish(plan, tx, s, sq, bad, loss),
+                     mesh=mesh, in_specs=(specs._replace(grads=None, acc=acc_specs(plan)),
+                                          P(plan.axis), P(plan.axis), P()),
+                     out_specs=(specs._replace(grads=None), StepMetrics(P(), P(), P(), P()), P()),
+                     check_vma=False)
+  return jax.jit(fn, donate_argnums=0)
+
+
+def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineState, host_sq,
+                 host_bad, loss):
+  """One device's end of a host-accumulated step inside shard_map."""
+  acc = state.acc if state.acc is not None else {}
+  sq = _sum_of_squares(acc) + host_sq[0]
+  bad = _non_finite(jax.tree.leaves(acc)) + host_bad[0]
+  return end_step(plan, tx, state._replace(acc=None), state.acc, None, sq, bad, loss)
 
 
 def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):

@@ -95,7 +95,7 @@ class ShardTransfer:
   """
 
   def __init__(self, mesh: Mesh, axis: str, layouts, dtype, pinned: bool = True):
-    self._mesh, self._axis, self._dtype = mesh, axis, np.dtype(dtype)
+    self._mesh, self._axis, self.dtype = mesh, axis, np.dtype(dtype)
     self.pinned = pinned
     self.layouts: list[LeafLayout] = jax.tree.leaves(layouts, is_leaf=is_layout)
     self._positions = local_positions(mesh)  # this process's shards
@@ -103,6 +103,7 @@ class ShardTransfer:
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
     self._host_part_fns: dict[int, object] = {}  # leaf index -> its compiled slice
+    self._zeros_fns: dict[int, object] = {}  # leaf index -> its new landing buffer
 
   def download(self, i: int, grad: jax.Array) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
@@ -128,12 +129,26 @@ class ShardTransfer:
     host killed the run; reserved at once, one region of 16 GiB."""
     # This process's shards: its devices' part of each leaf's host parts.
     share = len(self._positions) / self._mesh.devices.size
-    total = int(share * self._dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
+    total = int(share * self.dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
                                                    for l in self.layouts if l.on_host))
     if total and self.pinned:
       device = self._mesh.devices.flat[self._positions[0]]
       pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
       jax.jit(lambda: jnp.zeros(total, jnp.uint8), out_shardings=pinned)().delete()
+
+  def new_landing(self, i: int):
+    """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), for
+    weights made on the host: in pinned host memory, or on the portable
+    path a `HostLanding`."""
+    layout = self.layouts[i]
+    if not self.pinned:
+      shape = layout.host_shape[1:]
+      return HostLanding([np.zeros(shape, self.dtype) for _ in self._positions])
+    if i not in self._zeros_fns:
+      shape = layout.part_shape(layout.on_host)
+      self._zeros_fns[i] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
+                                   out_shardings=self._pinned[i])
+    return self._zeros_fns[i]()
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`);
