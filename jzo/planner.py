@@ -13,6 +13,7 @@ build their plan with the same code (jzo.plan.make_plan).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              offload: bool | float | str = "auto", moments: str = "fp32",
              precision: str = "bf16", grad_accum: int = 1, delayed_update: bool = False,
              layers: str | None = None, device_memory: int | None = None,
-             host_memory: int | None = None) -> Estimate:
+             host_memory: int | None = None, accumulation: str = "auto") -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -65,7 +66,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     activations: bytes one device needs for activations and temporaries at
       the step's peak (`activation_bytes` of a family in jzo.models).
     devices: size of the data axis.
-    stage, grad_accum, delayed_update, layers: as for `ZeroEngine`.
+    stage, grad_accum, delayed_update, layers, accumulation: as for `ZeroEngine`.
     offload: as for `ZeroEngine` (False, True, a fraction or "auto").
     moments: "fp32" or "bf16" Adam moments (jzo.cpu_adamw's mu/nu_dtype).
     precision: "bf16" or "fp16" compute (or "fp32").
@@ -93,7 +94,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
             grad_dtype=jnp.float32 if grad_accum > 1 and not offloading else compute_dtype,
             loss_scale=loss_scale, grad_accum=grad_accum, max_grad_norm=None, layers=layers,
             offload=offload, delayed_update=delayed_update, dpu_warmup=0,
-            activations=activations)
+            activations=activations, accumulation=accumulation)
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, device_memory=device_memory,
                               host_memory=host_memory, **kw)
@@ -110,3 +111,66 @@ def local_device_memory() -> int | None:
   """Bytes of this machine's first accelerator, or None where there is none."""
   device = jax.devices()[0]
   return None if device.platform == "cpu" else plan_lib.device_memory_limit(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+  """The outcome of `pick_micro_batch`."""
+  micro_batch: int  # sequences per device in one forward and backward
+  grad_accum: int  # micro-batches per step
+  estimate: Estimate  # the plan at that micro-batch (it fits)
+  line: str  # what was picked and why, for a person to read
+
+
+def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices: int,
+                     global_batch: int, **options) -> MicroBatch:
+  """The largest micro-batch whose plan fits, and the accumulation that
+  makes `global_batch` of it: micro-batches of m sequences a device, m
+  dividing global_batch / devices, tried from the largest down.
+
+  Args:
+    params: as for `estimate` (a tree of shapes, or a function returning params).
+    activation_bytes: activation_bytes(m) is the bytes one device needs for
+      activations at a micro-batch of m sequences (e.g.
+      `functools.partial(gpt.activation_bytes, config, seq_len=1024)`).
+    devices: size of the data axis.
+    global_batch: sequences per optimizer step over all devices.
+    **options: the rest of `estimate`'s arguments (stage, offload, moments,
+      precision, delayed_update, layers, device_memory, host_memory,
+      accumulation); not grad_accum, which this picks.
+
+  Returns:
+    A MicroBatch; its `line` reads e.g. "micro-batch 8 a device x 4
+    accumulation x 1 device = global batch 32 (16 does not fit: ...)".
+
+  Raises:
+    ValueError: global_batch or devices not positive, or global_batch not a
+      multiple of devices.
+    PlacementError: no micro-batch fits, not even 1; the message has the numbers.
+  """
+  if "grad_accum" in options:
+    raise TypeError("pick_micro_batch picks grad_accum; do not pass it")
+  for name, value in (("devices", devices), ("global_batch", global_batch)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+  per_device, rest = divmod(global_batch, devices)
+  if rest:
+    raise ValueError(f"global batch {global_batch} does not split over {devices} devices "
+                     f"({global_batch} = {per_device} x {devices} + {rest})")
+  shapes = jax.eval_shape(params) if callable(params) else params
+  refused = None
+  for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):
+    accum = per_device // micro
+    found = estimate(shapes, activations=activation_bytes(micro), devices=devices,
+                     grad_accum=accum, **options)
+    if found.fits:
+      where = ""
+      if accum > 1 and found.plan.offload:
+        where = " summed on the host" if found.plan.host_accumulation else " summed on the device"
+      why = f" ({refused[0]} does not fit: {refused[1]})" if refused else ""
+      line = (f"micro-batch {micro} a device x {accum} accumulation{where} x {devices} "
+              f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
+      return MicroBatch(micro, accum, found, line)
+    refused = refused or (micro, found.error)
+  raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
+                       f"fits, not even 1 a device x {per_device} accumulation: {found.error}")
