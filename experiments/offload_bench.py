@@ -17,6 +17,12 @@ the exchange left after the kernel (uploads of the last leaves and the
 downloads of the next gradients), and the pinned-memory bandwidth of the
 engine's own transfers measured apart (all host parts down, then up).
 
+With --grad-accum K > 1, --accumulation host sums the host parts on the
+host (a device call per micro-batch); the result then also has the device
+time per micro-batch (the device calls alone / K), the host's summing
+passes a step and the time the engine waited for micro-batches' gradients
+to leave the GPU.
+
   python experiments/offload_bench.py --model gpt2-1.5b --batch 8 --json out.json
 """
 
@@ -80,6 +86,7 @@ def run_one(args) -> list[dict]:
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
       tx, stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
+      accumulation=args.accumulation if offload else "auto",
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
       activation_memory=max(activations.values()),
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None,
@@ -95,8 +102,8 @@ def run_one(args) -> list[dict]:
   results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
                            activations[micro])
              for micro in args.batch]
-  if engine.host_update is not None:
-    # The engine's transfers apart: every host part down, then up, one set
+  if engine.host_update is not None and not engine.plan.host_accumulation:
+    # The engine's transfers apart (host accumulation keeps no step's gradients to time): every host part down, then up, one set
     # of landing buffers at a time (a second set of gpt2-10b's does not fit
     # the host).
     print("timing the transfers", file=sys.stderr, flush=True)
@@ -157,6 +164,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
       "device": jax.devices()[0].device_kind, "build_s": build_s,
       "offloaded_fraction": engine.plan.offloaded_fraction if offload else 0.0,
+      "host_accumulation": engine.plan.host_accumulation,
       # The planner's figures for this run, beside the measured ones.
       "planned_gpu_gib": sum(engine.plan.device_peak(activations).values()) / 2**30,
       "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
@@ -167,9 +175,13 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     result["host_update_s"] = statistics.median(t["update"] for t in timings)
     result["exchange_tail_s"] = statistics.median(t["upload"] for t in timings)
     result["host_update_gparam_s"] = (engine.plan.host_elements / result["host_update_s"] / 1e9)
+    if engine.plan.host_accumulation:
+      result["host_accumulate_s"] = statistics.median(t["accumulate"] for t in timings)
+      result["wait_micro_s"] = statistics.median(t["wait_micro"] for t in timings)
     # The device step alone: forward, backward, device-part update.
     print("timing the device step alone", file=sys.stderr, flush=True)
     result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
+    result["device_micro_s"] = result["device_step_s"] / args.grad_accum
   return result
 
 
@@ -201,6 +213,8 @@ def parse_args():
   parser.add_argument("--n-layer", type=int, help="layers, instead of the preset's")
   parser.add_argument("--grad-accum", type=int, default=1)
   parser.add_argument("--remat", default="full", help="full, dots or none")
+  parser.add_argument("--accumulation", choices=["auto", "device", "host"], default="auto",
+                      help="with --grad-accum > 1 and offload: where the micro-batches are summed")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
@@ -227,7 +241,7 @@ def main():
     cmd = [sys.executable, __file__, "--config", name, "--model", args.model,
            "--seq-len", str(args.seq_len), "--batch", *map(str, args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-           "--moments", args.moments, "--remat", args.remat]
+           "--moments", args.moments, "--remat", args.remat, "--accumulation", args.accumulation]
     if args.n_layer:
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:
@@ -259,6 +273,9 @@ def main():
       parts = (f"device {r['device_step_s']:.3f} s, host update {r['host_update_s']:.3f} s "
                f"({r['host_update_gparam_s']:.2f} Gparam/s), exchange after it "
                f"{r['exchange_tail_s']:.3f} s")
+    if "host_accumulate_s" in r:
+      parts += (f"; {r['device_micro_s']:.3f} s a micro-batch, host sums "
+                f"{r['host_accumulate_s']:.3f} s, waited {r['wait_micro_s']:.3f} s for them")
     if "d2h_gb_s" in r:  # measured once per engine, after its last micro-batch
       parts += f"; pinned D2H {r['d2h_gb_s']:.1f} GB/s, H2D {r['h2d_gb_s']:.1f} GB/s"
     print(f"{r['config']:<12} {r['batch']:5} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "

@@ -24,6 +24,27 @@ weights come up). Host (all devices' shards): masters and moments of the
 host part and one landing buffer per leaf, which carries the gradients down
 and the new weights up, in XLA's pinned pool; the runtime. Building draws
 one leaf at a time in float32 on the first device, largest first.
+
+Host accumulation (grad_accum > 1, `Plan.host_accumulation`) moves the
+float32 sum of the host parts to the host. Bytes per parameter whose state
+is on the host: master 4 + moments 8 (4 in bf16) + accumulator 4 + landing
+2 (one micro-batch's gradients in the compute dtype; a ring of the two
+largest leaves when the host lacks room; the new weights are made again
+from the masters a leaf at a time, so none wait in landing buffers). Per
+device: params 2 a parameter, one micro-batch's gradients 2 a parameter,
+and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
+The targets of issue 23 (one H100, 78 GiB usable, 6% headroom; 125 GiB
+host, 4.5 GiB runtime; mb 8, seq 1024, activations 5.43 GiB, 3.99 at 4b):
+  gpt2-10b, fp32 moments: device fixed 19.15 + 19.15 + 5.43 = 43.7 GiB
+    leaves 29.6 GiB for 16 B each: 1.99B params' state on the device; the
+    other 8.29B need 16 B = 123.6 GiB + runtime 4.5 on the host, over 125
+    with no landing buffer at all: does not fit (3.1 GiB short).
+  gpt2-13b, bf16 moments: device fixed 23.93 + 23.93 + 5.43 = 53.3 GiB
+    leaves 20.0 GiB at 12 B: 1.79B on the device; the other 11.06B need
+    12 B = 123.6 GiB + 4.5: does not fit either (3.1 GiB short).
+  gpt2-4b, all on the host: host 16 + 2 B x 4.24B = 71.0 GiB + 4.5; device
+    7.89 + 7.89 + 3.99 GiB. Fits; "auto" keeps its float32 sum on the
+    device instead (7.89 + 23.67 + 3.99 GiB), which needs no host pass.
 """
 
 from __future__ import annotations
