@@ -41,7 +41,7 @@ def run_one(args) -> dict:
   model = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=remat,
                               attention=attention)
   recipe_model = dataclasses.replace(models.PRESETS[args.model], config=model)
-  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1])
+  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1], args.batch)
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1),
                                   dtype=np.int32)}

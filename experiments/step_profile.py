@@ -46,7 +46,7 @@ def profile(args) -> None:
                           stage=args.stage, offload=False, remat=args.remat)
   model = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len, remat=args.remat)
   recipe_model = dataclasses.replace(models.PRESETS[args.model], config=model)
-  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1])
+  engine = loop.make_engine(cfg, recipe_model, None, jax.devices()[:1], args.batch)
   rng = np.random.default_rng(0)
   batch = {"tokens": rng.integers(0, model.vocab_size, (args.batch, args.seq_len + 1),
                                   dtype=np.int32)}

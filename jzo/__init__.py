@@ -4,6 +4,7 @@ Public API:
   ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
   HostLeaf: a lazy host array, one of the forms of ZeroEngine's params.
   estimate: the memory planner: what lives where, and whether it fits.
+  pick_micro_batch: the largest micro-batch that fits a global batch.
   gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
   LossScale: dynamic loss-scaling settings for float16.
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
@@ -17,7 +18,7 @@ from jzo import distributed, kernels
 from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
 from jzo.host_leaf import HostLeaf
-from jzo.planner import estimate
+from jzo.planner import estimate, pick_micro_batch
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer
@@ -25,5 +26,5 @@ from jzo.precision import LossScale
 
 __all__ = ["CpuAdamState", "EngineState", "HostLeaf", "LossScale", "PlacementError", "Plan",
            "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
-           "estimate", "gather_layer", "kernels"]
+           "estimate", "gather_layer", "kernels", "pick_micro_batch"]
 __version__ = "0.1.0"

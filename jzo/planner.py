@@ -171,6 +171,6 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
       line = (f"micro-batch {micro} a device x {accum} accumulation{where} x {devices} "
               f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
       return MicroBatch(micro, accum, found, line)
-    refused = refused or (micro, found.error)
+    refused = (micro, found.error)  # the next larger, reported if a smaller one fits
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
                        f"fits, not even 1 a device x {per_device} accumulation: {found.error}")

@@ -239,3 +239,29 @@ def test_pick_micro_batch_takes_the_largest_that_fits():
   with pytest.raises(PlacementError, match="global batch 32 on 1 device.*not even 1 a device x "
                                            "32 accumulation"):
     planner.pick_micro_batch(shapes, act, device_memory=2 * GiB, **kw)
+
+
+def test_the_recipe_picks_the_micro_batch_and_says_so(tmp_path, capsys, monkeypatch):
+  """`python -m jzo.train --micro-batch auto` (the default) on devices of
+  a few MiB: the planner's largest micro-batch that fits, the accumulation
+  that makes --batch-size, summed on the host, in the line the run prints;
+  the engine built with them; and a device too small for one sequence is
+  one line with the numbers."""
+  from jzo import train
+  from jzo.recipe import loop
+  built = []
+  build = loop.build_engine
+  monkeypatch.setattr(loop, "build_engine", lambda *a: built.append(build(*a)) or built[-1])
+  # tiny at seq 128: 0.8 MiB of activations a sequence, 8 sequences a device
+  args = ["--steps", "2", "--batch-size", "16", "--devices", "2", "--offload",
+          "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "0"]
+  assert train.main(args + ["--device-memory-gb", "0.004", "--out", str(tmp_path / "a")]) == 0
+  out = capsys.readouterr().out
+  assert ("micro-batch 2 a device x 4 accumulation summed on the host x 2 devices = global "
+          "batch 16 (4 does not fit: does not fit a device: needs") in out
+  engine, = built
+  assert engine.plan.grad_accum == 4 and engine.plan.host_accumulation
+  assert train.main(args + ["--device-memory-gb", "0.0001", "--out", str(tmp_path / "b")]) == 2
+  assert ("error: global batch 16 on 2 device(s): no micro-batch fits, not even 1 a device x 8 "
+          "accumulation") in capsys.readouterr().err
+  assert not (tmp_path / "b").exists()

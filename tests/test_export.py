@@ -49,8 +49,8 @@ def run(request, tmp_path_factory) -> Run:
   built = []
   build = loop.build_engine
 
-  def keep(cfg, model, params, devices):
-    built.append((model.config, build(cfg, model, params, devices)))
+  def keep(cfg, model, params, devices, micro):
+    built.append((model.config, build(cfg, model, params, devices, micro)))
     return built[-1][1]
   with pytest.MonkeyPatch.context() as m:
     m.setattr(loop, "build_engine", keep)

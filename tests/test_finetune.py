@@ -16,14 +16,13 @@ import sys
 
 import numpy as np
 import pytest
+import tokenizers
+import torch
+import transformers
 
 from jzo import export, train
 from jzo.models import llama
 from jzo.recipe import data as data_lib
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

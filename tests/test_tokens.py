@@ -13,6 +13,7 @@ import pathlib
 import numpy as np
 import pytest
 import tokenizers
+import transformers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jzo.recipe import packing, tokens
@@ -112,7 +113,6 @@ def folders(tmp_path_factory, tokenizer_json) -> dict[str, pathlib.Path]:
 
 
 def reference(folder: pathlib.Path, template: str, config: dict):
-  transformers = pytest.importorskip("transformers")
   return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
                                               chat_template=template, **config)
 

@@ -88,21 +88,50 @@ def cap_pinned_pool(model: models.Model) -> None:
   jzo.plan.limit_pinned_pool(2 * model.config.n_params)
 
 
-def micro_batch(cfg: TrainConfig, devices) -> int:
-  """Sequences per device in one forward and backward, from --micro-batch."""
+def per_device_batch(cfg: TrainConfig, devices) -> int:
+  """Sequences per device per step; refuses a --batch-size that does not
+  split over the devices or into --micro-batch."""
   per_device, rest = divmod(cfg.batch_size, len(devices))
   if rest:
-    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices")
-  micro = per_device if cfg.micro_batch == "auto" else int(cfg.micro_batch)
-  if per_device % micro:
+    raise UserError(f"--batch-size {cfg.batch_size} does not split over {len(devices)} devices "
+                    f"({cfg.batch_size} = {per_device} x {len(devices)} + {rest})")
+  if cfg.micro_batch != "auto" and per_device % int(cfg.micro_batch):
     raise UserError(f"--batch-size {cfg.batch_size} over {len(devices)} devices is "
-                    f"{per_device} a device, not a multiple of --micro-batch {micro}")
-  return micro
+                    f"{per_device} a device, not a multiple of --micro-batch {cfg.micro_batch}")
+  return per_device
 
 
-def make_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.ZeroEngine:
-  """The run's engine over `devices`: `params` lazy leaves of a checkpoint,
-  or None to draw new weights from --seed."""
+def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, str]:
+  """(sequences per device in one forward and backward, a line saying how
+  many and why). --micro-batch auto asks the planner for the largest that
+  fits with the accumulation that makes --batch-size (jzo.pick_micro_batch);
+  devices that report no memory limit (CPUs) take their whole share."""
+  per_device = per_device_batch(cfg, devices)
+  device_memory = (int(cfg.device_memory_gb * 2**30)
+                   or jzo.plan.device_memory_limit(distributed.own_device(devices)))
+  if cfg.micro_batch != "auto" or not device_memory:
+    micro = per_device if cfg.micro_batch == "auto" else int(cfg.micro_batch)
+    why = "--micro-batch" if cfg.micro_batch != "auto" else "the devices report no memory limit"
+    return micro, (f"micro-batch {micro} a device x {per_device // micro} accumulation x "
+                   f"{len(devices)} device(s) = global batch {cfg.batch_size} ({why})")
+  shapes = jax.eval_shape(functools.partial(model.init_params, jax.random.PRNGKey(0)))
+  try:
+    picked = jzo.pick_micro_batch(
+        shapes, functools.partial(model.activation_bytes, seq_len=cfg.seq_len),
+        devices=len(devices), global_batch=cfg.batch_size, stage=cfg.stage,
+        offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
+        delayed_update=cfg.delayed_update,
+        layers=model.family.layers if cfg.stage == 3 else None, device_memory=device_memory)
+  except jzo.PlacementError as e:
+    raise UserError(str(e)) from e
+  return picked.micro_batch, picked.line
+
+
+def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
+                micro: int) -> jzo.ZeroEngine:
+  """The run's engine over `devices` at `micro` sequences per device per
+  forward and backward: `params` lazy leaves of a checkpoint, or None to
+  draw new weights from --seed."""
   if params is None:
     # A function, not arrays: the engine checks its plan fits from the shapes,
     # then draws the float32 weights one leaf at a time.
@@ -110,7 +139,6 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.Z
   moments = jnp.bfloat16 if cfg.moments == "bf16" else None
   tx = jzo.cpu_adamw(lr_schedule(cfg, model), b2=0.95, weight_decay=cfg.weight_decay,
                      mask=model.decay_mask, mu_dtype=moments, nu_dtype=moments)
-  micro = micro_batch(cfg, devices)
   return jzo.ZeroEngine(
       model.loss_fn, params, tx,
       mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
@@ -122,11 +150,12 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.Z
       device_memory=int(cfg.device_memory_gb * 2**30) or None)
 
 
-def build_engine(cfg: TrainConfig, model: models.Model, params, devices) -> jzo.ZeroEngine:
+def build_engine(cfg: TrainConfig, model: models.Model, params, devices,
+                 micro: int) -> jzo.ZeroEngine:
   """`make_engine`, its refusals (a plan that does not fit: before any
   weight is drawn) as UserErrors."""
   try:
-    return make_engine(cfg, model, params, devices)
+    return make_engine(cfg, model, params, devices, micro)
   except (ValueError, TypeError, MemoryError) as e:
     raise UserError(str(e)) from e
 
@@ -165,7 +194,7 @@ def train(cfg: TrainConfig) -> dict:
   if cfg.offload:
     cap_pinned_pool(model)  # before JAX starts its GPU backend, which reads the cap
   devices = pick_devices(cfg)
-  micro_batch(cfg, devices)  # refuses a batch that does not split before reading the data
+  per_device_batch(cfg, devices)  # refuses a batch that does not split before reading data
   out = pathlib.Path(cfg.out)
   primary = distributed.is_primary()  # prints, logs and plots
   check_checkpoint_to_continue(cfg, out)
@@ -174,10 +203,11 @@ def train(cfg: TrainConfig) -> dict:
   # data leaves --out as it was.
   data = data_lib.load_data(cfg, model.config.vocab_size, out / "data-cache", progress=primary)
   model = run_model(cfg, model, data)
+  micro, micro_line = micro_batch(cfg, model, devices)
   out.mkdir(parents=True, exist_ok=True)
   if cfg.sample:
     with checkpoint.open_manager(out / "checkpoints") as manager:
-      engine = build_engine(cfg, model, params, devices)
+      engine = build_engine(cfg, model, params, devices, micro)
       restore_run(manager, engine, cfg, out)
       params = engine.params  # every process takes part in the gather
       if primary:
@@ -188,7 +218,7 @@ def train(cfg: TrainConfig) -> dict:
     remove_partial_checkpoints(out)
   barrier("jzo: partial checkpoints removed")
   with Interrupts() as stop, checkpoint.open_manager(out / "checkpoints") as manager:
-    engine = build_engine(cfg, model, params, devices)
+    engine = build_engine(cfg, model, params, devices, micro)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
     history = start_log(cfg, out, first) if primary else []
     if primary and not first:
@@ -199,6 +229,7 @@ def train(cfg: TrainConfig) -> dict:
     if primary:
       print(banner(cfg, model, data.n_tokens, devices, peak))
       print(engine.plan)
+      print(micro_line)
     schedule = lr_schedule(cfg, model)
     meter = Throughput(cfg, model, peak * len(devices))
     last = {}
