@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import jzo
-from jzo import partition
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 
 TX = lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1, mask={"embed": True, "blocks": False,
