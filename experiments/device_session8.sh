@@ -43,9 +43,9 @@ for part in "$@"; do
         python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
       done
       JAX_PLATFORMS=cuda,cpu timeout 200 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_offload_gpu.py tests/test_transfer.py >"$OUT/tests-gpu.log" 2>&1
+        tests/test_offload_gpu.py >"$OUT/tests-gpu.log" 2>&1
       echo "GPU tests: exit $?"; tail -3 "$OUT/tests-gpu.log"
-      for t in test_tokens test_hf test_finetune test_accumulation; do
+      for t in test_finetune test_accumulation test_transfer test_offload; do
         timeout 300 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/$t.py \
           >"$OUT/$t.log" 2>&1
         echo "$t: exit $?"; tail -2 "$OUT/$t.log"

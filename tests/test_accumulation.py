@@ -135,6 +135,22 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
   assert max(held) <= largest
 
 
+
+def test_a_slow_host_holds_one_micro_batch_of_landing_buffers_as_planned():
+  """The device runs ahead of a host that sums slowly: the micro-batches
+  wait for room, and the landing buffers held never pass one micro-batch's
+  set, the bytes the plan counts."""
+  import time
+  engine, = engines(("host",), stage=2, offload=True, compute_dtype=jnp.bfloat16)
+  update = engine.host_update
+  accumulate = update.adam.accumulate
+  update.adam.accumulate = lambda *a: time.sleep(0.02) or accumulate(*a)
+  for b in batches(2, size=64):
+    engine.step(b)
+  one_set = sum(update._landing_bytes(i) for i in update._host_leaves)
+  assert one_set == engine.plan.host_bytes()["landing"]
+  assert 0 < update.landing_peak <= one_set
+
 # ------------------------------------------------------------------ kernel
 BF16 = ml_dtypes.bfloat16
 

@@ -184,7 +184,8 @@ def test_bad_checkpoints_and_data_are_one_line(checkpoint, chat_data, tmp_path, 
 def test_the_real_entry_points(checkpoint, chat_data, tmp_path):
   """`python -m jzo.train --init-from` and `python -m jzo.export --format hf` in subprocesses."""
   out = tmp_path / "run"
-  two_cpus = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  two_cpus = {**os.environ, "JAX_PLATFORMS": "cpu",
+              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   trained = subprocess.run([sys.executable, "-m", "jzo.train",
                             *fine_tune(checkpoint, chat_data, out, "--steps", "2")],
                            capture_output=True, text=True, timeout=600, env=two_cpus)
