@@ -11,6 +11,7 @@
 #             4 x 8 summed on the host and on the device, both with the delayed update
 #   acc10b    gpt2-10b, bf16 moments: offload auto + delayed update at 8 (no accumulation)
 #             and at 4 x 8 summed on the host
+#   acc10bhost  the second of those alone
 #   ds8b      DeepSpeed ZeRO-2 + offload_optimizer, transformers' LlamaForCausalLM of
 #             llama-3.1-8b's shape at seq 4096 (host memory runs out, as arithmetic says)
 #   qwen14    jzo, qwen2.5-14b with bf16 moments, micro-batch 1 at seq 4096
@@ -58,6 +59,9 @@ for part in "$@"; do
         --configs offload_dpu --steps 6 ;;
     acc10b)
       gpt $part --model gpt2-10b --moments bf16 --batch 8 --configs auto_dpu --steps 6
+      gpt $part --model gpt2-10b --moments bf16 --batch 8 --grad-accum 4 --accumulation host \
+        --configs auto_dpu --steps 5 ;;
+    acc10bhost)
       gpt $part --model gpt2-10b --moments bf16 --batch 8 --grad-accum 4 --accumulation host \
         --configs auto_dpu --steps 5 ;;
     ds8b) python3 experiments/hf_baselines.py --shape llama-3.1-8b --system deepspeed \
