@@ -43,6 +43,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Iterator
 
 import jax
@@ -267,18 +268,21 @@ class HostUpdate:
       start = time.perf_counter()
       if first:
         self.timings.update(accumulate=0.0, wait_micro=0.0)
+      # Weak references: a buffer whose sum is done (and its room given
+      # back) must be freed, not kept here while later leaves wait for room.
       landed = []
       for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
         nbytes = self._landing_bytes(i)
-        with self._landing_freed:
-          self._landing_freed.wait_for(lambda: self._room(nbytes))
-          self._landing_held += nbytes
-          self.landing_peak = max(self.landing_peak, self._landing_held)
+        self._hold_landing(nbytes)
         landing = self.transfer.download(i, grads[i])
         grads[i] = None
-        landed.append(landing)
-        self._sums.append(self._executor.submit(self._sum_leaf, i, landing, nbytes, first))
-      jax.block_until_ready([x for x in landed if isinstance(x, jax.Array)])
+        if isinstance(landing, jax.Array):
+          landed.append(weakref.ref(landing))
+        # Handed over in a list the update thread empties: an argument would
+        # stay referenced by the executor's work item after the sum.
+        self._sums.append(self._executor.submit(self._sum_leaf, i, [landing], nbytes, first))
+        del landing
+      jax.block_until_ready([x for x in (ref() for ref in landed) if x is not None])
       self.timings["wait_micro"] += time.perf_counter() - start
 
   def _landing_bytes(self, i: int) -> int:
@@ -287,20 +291,30 @@ class HostUpdate:
     itemsize = self.transfer.dtype.itemsize
     return len(self.adam.shards) * math.prod(layout.host_shape[1:]) * itemsize
 
-  def _room(self, nbytes: int) -> bool:
-    """A landing buffer of nbytes fits under the limit (one always may land)."""
-    return not self._landing_held or self._landing_held + nbytes <= self._landing_limit
+  def _hold_landing(self, nbytes: int) -> None:
+    """Waits until a landing buffer of nbytes fits under the limit (one
+    always may land when none is held), then counts it as held."""
+    with self._landing_freed:
+      self._landing_freed.wait_for(
+          lambda: not self._landing_held or self._landing_held + nbytes <= self._landing_limit)
+      self._landing_held += nbytes
+      self.landing_peak = max(self.landing_peak, self._landing_held)
 
-  def _sum_leaf(self, i: int, landing, nbytes: int, first: bool):
-    """On the update thread: sums a landed leaf, then lets its buffer go."""
+  def _release_landing(self, nbytes: int) -> None:
+    with self._landing_freed:
+      self._landing_held -= nbytes
+      self._landing_freed.notify_all()
+
+  def _sum_leaf(self, i: int, handed: list, nbytes: int, first: bool):
+    """On the update thread: sums a landed leaf (handed: [its landing
+    buffer]), then lets its buffer go."""
     start = time.perf_counter()
+    landing = handed.pop()
     try:
       sq, bad = self.adam.accumulate(i, self.transfer.views(i, landing), first)
     finally:
       del landing
-      with self._landing_freed:
-        self._landing_held -= nbytes
-        self._landing_freed.notify_all()
+      self._release_landing(nbytes)
       self.timings["accumulate"] += time.perf_counter() - start
     return i, sq, bad
 
@@ -365,12 +379,12 @@ class HostUpdate:
         pending.future.result()  # re-raises with the update thread's traceback
       # One leaf at a time: its new weights are in the params, and the
       # uploaded copy freed, before the next leaf's come up.
-      weights = pending.landing.pop(i, None)
-      if weights is None:  # host accumulation: the weights are made again from the masters
-        weights = self.transfer.new_landing(i)
-        self.adam.lowp_weights(i, self.transfer.views(i, weights))
-      jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
-      del weights
+      if i in pending.landing:
+        weights = pending.landing.pop(i)
+        jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
+        del weights
+      else:
+        self._upload_from_masters(i, install)
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
@@ -380,6 +394,22 @@ class HostUpdate:
     self.timings["update"] = pending.kernel_s
     self.timings["upload"] = time.perf_counter() - pending.kernel_done
     return landing
+
+  def _upload_from_masters(self, i: int, install) -> None:
+    """Host accumulation: leaf i's new weights in the compute dtype, made
+    from its masters into a landing buffer under the same limit as the
+    micro-batches' (whose sums may still be running: without the limit the
+    two sets together took pinned memory the plan does not count), go up
+    and are installed."""
+    nbytes = self._landing_bytes(i)
+    self._hold_landing(nbytes)
+    try:
+      weights = self.transfer.new_landing(i)
+      self.adam.lowp_weights(i, self.transfer.views(i, weights))
+      jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
+      del weights
+    finally:
+      self._release_landing(nbytes)
 
   def _run(self, update: "_Update") -> None:
     start = time.perf_counter()

@@ -125,33 +125,46 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
             accumulation="host")
   free = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
   ring = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
-  held = []
   ring.host_update._landing_limit = 1  # one leaf at a time (one always may land)
-  room = ring.host_update._room
-  ring.host_update._room = lambda n: held.append(ring.host_update._landing_held) or room(n)
   for b in batches(3, size=64):
     free.step(b)
     ring.step(b)
   assert_close(ring.params, free.params, rtol=0, atol=0)
   largest = max(ring.host_update._landing_bytes(i) for i in ring.host_update._host_leaves)
-  assert max(held) <= largest
+  assert ring.host_update.landing_peak == largest
 
 
 
 def test_a_slow_host_holds_one_micro_batch_of_landing_buffers_as_planned():
   """The device runs ahead of a host that sums slowly: the micro-batches
-  wait for room, and the landing buffers held never pass one micro-batch's
-  set, the bytes the plan counts."""
+  wait for room, and the landing buffers held, theirs and the delayed
+  update's new weights going up, never pass one micro-batch's set, the
+  bytes the plan counts."""
   import time
-  engine, = engines(("host",), stage=2, offload=True, compute_dtype=jnp.bfloat16)
+  import weakref
+  engine, = engines(("host",), stage=2, offload=True, compute_dtype=jnp.bfloat16,
+                    delayed_update=True)
   update = engine.host_update
   accumulate = update.adam.accumulate
   update.adam.accumulate = lambda *a: time.sleep(0.02) or accumulate(*a)
-  for b in batches(2, size=64):
+  live, peak = [0], [0]  # bytes of landing buffers alive, counted apart from the engine's count
+
+  def tracked(make):
+    def wrapper(*args):
+      buffer = make(*args)
+      live[0] += buffer.nbytes
+      peak[0] = max(peak[0], live[0])
+      weakref.finalize(buffer, lambda n=buffer.nbytes: live.__setitem__(0, live[0] - n))
+      return buffer
+    return wrapper
+  update.transfer.download = tracked(update.transfer.download)
+  update.transfer.new_landing = tracked(update.transfer.new_landing)
+  for b in batches(3, size=64):  # the new weights go up while the last sums run
     engine.step(b)
   one_set = sum(update._landing_bytes(i) for i in update._host_leaves)
   assert one_set == engine.plan.host_bytes()["landing"]
-  assert 0 < update.landing_peak <= one_set
+  assert 0 < peak[0] <= one_set
+  assert update.landing_peak == peak[0]
 
 # ------------------------------------------------------------------ kernel
 BF16 = ml_dtypes.bfloat16
