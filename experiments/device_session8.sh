@@ -15,6 +15,9 @@
 #   ds8b      DeepSpeed ZeRO-2 + offload_optimizer, transformers' LlamaForCausalLM of
 #             llama-3.1-8b's shape at seq 4096 (host memory runs out, as arithmetic says)
 #   qwen14    jzo, qwen2.5-14b with bf16 moments, micro-batch 1 at seq 4096
+#   hostbench the host accumulation's passes alone on the host (host_sums_bench.py)
+#   segv      test_accumulation's case that crashed in XLA's CPU compiler on jax 0.11.2:
+#             alone, without the compilation cache, with an HLO dump, then the whole file
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -72,6 +75,22 @@ for part in "$@"; do
               --moments bf16 --configs auto --steps 6 --timeout 240 --json "$OUT/qwen14.json" \
               >"$OUT/qwen14.log" 2>&1
             echo "qwen14: exit $?"; grep -E "TFLOPS|refused|rror" "$OUT/qwen14.log" | tail -5 ;;
+    hostbench) python3 experiments/host_sums_bench.py --log2n 30 2>&1 | tee "$OUT/hostbench.log" ;;
+    segv)
+      id="tests/test_accumulation.py::test_host_accumulation_equals_device_accumulation[1-None-half-host-plain]"
+      run() { local name=$1; shift
+        env "$@" timeout 150 python3 -X faulthandler -m pytest -q -p no:cacheprovider "$id" \
+          >"$OUT/segv-$name.log" 2>&1
+        echo "segv $name: exit $?"; grep -m3 -E "passed|failed|Fatal" "$OUT/segv-$name.log"; }
+      run alone
+      run nocache JAX_ENABLE_COMPILATION_CACHE=false
+      run dump XLA_FLAGS="--xla_dump_to=/tmp/segv-dump --xla_dump_hlo_pass_re=^$"
+      mkdir -p "$OUT/segv-dump" && ls -t /tmp/segv-dump 2>/dev/null | head -8 | \
+        while read -r f; do cp "/tmp/segv-dump/$f" "$OUT/segv-dump/"; done
+      timeout 400 python3 -X faulthandler -m pytest -v -p no:cacheprovider \
+        tests/test_accumulation.py >"$OUT/segv-file.log" 2>&1
+      echo "test_accumulation: exit $?"; tail -2 "$OUT/segv-file.log"
+      grep -E "Fatal|FAILED" "$OUT/segv-file.log" | head -3 ;;
     *) echo "unknown part $part" ;;
   esac
 done
