@@ -18,6 +18,8 @@
 #   hostbench the host accumulation's passes alone on the host (host_sums_bench.py)
 #   segv      test_accumulation's case that crashed in XLA's CPU compiler on jax 0.11.2:
 #             alone, without the compilation cache, with an HLO dump, then the whole file
+#   bisect    segv_bisect.py: which option makes that crash; the crashing program's HLO;
+#             test_accumulation without that case
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -91,6 +93,17 @@ for part in "$@"; do
         tests/test_accumulation.py >"$OUT/segv-file.log" 2>&1
       echo "test_accumulation: exit $?"; tail -2 "$OUT/segv-file.log"
       grep -E "Fatal|FAILED" "$OUT/segv-file.log" | head -3 ;;
+    bisect)
+      timeout 300 python3 experiments/segv_bisect.py 2>&1 | tee "$OUT/bisect.log"
+      XLA_FLAGS=--xla_dump_to=/tmp/base-dump JAX_ENABLE_COMPILATION_CACHE=false timeout 120 \
+        python3 experiments/segv_bisect.py base
+      mkdir -p "$OUT/hlo" && ls -S /tmp/base-dump/*before_optimizations.txt | head -2 | \
+        while read -r f; do cp "$f" "$OUT/hlo/"; done
+      id="tests/test_accumulation.py::test_host_accumulation_equals_device_accumulation[1-None-half-host-plain]"
+      timeout 400 python3 -X faulthandler -m pytest -q -p no:cacheprovider --deselect "$id" \
+        tests/test_accumulation.py >"$OUT/accumulation-rest.log" 2>&1
+      echo "test_accumulation without it: exit $?"; tail -2 "$OUT/accumulation-rest.log"
+      grep -E "Fatal|FAILED|::test" "$OUT/accumulation-rest.log" | head -5 ;;
     *) echo "unknown part $part" ;;
   esac
 done
