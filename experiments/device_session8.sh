@@ -20,6 +20,7 @@
 #             alone, without the compilation cache, with an HLO dump, then the whole file
 #   bisect    segv_bisect.py: which option makes that crash; the crashing program's HLO;
 #             test_accumulation without that case
+#   cpu312    segv_bisect.py, then the CPU test files that build engines, on this Python and jax
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -104,6 +105,13 @@ for part in "$@"; do
         tests/test_accumulation.py >"$OUT/accumulation-rest.log" 2>&1
       echo "test_accumulation without it: exit $?"; tail -2 "$OUT/accumulation-rest.log"
       grep -E "Fatal|FAILED|::test" "$OUT/accumulation-rest.log" | head -5 ;;
+    cpu312)
+      timeout 300 python3 experiments/segv_bisect.py 2>&1 | tee "$OUT/bisect.log"
+      for t in test_cpu_adam test_accumulation test_offload test_engine; do
+        timeout 300 python3 -X faulthandler -m pytest -q -p no:cacheprovider tests/$t.py \
+          >"$OUT/$t.log" 2>&1
+        echo "$t: exit $?"; tail -1 "$OUT/$t.log"; grep -m3 -E "Fatal|FAILED" "$OUT/$t.log"
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -11,7 +11,9 @@ from jzo.cpu_adam import _xla_step, _xla_update
 from jzo.kernels import adam_scalars
 
 SHAPES = {"scalar": (), "one": (1,), "seven": (7,), "fifteen": (15,), "seventeen": (17,),
-          "k": (1023,), "big": (2**20 + 3,), "cube": (3, 5, 7)}
+          "k": (1023,), "big": (2**20 + 3,), "cube": (3, 5, 7),
+          # the offload engine's device part of a leaf kept wholly on the host
+          "empty": (0,), "empty_rows": (4, 0)}
 GRAD_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # 100 Adam steps accumulate a few float32 roundings of the update per step:
 # float32 rounding of an O(1) parameter over 100 steps, with margin.
