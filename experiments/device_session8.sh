@@ -21,6 +21,7 @@
 #   bisect    segv_bisect.py: which option makes that crash; the crashing program's HLO;
 #             test_accumulation without that case
 #   cpu312    segv_bisect.py, then the CPU test files that build engines, on this Python and jax
+#   passes    the crashing case with XLA's HLO dumped after every pass: $OUT/passes.tar.gz
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -112,6 +113,12 @@ for part in "$@"; do
           >"$OUT/$t.log" 2>&1
         echo "$t: exit $?"; tail -1 "$OUT/$t.log"; grep -m3 -E "Fatal|FAILED" "$OUT/$t.log"
       done ;;
+    passes)
+      rm -rf /tmp/passes && XLA_FLAGS="--xla_dump_to=/tmp/passes --xla_dump_hlo_pass_re=.*" \
+        timeout 200 python3 experiments/segv_bisect.py base
+      last=$(ls -t /tmp/passes | head -1); echo "newest: $last"
+      module=${last%%.*}; ls -t /tmp/passes | grep "^$module\." | head -5
+      tar -czf "$OUT/passes.tar.gz" -C /tmp/passes $(ls /tmp/passes | grep "^$module\.") ;;
     *) echo "unknown part $part" ;;
   esac
 done

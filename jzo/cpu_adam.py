@@ -144,8 +144,6 @@ def _on_platform(host, xla, g, m, v, p, scalars, nesterov: bool):
                                            nesterov=nesterov)
 
   args = (g, m, v, scalars) + (() if p is None else (p,))
-  if g.size == 0:  # XLA's CPU compiler (jax 0.11.2) crashes on a custom call over empty arrays
-    return bind(xla)(*args)
   return jax.lax.platform_dependent(*args, cpu=bind(host), default=bind(xla))
 
 
