@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 BASE = dict(stage=1, offload=0.5, compute_dtype="float32", grad_accum=4, max_grad_norm=1.0,
-            accumulation="device", devices=8)
+            accumulation="device", devices=8, empty=None)
 VARIANTS = {
     "base": {},
     "all-host": dict(offload=True),
@@ -25,6 +25,10 @@ VARIANTS = {
     "no-offload": dict(offload=False),
     "bf16": dict(compute_dtype="bfloat16"),
     "offload-0.25": dict(offload=0.25),
+    # the empty device parts of the state all placed alike before the first step
+    "empty-sharded": dict(empty="data"),
+    "empty-replicated": dict(empty="replicated"),
+    "no-accum-empty-replicated": dict(grad_accum=1, empty="replicated"),
 }
 
 CHILD = r"""
@@ -43,7 +47,16 @@ engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(o["devices"])
                         compute_dtype=getattr(jnp, o["compute_dtype"]),
                         grad_accum=o["grad_accum"], max_grad_norm=o["max_grad_norm"],
                         accumulation=o["accumulation"])
-print("loss", float(engine.step(batches(1, size=64)[0]).loss))
+if o.get("empty"):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  to = NamedSharding(engine.mesh, P("data") if o["empty"] == "data" else P())
+  place = lambda x: jax.device_put(x, to) if x.size == 0 and x.ndim == 1 else x
+  s = engine.state
+  engine.state = s._replace(master=jax.tree.map(place, s.master),
+                            opt_state=jax.tree.map(place, s.opt_state))
+for b in batches(2, size=64):
+  loss = engine.step(b).loss
+print("loss", float(loss))
 """
 
 
