@@ -119,6 +119,8 @@ for part in "$@"; do
       last=$(ls -t /tmp/passes | head -1); echo "newest: $last"
       module=${last%%.*}; ls -t /tmp/passes | grep "^$module\." | head -5
       tar -czf "$OUT/passes.tar.gz" -C /tmp/passes $(ls /tmp/passes | grep "^$module\.") ;;
+    empty) timeout 300 python3 experiments/segv_bisect.py base empty-sharded empty-replicated \
+             no-accum-empty-replicated 2>&1 | tee "$OUT/empty.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done
