@@ -34,12 +34,13 @@ the state and calls these.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import partition
 from jzo.partition import LeafLayout, is_layout
@@ -178,6 +179,43 @@ def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
   return install
 
 
+def shard_map_without_empty(f: Callable, *, mesh: Mesh, in_specs, out_specs, **kw) -> Callable:
+  """`jax.shard_map(f, ...)` that keeps empty arrays (a dimension of size 0,
+  as the device part of a leaf kept wholly on the host) out of the map:
+  jax 0.11.2's SPMD partitioner crashed compiling a step that mapped them
+  beside a split leaf (8 devices, stage 1-2, offload 0.5). Inside, f sees
+  them as zeros of their local shapes; they come out as zeros."""
+  is_spec = lambda x: isinstance(x, P)
+  empty = lambda x: math.prod(x.shape) == 0
+
+  def call(*args):
+    leaves, treedef = jax.tree.flatten(args)
+    specs = jax.tree.leaves(jax.tree.broadcast(in_specs, args, is_leaf=is_spec), is_leaf=is_spec)
+    local = [NamedSharding(mesh, s).shard_shape(x.shape) if empty(x) else None
+             for x, s in zip(leaves, specs)]
+    outs = jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                        **kw), *args)
+    out_leaves, out_treedef = jax.tree.flatten(outs)
+    out_spec_leaves = jax.tree.leaves(jax.tree.broadcast(out_specs, outs, is_leaf=is_spec),
+                                      is_leaf=is_spec)
+    kept_out = [not empty(o) for o in out_leaves]
+
+    def inner(kept):
+      kept = iter(kept)
+      full = [jnp.zeros(shape, x.dtype) if shape is not None else next(kept)
+              for x, shape in zip(leaves, local)]
+      results = jax.tree.leaves(f(*jax.tree.unflatten(treedef, full)))
+      return [r for r, keep in zip(results, kept_out) if keep]
+
+    mapped = jax.shard_map(
+        inner, mesh=mesh, in_specs=([s for s, shape in zip(specs, local) if shape is None],),
+        out_specs=[s for s, keep in zip(out_spec_leaves, kept_out) if keep], **kw)
+    results = iter(mapped([x for x, shape in zip(leaves, local) if shape is None]))
+    return jax.tree.unflatten(out_treedef, [next(results) if keep else jnp.zeros(o.shape, o.dtype)
+                                            for o, keep in zip(out_leaves, kept_out)])
+  return call
+
+
 # ---------------------------------------------------------------- the step
 def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
               batch) -> Callable:
@@ -192,9 +230,10 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   # check_vma=False: the replicated outputs (all-gathered params, psum'd
   # metrics) are equal on every device by construction; the spelling of the
   # invariant all-gather that would prove it differs across JAX versions.
-  fn = jax.shard_map(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
-                     in_specs=(in_state, batch_specs),
-                     out_specs=(specs, StepMetrics(P(), P(), P(), P()), P()), check_vma=False)
+  fn = shard_map_without_empty(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
+                               in_specs=(in_state, batch_specs),
+                               out_specs=(specs, StepMetrics(P(), P(), P(), P()), P()),
+                               check_vma=False)
   return jax.jit(fn, donate_argnums=0)
 
 
@@ -312,10 +351,11 @@ def make_micro_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.Gradien
   specs = state_specs(plan, tx)
   acc = acc_specs(plan)
   batch_specs = jax.tree.map(lambda _: P(plan.axis), micro_batch)
-  fn = jax.shard_map(lambda s, b: local_micro_step(plan, loss_fn, s, b, first), mesh=mesh,
-                     in_specs=(specs._replace(grads=None, acc=None if first else acc),
-                               batch_specs),
-                     out_specs=(specs._replace(acc=acc), P()), check_vma=False)
+  fn = shard_map_without_empty(lambda s, b: local_micro_step(plan, loss_fn, s, b, first),
+                               mesh=mesh,
+                               in_specs=(specs._replace(grads=None, acc=None if first else acc),
+                                         batch_specs),
+                               out_specs=(specs._replace(acc=acc), P()), check_vma=False)
   return jax.jit(fn, donate_argnums=0)
 
 
@@ -343,11 +383,11 @@ def make_finish(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation) -> Cal
   summed them; loss is the mean over the micro-batches. The state (donated)
   comes out without `acc`, its device part updated as `make_step`'s."""
   specs = state_specs(plan, tx)
-  fn = jax.shard_map(lambda s, sq, bad, loss: local_finish(plan, tx, s, sq, bad, loss),
-                     mesh=mesh, in_specs=(specs._replace(grads=None, acc=acc_specs(plan)),
-                                          P(plan.axis), P(plan.axis), P()),
-                     out_specs=(specs._replace(grads=None), StepMetrics(P(), P(), P(), P()), P()),
-                     check_vma=False)
+  fn = shard_map_without_empty(
+      lambda s, sq, bad, loss: local_finish(plan, tx, s, sq, bad, loss), mesh=mesh,
+      in_specs=(specs._replace(grads=None, acc=acc_specs(plan)), P(plan.axis), P(plan.axis), P()),
+      out_specs=(specs._replace(grads=None), StepMetrics(P(), P(), P(), P()), P()),
+      check_vma=False)
   return jax.jit(fn, donate_argnums=0)
 
 
