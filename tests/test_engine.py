@@ -282,3 +282,25 @@ def test_training_leaves_the_callers_arrays_alone(offload):
     engine.step(b)
   jax.tree.map(np.testing.assert_array_equal, params, before)
   assert not np.array_equal(engine.params["flat"], before["flat"])
+
+
+def test_shard_map_without_empty_maps_the_rest_and_returns_empty_arrays_of_their_shapes():
+  """Empty arrays stay out of the map (jax 0.11.2's partitioner crashed on
+  them): f sees them with their local shapes, they come out with their
+  global shapes, and the rest is mapped as jax.shard_map maps it."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jzo.step import shard_map_without_empty
+  mesh = mesh_of(8)
+  seen = {}
+
+  def f(x, empties):
+    seen.update(shapes=[e.shape for e in empties])
+    return x * 2 + jax.lax.axis_index("data"), [e + 1 for e in empties]
+  x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+  empties = [jnp.zeros((0,)), jnp.zeros((16, 0))]
+  fn = jax.jit(shard_map_without_empty(f, mesh=mesh, in_specs=(P("data"), [P(), P("data")]),
+                                       out_specs=(P("data"), [P(), P("data")])))
+  y, out = fn(x, empties)
+  np.testing.assert_array_equal(np.asarray(y), np.arange(16.0) * 2 + np.repeat(np.arange(8), 2))
+  assert seen["shapes"] == [(0,), (2, 0)]  # local: 16 rows over 8 devices
+  assert [o.shape for o in out] == [(0,), (16, 0)]
