@@ -145,7 +145,14 @@ def partial_writes(out: pathlib.Path) -> set[tuple[str, int]]:
   folder = out / "checkpoints"
   if not folder.is_dir():
     return set()
-  return {(p.name, p.stat().st_ino) for p in folder.iterdir() if ".orbax-checkpoint-tmp" in p.name}
+  found = set()
+  for p in folder.iterdir():
+    if ".orbax-checkpoint-tmp" in p.name:
+      try:
+        found.add((p.name, p.stat().st_ino))
+      except FileNotFoundError:  # renamed to its final name since the listing: complete
+        pass
+  return found
 
 
 def resumed_from(run: Run) -> int:
