@@ -113,9 +113,11 @@ def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part():
   host_elements = on_host.plan.host_elements
   assert sum(a.size for a in jax.tree.leaves(on_host.host.acc)) == host_elements
   # masters, moments and accumulators, all float32 here, and the landing
-  # buffers of one micro-batch's bfloat16 gradients, no more
-  assert on_host.host_update.landing_peak == 2 * host_elements
-  assert on_host.host_memory() == 16 * host_elements + 2 * host_elements
+  # buffers of one micro-batch's bfloat16 gradients, no more (fewer at once
+  # when the host's sums free some before the last ones land)
+  landing_peak = on_host.host_update.landing_peak
+  assert 0 < landing_peak <= 2 * host_elements
+  assert on_host.host_memory() == 16 * host_elements + landing_peak
 
 
 def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
