@@ -94,6 +94,12 @@ class ZeroEngine:
       micro-batch; the host parts' gradients go down after each and are
       summed on the host, the device parts' on the device: the device holds
       one micro-batch's gradients), or "auto": the device where it fits.
+    landing_limit: with offload, bytes of pinned host memory the landing
+      buffers (gradients going down, weights going up) may hold at once in
+      this process. Default: all of a step's host parts where the host has
+      room, else the least that works. Without host accumulation a limit
+      streams the update: spans of a quarter of it go down, through the
+      kernel and up, overlapped (not with delayed_update).
 
   Raises:
     ValueError, TypeError: a bad option, naming it.
@@ -108,7 +114,8 @@ class ZeroEngine:
                offload: bool | float | str = False, delayed_update: bool = False,
                dpu_warmup: int = 10, host_memory: int | None = None,
                device_memory: int | None = None, activation_memory: int = 0,
-               host_transfer: str = "auto", accumulation: str = "auto"):
+               host_transfer: str = "auto", accumulation: str = "auto",
+               landing_limit: int | None = None):
     _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup, host_transfer)
     hyper = getattr(tx.update, "adam_hyperparams", None)
     offloading = offload is not False
@@ -146,7 +153,7 @@ class ZeroEngine:
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions),
-        accumulation=accumulation)
+        accumulation=accumulation, landing_limit=landing_limit)
     self.loss_fn, self.mesh = loss_fn, mesh
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = None
@@ -162,7 +169,7 @@ class ZeroEngine:
       self._pinned = resolve_host_transfer(host_transfer, device) == "pinned"
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
                                pinned=self._pinned)
-      transfer.reserve()  # before the build pins its chunks
+      transfer.reserve(self.plan.host_bytes()["landing"])  # before the build pins its chunks
     self.state = self._build_state(draw_leaf, adam)
     if self.plan.has_host_state:
       self.host_update = HostUpdate(adam, transfer, self.plan.landing_limit)
@@ -332,9 +339,9 @@ class ZeroEngine:
     if self.host_update is not None:
       self.host_update.finish(self._install)
 
-  def _install(self, i: int, uploaded: jax.Array) -> jax.Array:
+  def _install(self, i: int, uploaded: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
     leaves, treedef = jax.tree.flatten(self.state.params)
-    leaves[i] = self._install_fn(i, leaves[i], uploaded)
+    leaves[i] = self._install_fn(i, leaves[i], uploaded, span)
     self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
     return leaves[i]
 

@@ -22,6 +22,13 @@ beside the step's activations, and the device keeps the host parts'
 gradients only until they are down, before the next step starts. The host
 holds one set of landing buffers.
 
+Where the host has no room for one set of landing buffers (`plan.streamed`:
+a landing limit without host accumulation), the update streams instead:
+each leaf's host part goes down in spans of a quarter of the limit, each
+span through the kernel on the update thread and back up into the params at
+its offset, the next spans going down meanwhile (qwen2.5-14b with bf16
+moments: 27 GiB of landing buffers become 2).
+
 Under host accumulation (`plan.host_accumulation`) the engine calls
 `accumulate` after each micro-batch: each leaf's host parts go down into a
 landing buffer (at most `plan.landing_limit` bytes of them at once) and the
@@ -37,6 +44,7 @@ time), not from a second set of landing buffers.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import math
@@ -52,7 +60,7 @@ import numpy as np
 from jzo import kernels
 from jzo.cpu_adam import AdamHyperparams
 from jzo.partition import is_layout
-from jzo.plan import Plan
+from jzo.plan import STREAM_SPANS, Plan
 from jzo.transfer import ShardTransfer
 
 
@@ -136,28 +144,42 @@ class HostAdam:
       lowp: write the new weights over the gradients (host accumulation's
         float32 sums instead leave them to `lowp_weights`).
     """
-    step = self.count
-    h = self.hyper
-    lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
-    wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
-    masters, mus, nus = (jax.tree.leaves(t) for t in (self.master, self.mu, self.nu))
+    scalars = self.step_scalars()
+    masters = jax.tree.leaves(self.master)
     for i in sorted(range(len(masters)), key=lambda i: -masters[i].size):
       if masters[i].size == 0:
         continue
-      grads = grads_of(i)
-      for d, grad in enumerate(grads):
-        if lowp and grad.dtype != self._lowp_dtype:
-          raise TypeError(f"leaf {i}: gradients land in {grad.dtype}, the weights go back "
-                          f"in {self._lowp_dtype}; the landing buffer must carry both")
-        in_place = grad if lowp and self._lowp_dtype != np.float32 else None
-        kernels.adam_step_(masters[i][d], grad, mus[i][d], nus[i][d], learning_rate=lr,
-                           count=step + 1, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
-                           weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
-                           grad_scale=grad_scale, lowp_out=in_place)
-        if lowp and in_place is None:  # float32 compute: the masters themselves go up
-          kernels.parallel_copy(grad, masters[i][d])
+      self.update_part(i, grads_of(i), grad_scale, scalars, lowp=lowp)
       yield i
     self.count += 1
+
+  def step_scalars(self) -> tuple[float, float]:
+    """(learning rate, weight decay) of the update being applied (step `count`)."""
+    h, step = self.hyper, self.count
+    lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
+    wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
+    return lr, wd
+
+  def update_part(self, i: int, grads: list, grad_scale: float, scalars: tuple[float, float],
+                  span: tuple[int, int] | None = None, lowp: bool = True) -> None:
+    """AdamW of leaf i's host parts, or of their elements [lo, hi) along the
+    first axis (span; see `ShardTransfer.spans`), with the step's `scalars`.
+    grads[d]: this process's d-th device's gradients of those elements;
+    lowp as in `update_leaves`. Does not count the step."""
+    h, (lr, wd) = self.hyper, scalars
+    part = (lambda a: a) if span is None else (lambda a: a[span[0]:span[1]])
+    master, mu, nu = (jax.tree.leaves(t)[i] for t in (self.master, self.mu, self.nu))
+    for d, grad in enumerate(grads):
+      if lowp and grad.dtype != self._lowp_dtype:
+        raise TypeError(f"leaf {i}: gradients land in {grad.dtype}, the weights go back "
+                        f"in {self._lowp_dtype}; the landing buffer must carry both")
+      in_place = grad if lowp and self._lowp_dtype != np.float32 else None
+      kernels.adam_step_(part(master[d]), grad, part(mu[d]), part(nu[d]), learning_rate=lr,
+                         count=self.count + 1, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
+                         weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
+                         grad_scale=grad_scale, lowp_out=in_place)
+      if lowp and in_place is None:  # float32 compute: the masters themselves go up
+        kernels.parallel_copy(grad, part(master[d]))
 
 
 class HostUpdate:
@@ -167,8 +189,11 @@ class HostUpdate:
     adam: the host state and kernel.
     transfer: moves gradients down and weights up.
 
-    landing_limit: host accumulation: bytes of landing buffers held at
-      once (0: one micro-batch's set, as the plan counts).
+    landing_limit: bytes of landing buffers held at once (0: one set, every
+      host part's gradient). Under host accumulation it bounds the
+      micro-batches' leaves waiting for their sums; otherwise the update
+      streams: spans of at most landing_limit / STREAM_SPANS bytes go down,
+      through the kernel and up, and cannot be delayed.
 
   Attributes:
     timings: seconds of the last update: `wait_grads` (waiting for the
@@ -189,6 +214,11 @@ class HostUpdate:
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
     # host RSS against a plan of 103).
     self._landing_limit = landing_limit or sum(map(self._landing_bytes, self._host_leaves))
+    # A limit without host accumulation streams the update in spans, a
+    # few of them under the limit: one going down, one in the kernel, one
+    # going up.
+    self._streamed = adam.acc is None and bool(landing_limit)
+    self._span_bytes = max(1, self._landing_limit // STREAM_SPANS)
     self._landing_held = 0  # bytes of landing buffers the accumulation holds now
     self._landing_freed = threading.Condition()
     self._sums: list = []  # futures of this step's accumulation: (leaf, sq, bad)
@@ -239,6 +269,13 @@ class HostUpdate:
     landing = self._finish(install, None if skip else grads)
     if skip:
       return
+    if self._streamed:
+      if delayed:
+        raise ValueError("a streamed update (a landing limit below one step's gradients) "
+                         "cannot be delayed: the delayed update keeps them all on the host")
+      self._exchange_streamed(grads, float(grad_scale), install)
+      self.timings["wait_grads"] = waited - start
+      return
     for i in self._host_leaves:
       if i not in landing:
         landing[i] = self.transfer.download(i, grads[i])
@@ -251,6 +288,49 @@ class HostUpdate:
     self.timings["wait_grads"] = waited - start
     if not delayed:
       self._finish(install, None)
+
+  def _exchange_streamed(self, grads: list, grad_scale: float, install) -> None:
+    """The update a span at a time (see `ShardTransfer.spans`): each span of
+    each leaf, largest leaf first, goes down, through the kernel (on the
+    update thread, in order) and up into the params, with at most the
+    landing limit of spans between its download and its upload; a leaf's
+    gradient leaves the devices with its last span. Arguments as `exchange`'s."""
+    scalars = self.adam.step_scalars()
+    kernel = {"seconds": 0.0, "done": time.perf_counter()}
+
+    def update(i: int, span: tuple[int, int], handed: list) -> None:
+      begin = time.perf_counter()
+      self.adam.update_part(i, self.transfer.views(i, handed[0]), grad_scale, scalars, span)
+      kernel["done"] = time.perf_counter()
+      kernel["seconds"] += kernel["done"] - begin
+
+    in_flight: collections.deque = collections.deque()  # (leaf, span, [landing], future, bytes)
+    held = 0
+
+    def upload_oldest() -> None:
+      nonlocal held
+      i, span, handed, future, nbytes = in_flight.popleft()
+      future.result()
+      jax.block_until_ready(install(i, self.transfer.upload(i, handed.pop()), span))
+      held -= nbytes
+
+    for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
+      for span in self.transfer.spans(i, self._span_bytes):
+        nbytes = self.transfer.span_bytes(i, span)
+        while in_flight and held + nbytes > self._landing_limit:
+          upload_oldest()
+        # Handed over in a list emptied at its upload, so that the buffer
+        # is freed then, not when the executor's work item is.
+        handed = [self.transfer.download(i, grads[i], span)]
+        held += nbytes
+        self.landing_peak = max(self.landing_peak, held)
+        in_flight.append((i, span, handed, self._executor.submit(update, i, span, handed), nbytes))
+      grads[i] = None
+    while in_flight:
+      upload_oldest()
+    self.adam.count += 1
+    self.timings["update"] = kernel["seconds"]
+    self.timings["upload"] = time.perf_counter() - kernel["done"]
 
   def accumulate(self, grads: list, *, first: bool) -> None:
     """Host accumulation of one micro-batch: its host parts go down leaf by

@@ -78,6 +78,12 @@ HOST_RUNTIME_BYTES = int(4.5 * 2**30)
 # when JAX starts its GPU backend (XLA's default: 64).
 PINNED_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 _XLA_PINNED_POOL_LIMIT_GIB = 64
+# A streamed host update (jzo.offload) holds this many spans under its landing
+# limit: one going down, one in the kernel, one going up, one more.
+STREAM_SPANS = 4
+# The landing limit the plan gives a streamed update when one set of landing
+# buffers does not fit the host: spans of 512 MiB.
+STREAM_LANDING_BYTES = 2 * 2**30
 # Pinned memory besides the landing buffers: staging of the batches and checkpoint reads.
 PINNED_POOL_HEADROOM = 2 * 2**30
 
@@ -138,7 +144,9 @@ class Plan:
   # grad_accum > 1 with a host part: each micro-batch's host parts go down and
   # are summed in float32 on the host (else the step sums everything on the device)
   host_accumulation: bool = False
-  # host accumulation: bytes of landing buffers held at once (0: one micro-batch's set)
+  # Bytes of landing buffers one process holds at once (0: one set, every
+  # host part's gradient). Under host accumulation they carry micro-batches
+  # to the sums; otherwise a limit streams the update in spans (jzo.offload).
   landing_limit: int = 0
 
   # ------------------------------------------------------------ structure
@@ -227,6 +235,11 @@ class Plan:
     upload = lambda l: lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
     sliced = lambda l: itemsize * _rows(l) * l.on_host if l.on_device else 0
     moving = max(map(upload, host_leaves)) + max(map(sliced, host_leaves))
+    if self.streamed:  # a span of a leaf at a time, sliced out and back
+      elements = self.landing_limit // STREAM_SPANS // (self.n_devices // self.processes)
+      elements //= itemsize  # of one device's span
+      spread = 1 if self.sharded_lowp else self.n_devices  # stages 1-2 gather it
+      moving = min(moving, elements * (lowp * spread + itemsize))
     exchange = {"grads to the host": kept, "leaves in transfer": moving}
     bigger = step if sum(step.values()) >= sum(exchange.values()) else exchange
     return {**self.device_bytes(), **bigger}
@@ -236,10 +249,17 @@ class Plan:
     devices' shards: all of them with one process)."""
     n = self.host_elements // self.processes
     landing = n * self.grad_dtype.itemsize
+    landing = min(landing, self.landing_limit or landing)
     if not self.host_accumulation:
       return {"master": 4 * n, "moments": self.moment_bytes * n, "landing": landing}
     return {"master": 4 * n, "moments": self.moment_bytes * n, "accumulator": 4 * n,
-            "landing": min(landing, self.landing_limit or landing)}
+            "landing": landing}
+
+  @property
+  def streamed(self) -> bool:
+    """The host update goes through the landing buffers in spans (a landing
+    limit without host accumulation; see jzo.offload)."""
+    return self.has_host_state and not self.host_accumulation and self.landing_limit > 0
 
   def landing_ring(self) -> int:
     """Bytes of the smallest landing ring of host accumulation: the two
@@ -288,6 +308,7 @@ def format_plan(plan: Plan, activations: int | None = None,
     where = "host" if plan.processes == 1 else f"host, each of {plan.processes} processes"
     rows.append(f"  {where:<22}{'GiB':>8}")
     for name, b in host.items():
+      name = "landing (streamed)" if name == "landing" and plan.streamed else name
       rows.append(f"  {name:<22}{gib(b)}")
     rounding = pinned_pool_bytes(host["landing"]) - host["landing"]
     rows.append(f"  {'pinned pool rounding':<22}{gib(rounding)}")
@@ -443,7 +464,8 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
               device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              processes: int = 1, accumulation: str = "auto") -> Plan:
+              processes: int = 1, accumulation: str = "auto",
+              landing_limit: int | None = None) -> Plan:
   """The plan of an engine over params of `shapes` (a tree of arrays or
   ShapeDtypeStructs). `offload`: False, True, a fraction in [0, 1] or "auto"
   (needs `device_memory`). `processes`: how many share the data axis, each
@@ -453,37 +475,65 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
   the micro-batches' gradients in float32 on the device, "host" sums the
   host parts' on the host (one micro-batch's gradients on the device;
   landing buffers for one micro-batch if the host has room, else a ring),
-  "auto" the device where its plan fits, else the host.
+  "auto" the device where its plan fits, else the host. `landing_limit`:
+  bytes of landing buffers one process holds at once (`Plan.landing_limit`);
+  None: one set where the host has room, else the least that works (a
+  ring of two leaves under host accumulation, STREAM_LANDING_BYTES of
+  spans otherwise; the delayed update needs one set).
 
   Raises:
-    ValueError: a bad offload or accumulation value.
+    ValueError: a bad offload, accumulation or landing_limit value.
     PlacementError: the plan does not fit.
   """
   if accumulation not in ("auto", "device", "host"):
     raise ValueError(f"accumulation must be 'auto', 'device' or 'host', got {accumulation!r}")
+  if landing_limit is not None and (isinstance(landing_limit, bool)
+                                    or not isinstance(landing_limit, int) or landing_limit < 0):
+    raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got {landing_limit!r}")
   kw = dict(stage=stage, n_devices=n_devices, axis=axis, compute_dtype=compute_dtype,
             grad_dtype=grad_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
             max_grad_norm=max_grad_norm, layers=layers, offload=offload,
             delayed_update=delayed_update, dpu_warmup=dpu_warmup, device_memory=device_memory,
-            host_memory=host_memory, activations=activations, processes=processes)
+            host_memory=host_memory, activations=activations, processes=processes,
+            landing_limit=landing_limit)
   if grad_accum == 1 or offload is False or accumulation == "device":
-    return _make_plan(shapes, tx_state_bytes, host_accumulation=False, **kw)
+    return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=False, **kw)
   if accumulation == "auto":
     try:  # the device's sums need no host pass and no download per micro-batch
-      return _make_plan(shapes, tx_state_bytes, host_accumulation=False, **kw)
+      return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=False, **kw)
     except PlacementError:
       pass
-  plan = _make_plan(shapes, tx_state_bytes, host_accumulation=True, landing_limit=0,
-                    **{**kw, "host_memory": None, "device_memory": device_memory})
-  if not plan.has_host_state:
+  return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=True, **kw)
+
+
+def _plan_with_landing(shapes, tx_state_bytes: int, *, host_accumulation: bool,
+                       landing_limit: int | None, device_memory: int | None,
+                       host_memory: int | None, activations: int, **kw) -> Plan:
+  """make_plan with the accumulation decided: the landing limit given, or
+  one set of landing buffers if the host has room, else the least."""
+  kw.update(device_memory=device_memory, activations=activations,
+            host_accumulation=host_accumulation)
+  streamed = not host_accumulation and landing_limit
+  if streamed and kw["delayed_update"]:
+    raise ValueError("landing_limit streams the host update in spans, which cannot be "
+                     "delayed: the delayed update keeps a whole step's gradients on the host "
+                     "(set delayed_update=False, or no landing_limit)")
+  if landing_limit is not None:
+    return _make_plan(shapes, tx_state_bytes, landing_limit=landing_limit,
+                      host_memory=host_memory, **kw)
+  plan = _make_plan(shapes, tx_state_bytes, landing_limit=0, host_memory=None, **kw)
+  if host_accumulation and not plan.has_host_state:
     return dataclasses.replace(plan, host_accumulation=False)
   check = lambda plan: check_fits(plan, activations=activations, device_memory=device_memory,
                                  host_memory=host_memory)
-  try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
+  try:  # one set of landing buffers: no transfer waits for room
     check(plan)
     return plan
   except PlacementError:
-    plan = dataclasses.replace(plan, landing_limit=plan.landing_ring())
+    if not plan.has_host_state or (plan.delayed_update and not host_accumulation):
+      raise
+  least = plan.landing_ring() if host_accumulation else STREAM_LANDING_BYTES
+  plan = dataclasses.replace(plan, landing_limit=min(least, plan.host_bytes()["landing"]))
   check(plan)
   return plan
 

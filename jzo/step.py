@@ -135,47 +135,65 @@ def lowp_from_master(plan: Plan, layout: LeafLayout, flat_master):
   return lowp if plan.sharded_lowp else layout.unflatten(lowp)
 
 
-def write_part(plan: Plan, layout: LeafLayout, params, part, start: int):
-  """Inside shard_map: params with elements [start, start + n) of every shard
-  replaced by `part` (local, (..., n), compute dtype). A whole shard (n = k)
-  rebuilds the leaf; a part is written in place (the params are donated), so
-  no second copy of the leaf is made."""
+def write_part(plan: Plan, layout: LeafLayout, params, part, start: int, row: int = 0):
+  """Inside shard_map: params with elements [start, start + n) of every
+  shard's last axis replaced by `part` (local, compute dtype: (n,), or per
+  layer (r, n) for layers [row, row + r)). A whole shard rebuilds the leaf;
+  a part is written in place (the params are donated), so no second copy
+  of the leaf is made. Offsets of 2**31 elements or more need 64-bit
+  indices: trace it under `jax.enable_x64` (the installer does)."""
   n, k = part.shape[-1], layout.shard_size
   if n == 0:
     return params
-  if plan.sharded_lowp:  # the params are this device's flat shard
-    return part if n == k else jax.lax.dynamic_update_slice_in_dim(params, part, start, -1)
+  if plan.sharded_lowp:  # the params are this device's shard: (k,) or (L, k)
+    if part.shape == params.shape:
+      return part
+    return jax.lax.dynamic_update_slice(params, part, (row, start)[-params.ndim:])
   if plan.stage > 0:
     part = jax.lax.all_gather(part, plan.axis, tiled=True)  # (S * n,)
   if n == k:
     return layout.unflatten(part)
-  # A split leaf has no padding (see plan.place): the full leaf is (S, k).
   S = layout.shards
-  rows = params.reshape(S, k)
-  rows = jax.lax.dynamic_update_slice_in_dim(rows, part.reshape(S, n), start, 1)
-  return rows.reshape(layout.shape)
+  if not layout.padded:  # the full leaf is (S, k)
+    rows = jax.lax.dynamic_update_slice_in_dim(params.reshape(S, k), part.reshape(S, n), start, 1)
+    return rows.reshape(layout.shape)
+  # A span of a padded leaf: the last shard's padding is not in the params.
+  flat = params.reshape(-1)
+  for d in range(S):
+    begin = d * k + start
+    m = min(n, flat.size - begin)
+    if m > 0:
+      flat = jax.lax.dynamic_update_slice(flat, part[d * n:d * n + m], (begin,))
+  return flat.reshape(layout.shape)
 
 
 def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
-  """`install(i, params_leaf, uploaded) -> params_leaf`: writes leaf i's host
-  parts (uploaded: flat parts in device memory, `part_shape(k - c)`) into
-  that params leaf, which is donated (so written in place). One leaf at a
-  time, so only one leaf's new weights wait on a device beside the params."""
+  """`install(i, params_leaf, uploaded, span=None) -> params_leaf`: writes
+  leaf i's host parts (uploaded: flat parts in device memory,
+  `part_shape(k - c)`), or a span of them (see `ShardTransfer.spans`),
+  into that params leaf, which is donated (so written in place). One leaf
+  or span at a time, so only its new weights wait on a device beside the
+  params."""
   layouts = plan.leaves
   specs = [lowp_spec(plan, l) for l in layouts]
-  compiled: dict[int, Callable] = {}
+  compiled: dict[tuple, Callable] = {}
 
-  def install(i: int, params_leaf, uploaded):
-    if i not in compiled:
+  def install(i: int, params_leaf, uploaded, span: tuple[int, int] | None = None):
+    if (i, span) not in compiled:
       l = layouts[i]
-      fn = jax.shard_map(lambda p, u: write_part(plan, l, p, u, l.on_device), mesh=mesh,
+      lo = span[0] if span is not None else 0
+      start, row = (l.on_device, lo) if l.per_layer else (l.on_device + lo, 0)
+      fn = jax.shard_map(lambda p, u: write_part(plan, l, p, u, start, row), mesh=mesh,
                          in_specs=(specs[i], l.spec(plan.axis)), out_specs=specs[i],
                          check_vma=False)
       # keep_unused: a whole host part never reads the old weights, and an
       # unused argument would be dropped, with it the donation (and the
       # new weights would take a second buffer beside the old).
-      compiled[i] = jax.jit(fn, donate_argnums=0, keep_unused=True)
-    return compiled[i](params_leaf, uploaded)
+      compiled[(i, span)] = jax.jit(fn, donate_argnums=0, keep_unused=True)
+    # 64-bit offsets: a 32-bit one wraps silently past 2**31 elements (one
+    # device's shard of a stacked 14B-model leaf has 6.8e9).
+    with jax.enable_x64(True):
+      return compiled[(i, span)](params_leaf, uploaded)
   return install
 
 

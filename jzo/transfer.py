@@ -102,39 +102,65 @@ class ShardTransfer:
     specs = [l.spec(axis) for l in self.layouts]
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
-    self._host_part_fns: dict[int, object] = {}  # leaf index -> its compiled slice
+    # (leaf index, span or None) -> its compiled slice
+    self._host_part_fns: dict[tuple, object] = {}
     self._zeros_fns: dict[int, object] = {}  # leaf index -> its new landing buffer
 
-  def download(self, i: int, grad: jax.Array) -> jax.Array:
+  def download(self, i: int, grad: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
-    (`grad`: the step's local flat gradients, `flat_shape`) into a new
-    landing buffer in pinned host memory (`part_shape(k - c)`); returns it
-    at once (the copy completes in the background). The portable path
-    returns a `HostLanding` once the copy is done."""
-    whole = not self.layouts[i].on_device  # the whole shard: nothing made on the device
-    if self.pinned and whole:
+    (`grad`: the step's local flat gradients, `flat_shape`), or of its
+    elements [lo, hi) along the host part's first axis (span, one of
+    `spans(i, ...)`), into a new landing buffer in pinned host memory
+    (`part_shape(k - c)`, or of the span); returns it at once (the copy
+    completes in the background). The portable path returns a
+    `HostLanding` once the copy is done."""
+    layout = self.layouts[i]
+    whole = span is None or span == (0, self._span_axis_size(i))
+    if self.pinned and whole and not layout.on_device:  # the shard itself: nothing to slice
       return jax.device_put(grad, self._pinned[i])
-    if i not in self._host_part_fns:
-      self._host_part_fns[i] = self._host_part_fn(i)
+    key = (i, None if whole else span)
+    if key not in self._host_part_fns:
+      self._host_part_fns[key] = self._host_part_fn(i, key[1])
     if self.pinned:
-      return self._host_part_fns[i](grad)
-    part = grad if whole else self._host_part_fns[i](grad)
+      return self._host_part_fns[key](grad)
+    part = grad if whole and not layout.on_device else self._host_part_fns[key](grad)
     return HostLanding([np.array(shard.data) for shard in self._by_position(i, part)])
 
-  def reserve(self) -> None:
-    """Makes XLA's pinned host pool hold one set of landing buffers in one
-    piece, before anything else is pinned. The pool grows by regions of
-    doubling size and never shrinks: allocated leaf by leaf, gpt2-10b's
-    15.6 GiB of landing buffers took regions of 8 + 8 + 16 GiB, and the
-    host killed the run; reserved at once, one region of 16 GiB."""
-    # This process's shards: its devices' part of each leaf's host parts.
-    share = len(self._positions) / self._mesh.devices.size
-    total = int(share * self.dtype.itemsize * sum(math.prod(l.part_shape(l.on_host))
-                                                   for l in self.layouts if l.on_host))
-    if total and self.pinned:
+  def spans(self, i: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Leaf i's host part cut into spans [lo, hi) along the first axis of
+    each device's host part (elements of a flat shard, layers of a
+    per-layer one), of at most max_bytes of this process's landing buffer
+    each, but at least one layer: a streamed update moves one at a time."""
+    layout = self.layouts[i]
+    row = layout.on_host if layout.per_layer else 1  # elements per unit of the axis
+    unit = len(self._positions) * row * self.dtype.itemsize
+    size = self._span_axis_size(i)
+    step = max(1, max_bytes // unit)
+    if not layout.per_layer and step > _ROW:  # whole rows of 64 Ki elements: aligned spans
+      step -= step % _ROW
+    return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+
+  def span_bytes(self, i: int, span: tuple[int, int]) -> int:
+    """Bytes of the landing buffer of a span of leaf i (this process's devices)."""
+    layout = self.layouts[i]
+    row = layout.on_host if layout.per_layer else 1
+    return len(self._positions) * row * (span[1] - span[0]) * self.dtype.itemsize
+
+  def _span_axis_size(self, i: int) -> int:
+    layout = self.layouts[i]
+    return layout.shape[0] if layout.per_layer else layout.on_host
+
+  def reserve(self, nbytes: int) -> None:
+    """Makes XLA's pinned host pool hold nbytes of landing buffers (this
+    process's: `Plan.host_bytes()["landing"]`) in one piece, before
+    anything else is pinned. The pool grows by regions of doubling size
+    and never shrinks: allocated leaf by leaf, gpt2-10b's 15.6 GiB of
+    landing buffers took regions of 8 + 8 + 16 GiB, and the host killed
+    the run; reserved at once, one region of 16 GiB."""
+    if nbytes and self.pinned:
       device = self._mesh.devices.flat[self._positions[0]]
       pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-      jax.jit(lambda: jnp.zeros(total, jnp.uint8), out_shardings=pinned)().delete()
+      jax.jit(lambda: jnp.zeros(nbytes, jnp.uint8), out_shardings=pinned)().delete()
 
   def new_landing(self, i: int):
     """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), for
@@ -151,14 +177,17 @@ class ShardTransfer:
     return self._zeros_fns[i]()
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
-    """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`);
-    returns once the copy is done, so the landing buffer may be freed."""
+    """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`,
+    or a span's); returns once the copy is done, so the landing buffer may
+    be freed."""
     if self.pinned:
       return jax.block_until_ready(jax.device_put(landing, self._on_device[i]))
     devices = [self._mesh.devices.flat[d] for d in self._positions]
     pieces = [jax.device_put(piece, device) for piece, device in zip(landing.pieces, devices)]
+    local = landing.pieces[0].shape
+    shape = local[:-1] + (self.layouts[i].shards * local[-1],)
     return jax.block_until_ready(jax.make_array_from_single_device_arrays(
-        self.layouts[i].part_shape(self.layouts[i].on_host), self._on_device[i], pieces))
+        shape, self._on_device[i], pieces))
 
   def views(self, i: int, landing) -> list[np.ndarray]:
     """Writable numpy views of each of this process's devices' pieces of a
@@ -170,21 +199,31 @@ class ShardTransfer:
             for shard in self._by_position(i, jax.block_until_ready(landing))]
 
   def _by_position(self, i: int, part: jax.Array) -> list:
-    """This process's shards of a host-part array of leaf i, in device order."""
+    """This process's shards of a host-part array of leaf i (or of a span
+    of it), in device order."""
     layout = self.layouts[i]
-    position = lambda s: s.index[-1].start // layout.on_host if layout.shards > 1 else 0
+    width = part.shape[-1] // layout.shards  # of one shard's piece
+    position = lambda s: s.index[-1].start // width if layout.shards > 1 else 0
     shards = {position(s): s for s in part.addressable_shards}
     return [shards[d] for d in self._positions]
 
-  def _host_part_fn(self, i: int):
+  def _host_part_fn(self, i: int, span: tuple[int, int] | None):
     layout = self.layouts[i]
     spec = layout.spec(self._axis)
     c = layout.on_device
-    # A split leaf's host part is sliced on the device here, after the step,
-    # rather than in it, where the slice would be a second copy of the
-    # gradient at the step's peak.
-    host_part = jax.shard_map(lambda g: g[..., c:], mesh=self._mesh, in_specs=spec,
-                              out_specs=spec)
+
+    # A split leaf's host part (or a span of any) is sliced on the device
+    # here, after the step, rather than in it, where the slice would be a
+    # second copy of the gradient at the step's peak. Static slices: their
+    # bounds may pass 2**31 elements, where a traced offset would wrap.
+    def host_part(g):
+      if span is None:
+        return g[..., c:]
+      lo, hi = span
+      if layout.per_layer:  # (L, k): layers lo..hi of the host part
+        return jax.lax.slice_in_dim(g[..., c:], lo, hi, axis=0)
+      return jax.lax.slice_in_dim(g, c + lo, c + hi, axis=-1)
+    host_part = jax.shard_map(host_part, mesh=self._mesh, in_specs=spec, out_specs=spec)
     return jax.jit(host_part, out_shardings=self._pinned[i] if self.pinned else None)
 
 

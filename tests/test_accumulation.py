@@ -126,8 +126,9 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
   kw = dict(stage=2, offload=True, compute_dtype=jnp.float32, mesh=mesh_of(8), grad_accum=K,
             accumulation="host")
   free = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
-  ring = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
-  ring.host_update._landing_limit = 1  # one leaf at a time (one always may land)
+  # one leaf at a time (one always may land)
+  ring = jzo.ZeroEngine(loss_fn, init_params(), TX(), landing_limit=1, **kw)
+  assert ring.plan.host_accumulation and not ring.plan.streamed
   for b in batches(3, size=64):
     free.step(b)
     ring.step(b)
