@@ -106,7 +106,8 @@ def run_one(args) -> None:
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
       activation_memory=max(activations.values()),
-      host_memory=gib(args.host_memory_gb), device_memory=gib(args.device_memory_gb))
+      host_memory=gib(args.host_memory_gb), device_memory=gib(args.device_memory_gb),
+      landing_limit=gib(args.landing_limit_gb))
   build_s = time.perf_counter() - start
   rss_built = psutil.Process().memory_info().rss
   print(f"built in {build_s:.1f} s, host RSS {rss_built / 2**30:.2f} GiB", file=sys.stderr)
@@ -115,6 +116,9 @@ def run_one(args) -> None:
     record = offload_bench.measure_batch(args, engine, config, micro, rss_before, rss_built,
                                          build_s, activations[micro])
     record.update(family="llama", flops_per_token=config.flops_per_token(),
+                  streamed=engine.plan.streamed,
+                  landing_gib=(engine.plan.host_bytes()["landing"] / 2**30
+                               if engine.plan.offload else 0.0),
                   flops_formula="6 N + 12 L (H head_dim) T per token")
     # At once, so that a later micro-batch that fails does not take it along.
     print(RECORD + json.dumps(record), flush=True)
@@ -210,6 +214,9 @@ def parse_args():
   parser.add_argument("--device-memory-gb", type=float,
                       help="device memory the plan may use (default: the allocator's limit; "
                       f"--plan-only: {H100_DEVICE_GIB}, an H100's at 0.95)")
+  parser.add_argument("--landing-limit-gb", type=float,
+                      help="landing buffers' limit (ZeroEngine's landing_limit; default: "
+                      "the plan's, which streams the update only where one set does not fit)")
   parser.add_argument("--compiled-memory", action="store_true",
                       help="print the compiled step's memory analysis first")
   parser.add_argument("--timeout", type=float, default=600,
@@ -228,7 +235,8 @@ def child_command(args, name: str) -> list[str]:
          "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
          "--moments", args.moments, "--remat", args.remat]
   for flag, value in (("--n-layer", args.n_layer), ("--host-memory-gb", args.host_memory_gb),
-                      ("--device-memory-gb", args.device_memory_gb)):
+                      ("--device-memory-gb", args.device_memory_gb),
+                      ("--landing-limit-gb", args.landing_limit_gb)):
     if value:
       cmd += [flag, str(value)]
   return cmd + (["--compiled-memory"] if args.compiled_memory else [])

@@ -77,3 +77,22 @@ def test_a_view_of_gpu_memory_is_refused():
   x = jax.device_put(jnp.arange(8, dtype=jnp.float32), GPUS[0])
   with pytest.raises(ValueError, match="host memory"):
     transfer.writable_view(x)
+
+
+def test_a_streamed_update_on_a_gpu_equals_the_whole_one():
+  """Spans of the host parts go down to pinned memory, through the kernel and
+  up into the params at their offsets, overlapped: the weights equal the
+  whole update's, bit for bit."""
+  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  make = lambda limit: jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-2), stage=2,
+                                      mesh=mesh, offload=True, landing_limit=limit)
+  whole, streamed = make(None), make(64)
+  assert streamed.plan.streamed
+  for b in batches(4):
+    whole.step(b)
+    streamed.step(b)
+  for a, b in zip(jax.tree.leaves(whole.state.params), jax.tree.leaves(streamed.state.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert 0 < streamed.host_update.landing_peak <= 64
+  whole.close()
+  streamed.close()
