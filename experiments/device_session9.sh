@@ -13,6 +13,7 @@
 #             seq 4096: the plan streams the update through 2 GiB
 #   stream8b  llama-3.1-8b, bf16 moments, offload auto (not delayed), micro-batch 2 at seq
 #             4096: one set of landing buffers, then streamed through 2 GiB
+#   stream8ball  the same with offload=True (all the state on the host)
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -57,6 +58,11 @@ for part in "$@"; do
         --steps 5 --timeout 280
       llama $part --model llama-3.1-8b --seq-len 4096 --batch 2 --moments bf16 --configs auto \
         --steps 5 --timeout 280 --landing-limit-gb 2 ;;
+    stream8ball)
+      llama $part --model llama-3.1-8b --seq-len 4096 --batch 2 --moments bf16 \
+        --configs offload --steps 5 --timeout 280
+      llama $part --model llama-3.1-8b --seq-len 4096 --batch 2 --moments bf16 \
+        --configs offload --steps 5 --timeout 280 --landing-limit-gb 2 ;;
     *) echo "unknown part $part" ;;
   esac
 done
