@@ -96,10 +96,13 @@ class ZeroEngine:
       one micro-batch's gradients), or "auto": the device where it fits.
     landing_limit: with offload, bytes of pinned host memory the landing
       buffers (gradients going down, weights going up) may hold at once in
-      this process. Default: all of a step's host parts where the host has
-      room, else the least that works. Without host accumulation a limit
-      streams the update: spans of a quarter of it go down, through the
-      kernel and up, overlapped (not with delayed_update).
+      this process; 0: all of a step's host parts. Without host
+      accumulation a limit streams the update: spans of a quarter of it go
+      down, through the kernel and up, overlapped (not with delayed_update).
+      Default: 2 GiB streamed (jzo.plan.STREAM_LANDING_BYTES) where a step's
+      host parts are more, one set with delayed_update; under host
+      accumulation one micro-batch's set, or a ring of two leaves where the
+      host lacks room.
 
   Raises:
     ValueError, TypeError: a bad option, naming it.

@@ -81,8 +81,8 @@ _XLA_PINNED_POOL_LIMIT_GIB = 64
 # A streamed host update (jzo.offload) holds this many spans under its landing
 # limit: one going down, one in the kernel, one going up, one more.
 STREAM_SPANS = 4
-# The landing limit the plan gives a streamed update when one set of landing
-# buffers does not fit the host: spans of 512 MiB.
+# The landing limit of an update that is not delayed, where one step's host
+# parts are more: spans of 512 MiB.
 STREAM_LANDING_BYTES = 2 * 2**30
 # Pinned memory besides the landing buffers: staging of the batches and checkpoint reads.
 PINNED_POOL_HEADROOM = 2 * 2**30
@@ -477,9 +477,9 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
   landing buffers for one micro-batch if the host has room, else a ring),
   "auto" the device where its plan fits, else the host. `landing_limit`:
   bytes of landing buffers one process holds at once (`Plan.landing_limit`);
-  None: one set where the host has room, else the least that works (a
-  ring of two leaves under host accumulation, STREAM_LANDING_BYTES of
-  spans otherwise; the delayed update needs one set).
+  None: a streamed update through STREAM_LANDING_BYTES where one step's host
+  parts are more; under host accumulation one set where the host has room,
+  else a ring of two leaves; the delayed update needs one set.
 
   Raises:
     ValueError: a bad offload, accumulation or landing_limit value.
@@ -509,12 +509,11 @@ def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: 
 def _plan_with_landing(shapes, tx_state_bytes: int, *, host_accumulation: bool,
                        landing_limit: int | None, device_memory: int | None,
                        host_memory: int | None, activations: int, **kw) -> Plan:
-  """make_plan with the accumulation decided: the landing limit given, or
-  one set of landing buffers if the host has room, else the least."""
+  """make_plan with the accumulation decided and the landing limit given
+  or chosen (see make_plan)."""
   kw.update(device_memory=device_memory, activations=activations,
             host_accumulation=host_accumulation)
-  streamed = not host_accumulation and landing_limit
-  if streamed and kw["delayed_update"]:
+  if not host_accumulation and landing_limit and kw["delayed_update"]:
     raise ValueError("landing_limit streams the host update in spans, which cannot be "
                      "delayed: the delayed update keeps a whole step's gradients on the host "
                      "(set delayed_update=False, or no landing_limit)")
@@ -522,18 +521,22 @@ def _plan_with_landing(shapes, tx_state_bytes: int, *, host_accumulation: bool,
     return _make_plan(shapes, tx_state_bytes, landing_limit=landing_limit,
                       host_memory=host_memory, **kw)
   plan = _make_plan(shapes, tx_state_bytes, landing_limit=0, host_memory=None, **kw)
-  if host_accumulation and not plan.has_host_state:
-    return dataclasses.replace(plan, host_accumulation=False)
   check = lambda plan: check_fits(plan, activations=activations, device_memory=device_memory,
                                  host_memory=host_memory)
-  try:  # one set of landing buffers: no transfer waits for room
+  if not host_accumulation:
+    if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
+      # Streamed, the update overlaps its transfers with the kernel: as fast
+      # or faster, in 2 B a parameter less host memory (experiments/RESULTS.md).
+      plan = dataclasses.replace(plan, landing_limit=STREAM_LANDING_BYTES)
+    check(plan)
+    return plan
+  if not plan.has_host_state:
+    return dataclasses.replace(plan, host_accumulation=False)
+  try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
     check(plan)
     return plan
   except PlacementError:
-    if not plan.has_host_state or (plan.delayed_update and not host_accumulation):
-      raise
-  least = plan.landing_ring() if host_accumulation else STREAM_LANDING_BYTES
-  plan = dataclasses.replace(plan, landing_limit=min(least, plan.host_bytes()["landing"]))
+    plan = dataclasses.replace(plan, landing_limit=plan.landing_ring())
   check(plan)
   return plan
 

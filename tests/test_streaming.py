@@ -137,19 +137,25 @@ def plan_of(host_gib, **kw):
   return plan_lib.make_plan(shapes, 8, **{**options, **kw})
 
 
-def test_the_plan_streams_the_update_only_where_one_set_does_not_fit():
-  # 12 B a parameter = 48 GiB of state, 8 GiB of landing buffers, 4.5 of
-  # runtime, 0.25 to build: 60.75 GiB; streamed, 2 GiB of landing: 54.75
-  assert not plan_of(61, delayed_update=False).streamed
-  streamed = plan_of(58, delayed_update=False)
+def test_the_plan_streams_an_update_of_more_than_its_landing_limit_unless_delayed():
+  # 12 B a parameter = 48 GiB of state, 4.5 of runtime, 0.25 to build, and
+  # 2 GiB of landing buffers streamed (54.75 GiB), or 8 delayed (60.75)
+  streamed = plan_of(56, delayed_update=False)
   assert streamed.streamed and streamed.host_bytes()["landing"] == plan_lib.STREAM_LANDING_BYTES
   assert "landing (streamed)" in str(streamed)
+  delayed = plan_of(61, delayed_update=True)
+  assert not delayed.streamed and delayed.host_bytes()["landing"] == 8 * plan_lib.GiB
   with pytest.raises(plan_lib.PlacementError, match="GiB of host RAM"):
     plan_of(58, delayed_update=True)  # the delayed update needs one set
   with pytest.raises(plan_lib.PlacementError, match="GiB of host RAM"):
     plan_of(54, delayed_update=False)
-  # given, the limit is the user's
+  # given, the limit is the user's; 0 asks for one set
   assert plan_of(61, delayed_update=False, landing_limit=2**20).host_bytes()["landing"] == 2**20
+  whole = plan_of(61, delayed_update=False, landing_limit=0)
+  assert not whole.streamed and whole.host_bytes()["landing"] == 8 * plan_lib.GiB
+  # one step's host parts within the limit: one set (the small models of these tests)
+  assert not jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8),
+                            offload=True).plan.streamed
 
 
 def test_write_part_takes_offsets_past_two_to_the_31_elements_in_64_bits():
