@@ -59,6 +59,10 @@ def initialize_from_environment(address: str | None = None, processes: int | Non
   # CPU devices of several processes reduce through gloo (jax's CPU
   # collectives); the setting is read when the CPU backend starts.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service takes over SIGTERM in C++ at initialize (and
+  # orbax then saves at steps of its own choosing); jzo's signal handling
+  # (the recipe's Interrupts) stops every process at one step itself.
+  jax.config.update("jax_enable_preemption_service", False)
   # What is still None, JAX's cluster detection fills in (or names as missing).
   jax.distributed.initialize(address, processes, process_id)
   return True

@@ -38,7 +38,8 @@ import sys
 from jzo import config as config_lib
 from jzo.recipe.loop import start_processes, train
 from jzo.recipe.options import TrainConfig, UserError
-from jzo.recipe.signals import Interrupted, quiet_failed_reads
+from jzo.peer_watch import PeerWatch
+from jzo.recipe.signals import Interrupted, Interrupts, quiet_failed_reads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,17 +48,32 @@ def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
-  try:
-    # After the options: a process with a mistake in them stops at once
-    # rather than leaving the others waiting for it at the coordinator.
-    start_processes(cfg)
-    train(cfg)
-  except (UserError, OSError) as e:  # the options, the data or the output folder
-    sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line
-    return 2
-  except Interrupted as e:
-    sys.stderr.write(f"jzo: {e}\n")
-    return 128 + e.signum  # as a shell reports a process the signal ended: 130, 143
+  watch = None
+  # From the start: a signal before the first step exits at once.
+  with Interrupts() as stop:
+    try:
+      # After the options: a process with a mistake in them stops at once
+      # rather than leaving the others waiting for it at the coordinator.
+      start_processes(cfg)
+      watch = PeerWatch.start()  # None with one process
+      stop.on_exit = watch and watch.leaving
+      train(cfg, stop)
+    except (UserError, OSError) as e:  # the options, the data or the output folder
+      sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line
+      if watch:
+        watch.leaving(2, f"error: {e}")
+      return 2
+    except Interrupted as e:  # every process stopped at the same step
+      if watch:
+        watch.finished()
+      sys.stderr.write(f"jzo: {e}\n")
+      return 128 + e.signum  # as a shell reports a process the signal ended: 130, 143
+    except BaseException as e:  # a failure of this process alone: the others stop too
+      if watch:
+        watch.leaving(1, f"{type(e).__name__}: {e}")
+      raise
+  if watch:
+    watch.finished()
   return 0
 
 

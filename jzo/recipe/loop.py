@@ -180,8 +180,11 @@ def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainCon
   print("\n--- sample (prompt from the held-out split) ---\n" + decode(prompt) + decode(new))
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, stop: Interrupts) -> dict:
   """Runs the recipe; returns the last step's record ({} if no step was run).
+
+  `stop` holds the signal handlers (entered by the caller, so that a signal
+  during start-up exits at once): the loop defers signals to step boundaries.
 
   Raises:
     UserError: a mistake in the options or the data.
@@ -217,7 +220,7 @@ def train(cfg: TrainConfig) -> dict:
   if primary:
     remove_partial_checkpoints(out)
   barrier("jzo: partial checkpoints removed")
-  with Interrupts() as stop, checkpoint.open_manager(out / "checkpoints") as manager:
+  with checkpoint.open_manager(out / "checkpoints") as manager:
     engine = build_engine(cfg, model, params, devices, micro)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
     history = start_log(cfg, out, first) if primary else []
@@ -237,6 +240,7 @@ def train(cfg: TrainConfig) -> dict:
     with open(out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
          tqdm.tqdm(total=cfg.steps, initial=first, unit="step", disable=not primary) as bar:
       started = time.perf_counter()
+      stop.defer()
       for step in range(first, cfg.steps):
         if stop.in_any_process():
           break
@@ -263,12 +267,15 @@ def train(cfg: TrainConfig) -> dict:
           checkpoint.save(manager, engine, done)
           saved = done
         started = time.perf_counter()  # the next step's clock: not this bookkeeping
-    if stop.signum:
-      if done > saved:  # with the handlers still in place: a second signal exits at once
+    # Once more in every process, whether the loop ran out or stopped: a
+    # signal during the last step stops every process, or none.
+    if stop.in_any_process():
+      if done > saved:  # deferred still: a second signal exits at once
         checkpoint.save(manager, engine, done)
       engine.close()
       raise Interrupted(stop.signum, done,
                         out.absolute() / "checkpoints" / str(done) if done else None)
+    stop.defer(False)  # the last checkpoint is written: a signal from here exits at once
   engine.close()
   if primary:
     plot(history, out / "loss.png")

@@ -10,6 +10,7 @@ import pathlib
 import signal
 import sys
 import threading
+from typing import Callable
 
 import jax
 import numpy as np
@@ -35,10 +36,14 @@ class Interrupted(Exception):
 
 class Interrupts:
   """SIGINT (Ctrl-C) and SIGTERM (which schedulers send before they kill)
-  while a run trains: the first sets `signum`, which the loop reads between
+  during a run. Before the training loop (start-up, reading data, building
+  the engine) nothing is trained yet: a signal exits at once. In the loop
+  (after `defer`) the first sets `signum`, which the loop reads between
   steps, so the step in flight finishes and a checkpoint is written; a
-  second exits at once (status 128 + its number; the last complete
-  checkpoint stays, the one being written is never read).
+  second exits at once. Exiting at once keeps the last complete
+  checkpoint (the one being written is never read), calls `on_exit(status,
+  reason)` (a PeerWatch's `leaving`: the other processes stop too) and exits
+  with status 128 + the signal's number.
 
   The handler only sets a flag: stopped in the middle of an exchange with
   its update thread, an engine could not go on (jzo.offload's `_guard`), nor
@@ -46,14 +51,17 @@ class Interrupts:
   signal handlers); the previous handlers come back on exit.
 
   Attributes:
-    signum: the first signal received (0: none; with several processes,
-      the first that any process received, once `in_any_process` saw it).
+    signum: the first signal received in the loop (0: none; with several
+      processes, the first that any process received, once
+      `in_any_process` saw it).
   """
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
+  def __init__(self, on_exit: Callable[[int, str], None] | None = None):
     self.signum = 0
+    self._deferring = False
+    self.on_exit = on_exit
     self._previous = {}
 
   def __enter__(self) -> Interrupts:
@@ -66,22 +74,31 @@ class Interrupts:
     for sig, handler in self._previous.items():
       signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
+  def defer(self, deferring: bool = True) -> None:
+    """From now on the first signal waits for the step in flight (the
+    training loop), or with False exits at once again (after it)."""
+    self._deferring = deferring
+
   def in_any_process(self) -> bool:
     """Whether a signal came, here or (with several processes) in any
     other: they stop at the same step, or the others would wait for the
-    stopped one in the next step's collectives (one all-gather of a number
-    per step)."""
+    stopped one in the next step's collectives. Every process calls it at
+    the same points (one all-gather of a number each)."""
     if jax.process_count() > 1:
-      self.signum = self.signum or int(multihost_utils.process_allgather(
-          np.int32(self.signum)).max())
+      seen = int(multihost_utils.process_allgather(np.int32(self.signum)).max())
+      self.signum = self.signum or seen
     return bool(self.signum)
 
   def _handle(self, signum: int, frame) -> None:
     del frame
     name = signal.Signals(signum).name
-    if self.signum:
+    if self.signum or not self._deferring:
       _say(f"jzo: {name} again: exiting at once, without a checkpoint of the step reached "
-           f"(--resume continues from the last complete one)")
+           "(--resume continues from the last complete one)" if self.signum else
+           f"jzo: {name} before the first step: exiting at once, nothing trained (the "
+           "checkpoints stay as they were)")
+      if self.on_exit is not None:
+        self.on_exit(128 + signum, f"interrupted by {name}")
       for stream in (sys.stdout, sys.stderr):
         try:
           stream.flush()
