@@ -40,13 +40,18 @@ With several processes (jzo.distributed) every process calls `save` and
 moments are global arrays, flat and padded (`flat_shape`) over the data
 axis, each process writing and reading its own devices' shards (the host
 parts included, staged in host memory); scalars are written once. Such a
-checkpoint loads into an engine over as many devices, with one process or
-several; `read_masters` and the export read it like any other.
+checkpoint loads into an Adam engine over any number of devices and
+processes with the same rows (stage 3's per-layer leaves keep a row per
+layer): the values sit at the start of each row, and orbax cuts or pads the
+padding to the loading engine's. `read_masters` and the export read it like
+any other.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -160,13 +165,16 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     raise _unreadable(e, folder, step) from e
   # The target is what the engine loads, as shapes: orbax reads numpy arrays
   # into its tree types (optax's named tuples) and refuses other dtypes.
-  target = _expected(engine.plan, engine.mesh, engine.state, engine.host, saved)
-  misfit = _misfit(saved, _outline(target))
+  target, accepted = _expected(engine.plan, engine.mesh, engine.state, engine.host, saved)
+  misfit = _misfit(saved, accepted)
   if misfit:  # before any array is read
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",
                           folder, step)
   try:
-    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    # Not strict where a flat leaf's padding is another device count's: orbax
+    # cuts or pads it (every other entry has the saved shape, checked above).
+    restored = manager.restore(step, args=ocp.args.StandardRestore(
+        target, strict=_outline(target) == saved))
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
     raise _unreadable(e, folder, step) from e
   engine.load_state_dict(restored)
@@ -559,13 +567,19 @@ def _sharded_state_dict(plan: Plan, mesh: Mesh, state: EngineState, host: HostAd
 
 
 def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
-              saved) -> dict:
-  """Shapes and dtypes (jax.ShapeDtypeStructs) of the saved tree this engine
-  loads, fetching nothing: the format it saves, or for an Adam engine
-  without offload the flat one of its older checkpoints if `saved` (a
-  state dict or its outline) has "opt_state". Masters and moments come in
-  full shapes, or flat as several processes wrote them where `saved` has
-  them so; with several processes, global arrays are read shard by shard."""
+              saved) -> tuple[dict, dict]:
+  """(target, accepted): the shapes and dtypes (jax.ShapeDtypeStructs) of
+  the saved tree this engine loads, fetching nothing, and the outline (see
+  `_outline`) of a checkpoint that loads into it.
+
+  The target is the format the engine saves, or for an Adam engine without
+  offload the flat one of its older checkpoints if `saved` (a state dict or
+  its outline) has "opt_state". Masters and moments come in full shapes, or
+  flat as several processes wrote them where `saved` has them so; with
+  several processes, global arrays are read shard by shard. A flat leaf
+  padded for another device count is read into this engine's flat shape
+  (orbax pads or cuts its padding): in `accepted` it keeps the saved shape.
+  """
   scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
              "skipped": np.int32, "steps_run": np.int64}
   tree = {k: jax.ShapeDtypeStruct((), v) for k, v in scalars.items()}
@@ -574,10 +588,12 @@ def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
   outline = _outline(saved)
   if not plan.offload and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
-    return {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+    target = {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=x.sharding if several else None), flat)}
+    return target, _outline(target)
 
   def entry(name, like):
+    """(target, accepted outline) of one of master, mu and nu."""
     saved_leaves = jax.tree.leaves(outline.get(name), is_leaf=lambda x: isinstance(x, str))
     # Flat leaves are Adam's only when saved in its format (with its count);
     # another optimizer's flat masters are refused, naming the shapes.
@@ -585,18 +601,45 @@ def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
       saved_leaves = [None] * len(plan.leaves)
 
     def one(layout, x, saved_leaf):
+      # Sharded as the engine's leaf, also in one process: orbax would take
+      # the sharding it was saved with, over devices that may not be here.
       flat = jax.ShapeDtypeStruct(layout.flat_shape, x.dtype,
-                                  sharding=_shard_sharding(plan, mesh, layout) if several else None)
+                                  sharding=_shard_sharding(plan, mesh, layout))
       written_flat = saved_leaf == _outline(flat)
       if written_flat and (several or layout.flat_shape != layout.shape):
-        return flat
-      return jax.ShapeDtypeStruct(layout.shape, x.dtype)
-    return jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout), [
-        one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)])
+        return flat, saved_leaf
+      if _padded_otherwise(saved_leaf, layout, x.dtype):
+        return flat, saved_leaf
+      full = jax.ShapeDtypeStruct(layout.shape, x.dtype)
+      return full, _outline(full)
+    pairs = [one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)]
+    structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+    return (jax.tree.unflatten(structure, [t for t, _ in pairs]),
+            jax.tree.unflatten(structure, [a for _, a in pairs]))
   # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
   masters, adam = (host.master, host) if plan.offload else (state.master, device_adam)
-  return {**tree, "master": entry("master", masters), "mu": entry("mu", adam.mu),
-          "nu": entry("nu", adam.nu), "count": jax.ShapeDtypeStruct((), np.int64)}
+  entries = {"master": entry("master", masters), "mu": entry("mu", adam.mu),
+             "nu": entry("nu", adam.nu)}
+  target = {**tree, **{k: t for k, (t, _) in entries.items()},
+            "count": jax.ShapeDtypeStruct((), np.int64)}
+  accepted = {**_outline(target), **{k: a for k, (_, a) in entries.items()}}
+  return target, accepted
+
+
+def _padded_otherwise(saved_leaf: str | None, layout: LeafLayout, dtype) -> bool:
+  """Whether a saved leaf (its outline) is this leaf flat and padded for
+  another device count: rows as this layout's (one per layer, or one), each
+  at least the leaf's (or layer's) size. The values are at the start of
+  each row, so reading it cut or padded to this engine's rows gives them."""
+  if saved_leaf is None:
+    return False
+  found = re.fullmatch(r"(\w+)\[([\d, ]*)\]", saved_leaf)
+  if not found or found[1] != np.dtype(dtype).name:
+    return False
+  shape = tuple(int(n) for n in found[2].split(",") if n.strip())
+  lead = layout.flat_shape[:-1]
+  return (len(shape) == len(layout.flat_shape) and shape[:-1] == lead
+          and shape[-1] >= math.prod(layout.inner_shape))
 
 
 def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: HostAdam | None,
@@ -608,7 +651,7 @@ def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: Host
     ValueError: the saved tree does not fit this engine, naming the first
       entries that differ.
   """
-  misfit = _misfit(_outline(saved), _outline(_expected(plan, mesh, state, host, saved)))
+  misfit = _misfit(_outline(saved), _outline(_expected(plan, mesh, state, host, saved)[0]))
   if misfit:
     raise ValueError(f"checkpoint does not fit this engine: {misfit}")
   specs = step_lib.state_specs(plan, tx)

@@ -7,8 +7,10 @@ agree to float32 rounding), checkpointed as it goes.
 `python multiprocess_run.py OUT [--resume]` is one process of a pair (its
 place from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID): it
 trains at stages 2 and 3 and process 0 writes what each run saw to
-OUT/stage<N>.npz. The test runs `train` in its own process for the
-single-process reference.
+OUT/stage<N>.npz. `python multiprocess_run.py OUT --load DIR` loads the
+latest checkpoint of DIR/checkpoints-<N> instead, and process 0 writes the
+state it loaded to OUT/loaded<N>.npz. The test runs `train` and `load` in
+its own process for the single-process references.
 """
 
 import pathlib
@@ -17,9 +19,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 import jzo
 from jzo import checkpoint, distributed
+from jzo.partition import is_layout
 from test_engine import batches, init_params, loss_fn
 
 STEPS = 10
@@ -27,15 +31,19 @@ SAVE_AT = (5, STEPS)  # checkpoints; a resumed run starts from the first
 STAGES = (2, 3)
 
 
-def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False) -> dict:
-  """Trains STEPS steps, saving at SAVE_AT (or, if `resume`, from checkpoint
-  SAVE_AT[0], saving none); returns {"loss", "grad_norm"} (the steps run) and "master"
-  (the final float32 weights, flat, in jax.tree.leaves order)."""
-  engine = jzo.ZeroEngine(
+def make_engine(stage: int, mesh=None) -> jzo.ZeroEngine:
+  return jzo.ZeroEngine(
       loss_fn, init_params(), jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1), mesh=mesh,
       stage=stage,
       compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True, delayed_update=True,
       dpu_warmup=2, layers="blocks" if stage == 3 else None)
+
+
+def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False) -> dict:
+  """Trains STEPS steps, saving at SAVE_AT (or, if `resume`, from checkpoint
+  SAVE_AT[0], saving none); returns {"loss", "grad_norm"} (the steps run) and "master"
+  (the final float32 weights, flat, in jax.tree.leaves order)."""
+  engine = make_engine(stage, mesh)
   losses, norms = [], []
   data = [jax.tree.map(np.asarray, b) for b in batches(STEPS)]  # global, (16, ...)
   with checkpoint.open_manager(out / f"checkpoints-{stage}") as manager:
@@ -51,13 +59,40 @@ def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False) -> dic
   return {"loss": np.array(losses), "grad_norm": np.array(norms), "master": master}
 
 
-def main(out: str, resume: bool) -> None:
+def load(stage: int, folder: pathlib.Path, mesh=None) -> dict:
+  """The state an engine over `mesh` loads from the latest checkpoint in
+  folder/checkpoints-<stage>: "master", "mu" and "nu" (float32, in full
+  shapes, flat and joined in jax.tree.leaves order) and "count"."""
+  engine = make_engine(stage, mesh)
+  with checkpoint.open_manager(folder / f"checkpoints-{stage}") as manager:
+    checkpoint.restore(manager, engine)
+  saved = engine.state_dict()
+  layouts = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
+
+  def full(layout, x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # several processes' shards
+      x = multihost_utils.process_allgather(x, tiled=True)
+    x = np.asarray(x, np.float32)
+    return x if x.shape == layout.shape else np.asarray(layout.unflatten(x))
+  state = {name: np.concatenate([full(l, x).ravel() for l, x in
+                                 zip(layouts, jax.tree.leaves(saved[name]))])
+           for name in ("master", "mu", "nu")}
+  engine.close()
+  return {**state, "count": np.asarray(saved["count"])}
+
+
+def main(out: str, args: list[str]) -> None:
   distributed.initialize_from_environment()
+  out = pathlib.Path(out)
   for stage in STAGES:
-    seen = train(stage, pathlib.Path(out), resume=resume)
+    if "--load" in args:
+      seen, name = load(stage, pathlib.Path(args[args.index("--load") + 1])), f"loaded{stage}"
+    else:
+      resume = "--resume" in args
+      seen, name = train(stage, out, resume=resume), f"stage{stage}{'-resumed' if resume else ''}"
     if distributed.is_primary():
-      np.savez(pathlib.Path(out) / f"stage{stage}{'-resumed' if resume else ''}.npz", **seen)
+      np.savez(out / f"{name}.npz", **seen)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], "--resume" in sys.argv[2:])
+  main(sys.argv[1], sys.argv[2:])

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import multiprocess_run as run
+from test_engine import mesh_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds a pair may take, start-up and compilation included
@@ -33,22 +34,22 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_pair(out: pathlib.Path, cache: pathlib.Path, *args: str) -> None:
-  """Runs multiprocess_run.py as processes 0 and 1 of a pair."""
+def run_pair(out: pathlib.Path, cache: pathlib.Path, *args: str, devices: int = 2) -> None:
+  """Runs multiprocess_run.py as processes 0 and 1 of a pair, `devices` CPU devices each."""
   env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2",
          # The resumed pair compiles nothing the first compiled.
          "JAX_COMPILATION_CACHE_DIR": str(cache)}
   command = [sys.executable, str(ROOT / "tests" / "multiprocess_run.py"), str(out), *args]
   run_processes([command, command], [{**env, "JAX_PROCESS_ID": str(i)} for i in range(2)],
-                out, "".join(args))
+                out, "".join(args[:1]) + str(devices), devices)
 
 
 def run_processes(commands: list[list[str]], envs: list[dict], out: pathlib.Path,
-                  name: str) -> list[str]:
-  """Runs commands[i] as process i of 2-CPU-device processes side by side;
-  fails with their output unless all exit 0 within TIMEOUT; returns their
-  output."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
+                  name: str, devices: int = 2) -> list[str]:
+  """Runs commands[i] as process i of `devices`-CPU-device processes side by
+  side; fails with their output unless all exit 0 within TIMEOUT; returns
+  their output."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   procs, logs = [], []
   try:
@@ -80,14 +81,24 @@ def run_processes(commands: list[list[str]], envs: list[dict], out: pathlib.Path
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """What the pair saw ("stage2", "stage3"), the resumed pair
-  ("stage2-resumed", ...) and the single process ("single2", ...)."""
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("jax-cache")
+
+
+@pytest.fixture(scope="module")
+def pair_out(tmp_path_factory, cache):
+  """The folder of the pair's runs and checkpoints (checkpoints-<stage>)."""
   out = tmp_path_factory.mktemp("pair")
-  cache = tmp_path_factory.mktemp("jax-cache")
   run_pair(out, cache)
   run_pair(out, cache, "--resume")
-  seen = {f.stem: dict(np.load(f)) for f in out.glob("*.npz")}
+  return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pair_out):
+  """What the pair saw ("stage2", "stage3"), the resumed pair
+  ("stage2-resumed", ...) and the single process ("single2", ...)."""
+  seen = {f.stem: dict(np.load(f)) for f in pair_out.glob("stage*.npz")}
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
   for stage in run.STAGES:
     seen[f"single{stage}"] = run.train(stage, tmp_path_factory.mktemp("single"), mesh)
@@ -116,6 +127,39 @@ def test_a_pairs_checkpoint_resumes_in_a_new_pair_bit_for_bit(runs, stage):
   np.testing.assert_array_equal(resumed["loss"], first["loss"][start:])
   np.testing.assert_array_equal(resumed["grad_norm"], first["grad_norm"][start:])
   np.testing.assert_array_equal(resumed["master"], first["master"])
+
+
+def assert_same_state(loaded: dict, reference: dict) -> None:
+  for name in ("master", "mu", "nu", "count"):
+    np.testing.assert_array_equal(loaded[name], reference[name], err_msg=name)
+
+
+@pytest.mark.parametrize("stage", run.STAGES)
+def test_a_pairs_checkpoint_loads_into_other_device_counts_in_one_process(pair_out, stage):
+  """Written by 2 processes of 2 devices (flat, padded for 4): the same
+  masters and moments load over 1, 3 and 4 devices."""
+  reference = run.load(stage, pair_out, mesh_of(4))
+  assert reference["count"] == run.STEPS and np.abs(reference["mu"]).max() > 0
+  np.testing.assert_array_equal(reference["master"],
+                                np.load(pair_out / f"stage{stage}.npz")["master"])
+  for devices in (1, 3):
+    assert_same_state(run.load(stage, pair_out, mesh_of(devices)), reference)
+
+
+def test_checkpoints_load_into_pairs_of_other_device_counts(pair_out, cache, tmp_path):
+  """A pair of 1-device processes loads the 2 x 2 pair's checkpoint; a 2 x 2
+  pair loads one that a single process wrote over 8 devices."""
+  run_pair(tmp_path, cache, "--load", str(pair_out), devices=1)
+  for stage in run.STAGES:
+    assert_same_state(dict(np.load(tmp_path / f"loaded{stage}.npz")),
+                      run.load(stage, pair_out, mesh_of(4)))
+  single = tmp_path / "single"
+  for stage in run.STAGES:
+    run.train(stage, single, mesh_of(8))
+  run_pair(tmp_path, cache, "--load", str(single))
+  for stage in run.STAGES:
+    assert_same_state(dict(np.load(tmp_path / f"loaded{stage}.npz")),
+                      run.load(stage, single, mesh_of(4)))
 
 
 def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
