@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from jzo import config as config_lib
 from jzo.recipe.loop import start_processes, train
@@ -49,32 +50,46 @@ def main(argv: list[str] | None = None) -> int:
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
   watch = None
-  # From the start: a signal before the first step exits at once.
   with Interrupts() as stop:
     try:
+      # While the processes join, a signal waits: exiting before the others
+      # know of this one would leave them waiting for it.
+      stop.defer("exiting once every process has joined, so that all stop")
       # After the options: a process with a mistake in them stops at once
       # rather than leaving the others waiting for it at the coordinator.
       start_processes(cfg)
       watch = PeerWatch.start()  # None with one process
       stop.on_exit = watch and watch.leaving
+      stop.at_once("before the first step")  # nothing trained yet: nothing to save
       train(cfg, stop)
     except (UserError, OSError) as e:  # the options, the data or the output folder
       sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line
-      if watch:
-        watch.leaving(2, f"error: {e}")
-      return 2
+      return stop_alone(watch, 2, f"error: {e}")
     except Interrupted as e:  # every process stopped at the same step
       if watch:
         watch.finished()
       sys.stderr.write(f"jzo: {e}\n")
       return 128 + e.signum  # as a shell reports a process the signal ended: 130, 143
     except BaseException as e:  # a failure of this process alone: the others stop too
-      if watch:
-        watch.leaving(1, f"{type(e).__name__}: {e}")
-      raise
+      if watch is None:
+        raise
+      traceback.print_exc()
+      return stop_alone(watch, 1, f"{type(e).__name__}: {e}")
   if watch:
     watch.finished()
   return 0
+
+
+def stop_alone(watch: PeerWatch | None, status: int, reason: str) -> int:
+  """Returns `status`; with other processes, tells them (they stop too)
+  and exits at once: JAX's shutdown at exit would wait for them, and they
+  do not come."""
+  if watch is None:
+    return status
+  watch.leaving(status, reason)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
 
 
 if __name__ == "__main__":

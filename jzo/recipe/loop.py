@@ -223,6 +223,7 @@ def train(cfg: TrainConfig, stop: Interrupts) -> dict:
   with checkpoint.open_manager(out / "checkpoints") as manager:
     engine = build_engine(cfg, model, params, devices, micro)
     first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
+    stop.defer()  # from here a signal waits for a step boundary, and a checkpoint
     history = start_log(cfg, out, first) if primary else []
     if primary and not first:
       hf_config = model.config.to_hf() if model.family is models.LLAMA else None
@@ -240,7 +241,6 @@ def train(cfg: TrainConfig, stop: Interrupts) -> dict:
     with open(out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
          tqdm.tqdm(total=cfg.steps, initial=first, unit="step", disable=not primary) as bar:
       started = time.perf_counter()
-      stop.defer()
       for step in range(first, cfg.steps):
         if stop.in_any_process():
           break
@@ -275,7 +275,7 @@ def train(cfg: TrainConfig, stop: Interrupts) -> dict:
       engine.close()
       raise Interrupted(stop.signum, done,
                         out.absolute() / "checkpoints" / str(done) if done else None)
-    stop.defer(False)  # the last checkpoint is written: a signal from here exits at once
+    stop.at_once("after the last step")
   engine.close()
   if primary:
     plot(history, out / "loss.png")

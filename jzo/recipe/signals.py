@@ -36,11 +36,11 @@ class Interrupted(Exception):
 
 class Interrupts:
   """SIGINT (Ctrl-C) and SIGTERM (which schedulers send before they kill)
-  during a run. Before the training loop (start-up, reading data, building
-  the engine) nothing is trained yet: a signal exits at once. In the loop
-  (after `defer`) the first sets `signum`, which the loop reads between
-  steps, so the step in flight finishes and a checkpoint is written; a
-  second exits at once. Exiting at once keeps the last complete
+  during a run. Where there is nothing to save (before the first step,
+  after the last checkpoint) a signal exits at once (`at_once`). In the
+  training loop (`defer`) the first sets `signum`, which the loop reads
+  between steps, so the step in flight finishes and a checkpoint is
+  written; a second exits at once. Exiting at once keeps the last complete
   checkpoint (the one being written is never read), calls `on_exit(status,
   reason)` (a PeerWatch's `leaving`: the other processes stop too) and exits
   with status 128 + the signal's number.
@@ -51,17 +51,20 @@ class Interrupts:
   signal handlers); the previous handlers come back on exit.
 
   Attributes:
-    signum: the first signal received in the loop (0: none; with several
-      processes, the first that any process received, once
+    signum: the first signal received while deferring (0: none; with
+      several processes, the first that any process received, once
       `in_any_process` saw it).
+    on_exit: called before exiting at once, or None.
   """
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
+  IN_LOOP = "finishing the step in flight, then writing a checkpoint"
 
-  def __init__(self, on_exit: Callable[[int, str], None] | None = None):
+  def __init__(self):
     self.signum = 0
-    self._deferring = False
-    self.on_exit = on_exit
+    self.on_exit: Callable[[int, str], None] | None = None
+    self._deferred_to = ""  # what a first signal waits for ("": nothing, it exits at once)
+    self._at_once_why = "before the first step"
     self._previous = {}
 
   def __enter__(self) -> Interrupts:
@@ -74,40 +77,56 @@ class Interrupts:
     for sig, handler in self._previous.items():
       signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
-  def defer(self, deferring: bool = True) -> None:
-    """From now on the first signal waits for the step in flight (the
-    training loop), or with False exits at once again (after it)."""
-    self._deferring = deferring
+  def defer(self, until: str = IN_LOOP) -> None:
+    """From now on the first signal waits: `until` says for what."""
+    self._deferred_to = until
+
+  def at_once(self, why: str) -> None:
+    """From now on a signal exits at once, `why` saying when it came (a
+    signal that waited meanwhile exits now)."""
+    self._deferred_to, self._at_once_why = "", why
+    if self.signum:
+      self._exit_at_once(self.signum)
 
   def in_any_process(self) -> bool:
     """Whether a signal came, here or (with several processes) in any
     other: they stop at the same step, or the others would wait for the
     stopped one in the next step's collectives. Every process calls it at
     the same points (one all-gather of a number each)."""
-    if jax.process_count() > 1:
-      seen = int(multihost_utils.process_allgather(np.int32(self.signum)).max())
+    if jax.process_count() == 1:
+      return bool(self.signum)
+    # The gathered value alone decides: a signal that lands during the
+    # gather sets the flag here only, and waits for the next one.
+    seen = int(multihost_utils.process_allgather(np.int32(self.signum)).max())
+    if seen:
       self.signum = self.signum or seen
-    return bool(self.signum)
+    return bool(seen)
 
   def _handle(self, signum: int, frame) -> None:
     del frame
     name = signal.Signals(signum).name
-    if self.signum or not self._deferring:
+    if self.signum and self._deferred_to:
       _say(f"jzo: {name} again: exiting at once, without a checkpoint of the step reached "
-           "(--resume continues from the last complete one)" if self.signum else
-           f"jzo: {name} before the first step: exiting at once, nothing trained (the "
-           "checkpoints stay as they were)")
-      if self.on_exit is not None:
-        self.on_exit(128 + signum, f"interrupted by {name}")
-      for stream in (sys.stdout, sys.stderr):
-        try:
-          stream.flush()
-        except Exception:  # the interrupted code was writing to it: what it held is lost
-          pass
-      os._exit(128 + signum)
+           "(--resume continues from the last complete one)")
+      self._exit_at_once(signum, said=True)
+    if not self._deferred_to:
+      self._exit_at_once(signum)
     self.signum = signum
-    _say(f"jzo: {name}: finishing the step in flight, then writing a checkpoint "
-         f"({name} again: exit at once)")
+    _say(f"jzo: {name}: {self._deferred_to} ({name} again: exit at once)")
+
+  def _exit_at_once(self, signum: int, said: bool = False) -> None:
+    name = signal.Signals(signum).name
+    if not said:
+      _say(f"jzo: {name} {self._at_once_why}: exiting at once (the checkpoints stay as they "
+           "were)")
+    if self.on_exit is not None:
+      self.on_exit(128 + signum, f"interrupted by {name}")
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # the interrupted code was writing to it: what it held is lost
+        pass
+    os._exit(128 + signum)
 
 
 def _say(message: str) -> None:
