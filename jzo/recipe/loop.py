@@ -180,17 +180,21 @@ def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainCon
   print("\n--- sample (prompt from the held-out split) ---\n" + decode(prompt) + decode(new))
 
 
-def train(cfg: TrainConfig, stop: Interrupts) -> dict:
+def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   """Runs the recipe; returns the last step's record ({} if no step was run).
 
-  `stop` holds the signal handlers (entered by the caller, so that a signal
-  during start-up exits at once): the loop defers signals to step boundaries.
+  `stop`: the signal handlers, entered by the caller (`python -m jzo.train`
+  enters them first thing); None installs them for this call. From the
+  engine's build on, signals wait for a step boundary.
 
   Raises:
     UserError: a mistake in the options or the data.
     Interrupted: SIGINT or SIGTERM stopped the run (see `Interrupts`),
       after the checkpoint of the step reached.
   """
+  if stop is None:
+    with Interrupts() as stop:
+      return train(cfg, stop)
   check(cfg)
   model, params = source_model(cfg)
   check_for_model(cfg, model)
