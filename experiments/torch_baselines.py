@@ -8,6 +8,11 @@ experiments/offload_bench.py: median step time, tokens/s, model TFLOPS
 (6 N + 12 L D T per token), peak GPU memory, host RSS.
 
   python experiments/torch_baselines.py --model gpt2-4b --system deepspeed
+  python -m torch.distributed.run --standalone --nproc-per-node 2 \
+      experiments/torch_baselines.py --model gpt2-1.5b --system deepspeed
+
+Under torchrun each process trains --batch sequences on its GPU; tokens/s
+counts every GPU's, model TFLOPS are per GPU.
 """
 
 from __future__ import annotations
@@ -134,13 +139,17 @@ def main():
             "n_params": config.n_params, "batch": args.batch, "seq_len": args.seq_len,
             "device": torch.cuda.get_device_name(), **result}
   print(json.dumps(result))
-  if args.json:
+  if args.json and int(os.environ.get("RANK", "0")) == 0:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)
 
 
 def measure(config, args) -> dict:
-  """Builds the model and the system's step; times args.steps steps."""
+  """Builds the model and the system's step; times args.steps steps. Under
+  torchrun (DeepSpeed on several GPUs, a process each) every process takes
+  its own GPU and tokens/s counts them all."""
+  torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+  world = int(os.environ.get("WORLD_SIZE", "1"))
   torch.manual_seed(0)
   with torch.device("cuda"):  # initialise on the GPU: fast, and what both systems start from
     model = GPT(config)
@@ -156,9 +165,9 @@ def measure(config, args) -> dict:
     torch.cuda.synchronize()
     times.append(time.perf_counter() - start)
   seconds = statistics.median(times)
-  tokens_per_s = args.batch * args.seq_len / seconds
-  return {"step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
-          "tflops": tokens_per_s * config.flops_per_token(args.seq_len) / 1e12,
+  tokens_per_s = world * args.batch * args.seq_len / seconds
+  return {"step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s, "gpus": world,
+          "tflops": tokens_per_s / world * config.flops_per_token(args.seq_len) / 1e12,
           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
           "host_rss_gib": psutil.Process().memory_info().rss / 2**30, "loss": float(loss),
           "status": "ok"}

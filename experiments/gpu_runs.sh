@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# jzo's runs on a GPU machine (the device tool), one named part after another,
+# from a snapshot of a commit so that work in progress in the checkout stays
+# out. Here:
+#   rm -rf .snap && mkdir .snap && git archive HEAD -o .snap/jzo.tar && git rev-parse --short HEAD >.snap/commit
+# then, through the device tool, carrying .snap and .whl (DeepSpeed, tyro and
+# their dependencies as wheels):
+#   bash experiments/gpu_runs.sh PART [PART ...]
+# A second snapshot in .snap-base (made the same way from another commit)
+# makes offload-steps time that commit first, in the same call.
+#
+# Parts on one GPU (gpt2 shapes at seq 1024, micro-batch 8; llama shapes at seq 4096):
+#   tests          --help of each command; the GPU tests; the CPU tests that depend most
+#                  on the Python and jax versions, on this machine's
+#   multiprocess   the CPU tests of several processes (pairs over loopback): training,
+#                  checkpoints across process and device counts, signals and deaths
+#   cpu-adam       the optax drop-in's tests with the GPU as default backend; the C++
+#                  Adam kernel against torch's fused AdamW on the host CPU
+#   offload-steps  gpt2-1.5b and gpt2-4b, all the state on the host + delayed update:
+#                  step times (before and after a change, with .snap-base)
+#   recipe-10b     gpt2-10b, fp32 moments, through `python -m jzo.train` (offload auto +
+#                  delayed update); BATCH, STEPS override 8 and 22
+#   recipe-13b     gpt2-13b, bf16 moments, the same
+#   bench-10b      gpt2-10b in offload_bench.py: the step's parts, planned against measured
+#   peers-4b       gpt2-4b: jzo on the GPU alone and offload auto; DeepSpeed ZeRO-2 offload
+#   figure-P       experiments/figure_runs.py's part P (1.5b 4b 10b 13b edges check dpu):
+#                  the single-GPU figures, each system in its own process
+#   llama8b        llama-3.1-8b, micro-batch 4, offload auto + delayed update
+#   llama8b-14l    the same cut to 14 layers (a shape DeepSpeed fits), and DeepSpeed
+#                  ZeRO-2 offload training transformers' LlamaForCausalLM of that shape
+#   ds-llama8b     DeepSpeed on llama-3.1-8b's full shape
+#   qwen14b        qwen2.5-14b, bf16 moments, offload auto, micro-batch 1 and 2
+#   stream8b       llama-3.1-8b, bf16 moments, micro-batch 2: one set of landing
+#                  buffers against the streamed update, offload auto then all on the host
+#   streamed-check one leaf past 2**31 elements through 1 GiB of spans: every weight
+#                  equals its master
+#   accum-4b       gpt2-4b: no offload at 8, then all on the host with 4 x 8 summed on
+#                  the device and on the host
+#   accum-10b      gpt2-10b, bf16 moments: 8, then 4 x 8 summed on the host
+#   host-sums      the host accumulation's passes alone on the host CPU
+# Parts on two GPUs (nvidia-h200-x2):
+#   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
+#                  and 2 GPUs (zero_stages_bench.py)
+#   pair-recipe    gpt2-1.5b through the recipe: one process over both GPUs, then one
+#                  process per GPU (--coordinator), stage 2, offload + delayed update
+#   ds-2gpu        DeepSpeed ZeRO-2 offload, gpt2-1.5b, on 1 GPU and on 2 (one process each)
+# Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+
+unpack() {  # SNAPSHOT-FOLDER -> prints the built tree's path (built once per machine)
+  local dir=/tmp/jzo-$(cat "$1/commit")
+  if [ ! -d "$dir" ]; then
+    mkdir -p "$dir" && tar -xf "$1/jzo.tar" -C "$dir" && cp -r .whl "$dir/"
+    (cd "$dir" && source experiments/device_setup.sh >&2) || { rm -rf "$dir"; return 1; }
+  fi
+  echo "$dir"
+}
+use() {  # TREE: makes it the jzo that python imports (an editable install)
+  (cd "$1" && python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1)
+}
+base=""
+[ -d .snap-base ] && { base=$(unpack .snap-base) || exit 1; }
+dir=$(unpack .snap) || exit 1  # the last built: the one imported
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+{ date -u; cat .snap/commit; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  grep -m1 "model name" /proc/cpuinfo; nproc; free -g | head -2; python3 --version
+  python3 -c "import jax; print('jax', jax.__version__)"
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+cd "$dir" || exit 1
+
+record() {  # PART SCRIPT ARGS...: runs an experiments/ script that writes --json; appends
+  local part=$1 script=$2; shift 2
+  python3 "experiments/$script" "$@" --json "$OUT/$part.tmp.json" >>"$OUT/$part.log" 2>&1
+  echo "$part $script $*: exit $?"; cat "$OUT/$part.tmp.json" >>"$OUT/$part.jsonl" 2>/dev/null
+  echo >>"$OUT/$part.jsonl"; rm -f "$OUT/$part.tmp.json"
+  grep -E "TFLOPS|refused|rror|status" "$OUT/$part.log" | cut -c1-300 | tail -4
+}
+hf() {  # PART ARGS...: hf_baselines.py (transformers' models under DeepSpeed)
+  local part=$1; shift
+  python3 experiments/hf_baselines.py "$@" --out "$OUT/$part.jsonl" >>"$OUT/$part.log" 2>&1
+  echo "$part hf_baselines $*: exit $?"; tail -c 1200 "$OUT/$part.jsonl" 2>/dev/null; echo
+}
+recipe() {  # PART MODEL STEPS FLAGS...: the recipe, with its peak host memory
+  local part=$1 model=$2 steps=$3; shift 3
+  /usr/bin/time -v timeout 560 python3 -m jzo.train --model "$model" --seq-len 1024 \
+    --batch-size "${BATCH:-8}" --steps "$steps" --warmup 2 --log-every 2 --eval-every 1000 \
+    --checkpoint-every 0 --sample-tokens 0 --lr 1e-4 --delayed-update --out "/tmp/run-$part" \
+    "$@" >"$OUT/$part.log" 2>&1
+  echo "$part: exit $?"; grep -v "step/s\]" "$OUT/$part.log" | grep -E "^step|Maximum resident" | tail -4
+  cp "/tmp/run-$part/metrics.jsonl" "$OUT/$part-metrics.jsonl" 2>/dev/null
+}
+pytests() {  # NAME TIMEOUT FILES...: one pytest call; its log in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -X faulthandler -m pytest -q -p no:cacheprovider "$@" \
+    >"$OUT/$name.log" 2>&1
+  echo "$name: exit $?"; tail -1 "$OUT/$name.log"; grep -m3 -E "Fatal|FAILED" "$OUT/$name.log"
+}
+
+for part in "$@"; do
+  case $part in
+    tests)
+      for m in jzo.train jzo.estimate jzo.export; do
+        python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
+      done
+      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 240 tests/test_offload_gpu.py tests/test_transfer.py
+      for t in test_streaming test_offload test_accumulation test_placement test_finetune \
+               test_engine test_cpu_adam; do
+        pytests "$t" 300 "tests/$t.py"
+      done ;;
+    multiprocess)
+      JAX_PLATFORMS=cpu pytests multiprocess 500 tests/test_multiprocess.py \
+        tests/test_multiprocess_signals.py ;;
+    cpu-adam)
+      JAX_PLATFORMS=cuda,cpu pytests cpu-adam-xla 240 tests/test_cpu_adam.py  # the XLA path
+      JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --sizes 24 28 \
+        --json "$OUT/cpu-adam.json" 2>&1 | tee "$OUT/cpu-adam.log" ;;
+    offload-steps)
+      for tree in $base "$dir"; do
+        [ -n "$base" ] && use "$tree"
+        for model in gpt2-1.5b gpt2-4b; do
+          (cd "$tree" && record "$part" offload_bench.py --model $model --configs offload_dpu \
+            --steps 6)
+        done
+      done ;;
+    recipe-10b) recipe $part gpt2-10b "${STEPS:-22}" ;;
+    recipe-13b) recipe $part gpt2-13b "${STEPS:-14}" --moments bf16 ;;
+    bench-10b) record $part offload_bench.py --model gpt2-10b --configs auto_dpu --steps 6 ;;
+    peers-4b)
+      record $part offload_bench.py --model gpt2-4b --configs device auto --steps 4
+      record $part torch_baselines.py --model gpt2-4b --system deepspeed --steps 4 ;;
+    figure-*)
+      python3 experiments/figure_runs.py "${part#figure-}" --out "$OUT" >"$OUT/$part.log" 2>&1
+      echo "$part: exit $?"; grep -E '^\{|status' "$OUT/$part.log" | cut -c1-300 | tail -12 ;;
+    llama8b) record $part llama_bench.py --model llama-3.1-8b --seq-len 4096 --batch 4 \
+               --configs auto_dpu --steps 10 --timeout 260 ;;
+    llama8b-14l)
+      record $part llama_bench.py --model llama-3.1-8b --n-layer 14 --seq-len 4096 --batch 4 \
+        --configs auto_dpu --steps 10 --timeout 200
+      hf $part --shape llama-3.1-8b --n-layer 14 --system deepspeed --seq-len 4096 \
+        --micro-batch 4 --steps 8 --timeout 260 ;;
+    ds-llama8b) hf $part --shape llama-3.1-8b --system deepspeed --seq-len 4096 \
+                  --micro-batch 4 --steps 4 --timeout 200 ;;
+    qwen14b) record $part llama_bench.py --model qwen2.5-14b --seq-len 4096 --batch 1 2 \
+               --moments bf16 --configs auto --steps 5 --timeout 420 ;;
+    stream8b)
+      for config in auto offload; do
+        for limit in 0 2; do  # 0: one set of landing buffers
+          record $part llama_bench.py --model llama-3.1-8b --seq-len 4096 --batch 2 \
+            --moments bf16 --configs $config --steps 5 --timeout 280 --landing-limit-gb $limit
+        done
+      done ;;
+    streamed-check) timeout 300 python3 experiments/streamed_check.py --steps 2 2>&1 \
+                      | tee "$OUT/$part.log" ;;
+    accum-4b)
+      record $part offload_bench.py --model gpt2-4b --batch 8 --configs device --steps 6
+      for where in device host; do
+        record $part offload_bench.py --model gpt2-4b --batch 8 --grad-accum 4 \
+          --accumulation $where --configs offload_dpu --steps 6
+      done ;;
+    accum-10b)
+      record $part offload_bench.py --model gpt2-10b --moments bf16 --batch 8 \
+        --configs auto_dpu --steps 6
+      record $part offload_bench.py --model gpt2-10b --moments bf16 --batch 8 --grad-accum 4 \
+        --accumulation host --configs auto_dpu --steps 5 ;;
+    host-sums) python3 experiments/host_sums_bench.py --log2n 30 2>&1 | tee "$OUT/$part.log" ;;
+    scaling)
+      for offload in "" --offload; do
+        record $part zero_stages_bench.py --model gpt2-1.5b --gpus 1 2 --stages 1 2 3 \
+          --steps 5 $offload
+      done ;;
+    pair-recipe)
+      common=(--model gpt2-1.5b --seq-len 1024 --batch-size 16 --steps 30 --warmup 2
+              --log-every 10 --eval-every 1000 --checkpoint-every 0 --sample-tokens 0
+              --offload --delayed-update)
+      timeout 400 python3 -m jzo.train "${common[@]}" --out /tmp/run-one \
+        >"$OUT/$part-one.log" 2>&1
+      echo "one process: exit $?"; grep -E "^step 30" "$OUT/$part-one.log"
+      port=$((20000 + RANDOM % 20000))
+      for i in 0 1; do
+        CUDA_VISIBLE_DEVICES=$i timeout 400 python3 -m jzo.train "${common[@]}" \
+          --out /tmp/run-pair --coordinator 127.0.0.1:$port --num-processes 2 --process-id $i \
+          >"$OUT/$part-pair$i.log" 2>&1 &
+      done
+      wait; echo "a process per GPU: $(grep -c "" "$OUT/$part-pair0.log") lines"
+      grep -E "^step 30" "$OUT/$part-pair0.log"
+      cp /tmp/run-one/metrics.jsonl "$OUT/$part-one.jsonl"
+      cp /tmp/run-pair/metrics.jsonl "$OUT/$part-pair.jsonl" ;;
+    ds-2gpu)
+      record $part torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5
+      python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+        experiments/torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5 \
+        --json "$OUT/$part-2.json" >>"$OUT/$part.log" 2>&1
+      echo "$part on 2 GPUs: exit $?"; cat "$OUT/$part-2.json" >>"$OUT/$part.jsonl" 2>/dev/null ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
