@@ -216,7 +216,8 @@ def parse_args():
                       f"--plan-only: {H100_DEVICE_GIB}, an H100's at 0.95)")
   parser.add_argument("--landing-limit-gb", type=float,
                       help="landing buffers' limit (ZeroEngine's landing_limit; default: "
-                      "the plan's, which streams the update only where one set does not fit)")
+                      "the plan's, which streams the update through 2 GiB where one set "
+                      "is more; 0: one set)")
   parser.add_argument("--compiled-memory", action="store_true",
                       help="print the compiled step's memory analysis first")
   parser.add_argument("--timeout", type=float, default=600,
@@ -237,7 +238,7 @@ def child_command(args, name: str) -> list[str]:
   for flag, value in (("--n-layer", args.n_layer), ("--host-memory-gb", args.host_memory_gb),
                       ("--device-memory-gb", args.device_memory_gb),
                       ("--landing-limit-gb", args.landing_limit_gb)):
-    if value:
+    if value is not None:  # --landing-limit-gb 0 (one set of landing buffers) included
       cmd += [flag, str(value)]
   return cmd + (["--compiled-memory"] if args.compiled_memory else [])
 
