@@ -104,9 +104,9 @@ for part in "$@"; do
       for m in jzo.train jzo.estimate jzo.export; do
         python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
       done
-      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 240 tests/test_offload_gpu.py tests/test_transfer.py
-      for t in test_streaming test_offload test_accumulation test_placement test_finetune \
-               test_engine test_cpu_adam; do
+      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 240 tests/test_offload_gpu.py
+      for t in test_transfer test_streaming test_offload test_accumulation test_placement \
+               test_finetune test_engine test_cpu_adam; do
         pytests "$t" 300 "tests/$t.py"
       done ;;
     multiprocess)
