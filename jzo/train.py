@@ -20,14 +20,16 @@ measured at start-up (the ceiling a JAX program can reach there).
 
 SIGINT (Ctrl-C) or SIGTERM finishes the step in flight, writes a checkpoint
 and exits with status 130 or 143, naming it; the same signal again exits at
-once. `--resume` continues from the last checkpoint that reads, bit for bit.
+once, as does one before the first step. `--resume` continues from the last
+checkpoint that reads, bit for bit.
 
 Several processes (one per host, or per accelerator) run the same command
 with --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID, or JZO_DISTRIBUTED=auto under Slurm, Open
 MPI or a TPU pod; jzo.distributed): each feeds its devices' rows of every
 batch and writes its shards of each checkpoint; process 0 alone prints, logs
-and plots.
+and plots. They stop together: a signal to any stops all at one step, and
+one that fails or dies stops the others (jzo.peer_watch).
 """
 
 from __future__ import annotations
