@@ -37,7 +37,7 @@ _PORT_KEY = "jzo/peer_watch/port"
 # How long the others may take to connect, and to hear a stop before process 0 exits.
 _CONNECT_S = 300
 _DRAIN_S = 2.0
-DIED = 1  # the status of a process whose peer ended without a word
+_DIED = 1  # the status of a process whose peer ended without a word
 
 
 class PeerWatch:
@@ -110,11 +110,14 @@ class PeerWatch:
     while True:
       for key, _ in selector.select():
         peer, pending = key.data
-        data = key.fileobj.recv(4096)
+        try:
+          data = key.fileobj.recv(4096)
+        except OSError:  # reset: a process killed with our bytes unread
+          data = b""
         if not data:  # closed: after "done" the end of a run, else a death
           selector.unregister(key.fileobj)
           if peer not in self._done:
-            self._peer_stopped(DIED, f"process {peer} ended without a word (killed, or out "
+            self._peer_stopped(_DIED, f"process {peer} ended without a word (killed, or out "
                                      "of memory?)")
           continue
         pending += data

@@ -184,8 +184,8 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   """Runs the recipe; returns the last step's record ({} if no step was run).
 
   `stop`: the signal handlers, entered by the caller (`python -m jzo.train`
-  enters them first thing); None installs them for this call. From the
-  engine's build on, signals wait for a step boundary.
+  enters them first thing); None installs them for this call. Once the
+  engine is built, a signal waits for a step boundary.
 
   Raises:
     UserError: a mistake in the options or the data.
