@@ -69,11 +69,10 @@ def main():
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
   gib = lambda b: f"{b / 2**30:.2f}"
   for offload in args.offload:
-    plan = plan_lib.make_plan(
-        shapes, 8, stage=2, n_devices=1, axis="data", compute_dtype=jnp.bfloat16,
-        grad_dtype=jnp.bfloat16, loss_scale=None, grad_accum=1, max_grad_norm=1.0,
-        layers=None, offload=offload, delayed_update=True, dpu_warmup=1,
-        device_memory=int(args.device_gb * 2**30), activations=acts)
+    options = jzo.EngineOptions(max_grad_norm=1.0, offload=offload, delayed_update=True,
+                                dpu_warmup=1)
+    plan = plan_lib.make_plan(shapes, 8, options, n_devices=1,
+                              device_memory=int(args.device_gb * 2**30), activations=acts)
     print(plan)
     state = abstract_state(plan, tx, mesh)
     variants = {"grads on device": step_lib.make_step(

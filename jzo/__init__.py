@@ -2,6 +2,7 @@
 
 Public API:
   ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
+  EngineOptions: its options, checked once (what jzo.plan.make_plan takes).
   HostLeaf: a lazy host array, one of the forms of ZeroEngine's params.
   estimate: the memory planner: what lives where, and whether it fits.
   pick_micro_batch: the largest micro-batch that fits a global batch.
@@ -18,13 +19,14 @@ from jzo import distributed, kernels
 from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
 from jzo.host_leaf import HostLeaf
+from jzo.options import EngineOptions
 from jzo.planner import estimate, pick_micro_batch
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
-__all__ = ["CpuAdamState", "EngineState", "HostLeaf", "LossScale", "PlacementError", "Plan",
+__all__ = ["CpuAdamState", "EngineOptions", "EngineState", "HostLeaf", "LossScale", "PlacementError", "Plan",
            "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
            "estimate", "gather_layer", "kernels", "pick_micro_batch"]
 __version__ = "0.1.0"

@@ -34,9 +34,10 @@ from jzo import checkpoint, distributed, plan as plan_lib, step as step_lib
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
 from jzo.offload import HostAdam, HostUpdate
 from jzo.partition import is_layout
-from jzo.precision import init_loss_scale, resolve_precision
+from jzo.options import EngineOptions
+from jzo.precision import init_loss_scale
 from jzo.step import EngineState, StepMetrics
-from jzo.transfer import HOST_TRANSFERS, ShardTransfer, copy_to_host, resolve_host_transfer
+from jzo.transfer import ShardTransfer, copy_to_host, resolve_host_transfer
 
 
 class ZeroEngine:
@@ -119,16 +120,18 @@ class ZeroEngine:
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None):
-    _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup, host_transfer)
+    options = EngineOptions(
+        stage=stage, compute_dtype=compute_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
+        max_grad_norm=max_grad_norm, layers=layers, offload=offload,
+        delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
+        landing_limit=landing_limit, host_transfer=host_transfer)
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+      raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = getattr(tx.update, "adam_hyperparams", None)
-    offloading = offload is not False
-    if offloading and stage == 0:
-      raise ValueError("offload needs ZeRO stage 1, 2 or 3 (stage 0 replicates the state)")
+    offloading = options.offloading
     if offloading and hyper is None:
       raise TypeError("offload runs the optimizer on the host: tx must be jzo.cpu_adam or "
                       "jzo.cpu_adamw (clip with max_grad_norm, not an optax chain)")
-    if delayed_update and not offloading:
-      raise ValueError("delayed_update needs offload=True")
     mesh = mesh if mesh is not None else distributed.default_mesh(axis)
     if axis not in mesh.axis_names:
       raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
@@ -140,24 +143,16 @@ class ZeroEngine:
     self.positions = distributed.local_positions(mesh)
     device = mesh.devices.flat[self.positions[0]]
     shapes, draw_leaf = _leaf_sources(params, device)
-    compute_dtype, loss_scale_config = resolve_precision(compute_dtype, loss_scale)
-    # Several micro-batches are summed in fp32 (see jzo.step), and the
-    # on-device optimizer keeps that sum; offload ships the compute dtype.
-    keep_fp32 = grad_accum > 1 and not offloading
     if offloading:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
       state_bytes = _state_bytes_per_param(tx)
     self.plan = plan_lib.make_plan(
-        shapes, state_bytes, stage=stage, n_devices=mesh.shape[axis], axis=axis,
-        compute_dtype=compute_dtype, grad_dtype=jnp.float32 if keep_fp32 else compute_dtype,
-        loss_scale=loss_scale_config, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-        layers=layers, offload=offload, delayed_update=delayed_update, dpu_warmup=dpu_warmup,
+        shapes, state_bytes, options, n_devices=mesh.shape[axis], axis=axis,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
-        activations=activation_memory, processes=mesh.devices.size // len(self.positions),
-        accumulation=accumulation, landing_limit=landing_limit)
-    self.loss_fn, self.mesh = loss_fn, mesh
+        activations=activation_memory, processes=mesh.devices.size // len(self.positions))
+    self.loss_fn, self.mesh, self.options = loss_fn, mesh, options
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = None
     self.tx = tx
@@ -497,24 +492,6 @@ def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def _check_options(stage, grad_accum, max_grad_norm, tx, layers, dpu_warmup,
-                   host_transfer) -> None:
-  if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-    raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-  if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
-    raise ValueError(f"grad_accum must be an integer >= 1, got {grad_accum!r}")
-  if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-    raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
-  if not (hasattr(tx, "init") and hasattr(tx, "update")):
-    raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
-  if layers is not None and stage != 3:
-    raise ValueError("layers= only applies to stage 3")
-  if not isinstance(dpu_warmup, int) or dpu_warmup < 0:
-    raise ValueError(f"dpu_warmup must be an integer >= 0, got {dpu_warmup!r}")
-  if host_transfer not in HOST_TRANSFERS:
-    raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got {host_transfer!r}")
 
 
 def _leaf_sources(params, device):

@@ -58,6 +58,7 @@ import jax
 import numpy as np
 
 from jzo import partition
+from jzo.options import EngineOptions
 from jzo.partition import LeafLayout, is_layout
 from jzo.precision import LossScale
 from jzo.transfer import BUILD_CHUNK_BYTES
@@ -459,68 +460,61 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"{host_memory / GiB:.2f} GiB available")
 
 
-def make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: str,
-              compute_dtype, grad_dtype, loss_scale, grad_accum: int, max_grad_norm,
-              layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
-              device_memory: int | None = None,
+def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
+              axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              processes: int = 1, accumulation: str = "auto",
-              landing_limit: int | None = None) -> Plan:
-  """The plan of an engine over params of `shapes` (a tree of arrays or
-  ShapeDtypeStructs). `offload`: False, True, a fraction in [0, 1] or "auto"
-  (needs `device_memory`). `processes`: how many share the data axis, each
-  with its own host memory (`host_memory` is one process's). Checks that
-  the plan fits the memory given (None: not checked) before anything is
-  allocated. `accumulation` (grad_accum > 1 with offload): "device" sums
-  the micro-batches' gradients in float32 on the device, "host" sums the
-  host parts' on the host (one micro-batch's gradients on the device;
-  landing buffers for one micro-batch if the host has room, else a ring),
-  "auto" the device where its plan fits, else the host. `landing_limit`:
+              processes: int = 1) -> Plan:
+  """The plan of an engine with `options` over params of `shapes` (a tree
+  of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
+  `tx_state_bytes` of optimizer state per parameter besides the masters.
+  `processes`: how many share the data axis, each with its own host memory
+  (`host_memory` is one process's). Checks that the plan fits the memory
+  given (None: not checked) before anything is allocated; offload="auto"
+  needs `device_memory`.
+
+  `options.accumulation` (grad_accum > 1 with offload): "device" sums the
+  micro-batches' gradients in float32 on the device, "host" sums the host
+  parts' on the host (one micro-batch's gradients on the device; landing
+  buffers for one micro-batch if the host has room, else a ring), "auto"
+  the device where its plan fits, else the host. `options.landing_limit`:
   bytes of landing buffers one process holds at once (`Plan.landing_limit`);
   None: a streamed update through STREAM_LANDING_BYTES where one step's host
   parts are more; under host accumulation one set where the host has room,
   else a ring of two leaves; the delayed update needs one set.
 
   Raises:
-    ValueError: a bad offload, accumulation or landing_limit value.
+    ValueError: offload="auto" without device_memory, a landing limit with
+      the delayed update, layers that name no subtree.
     PlacementError: the plan does not fit.
   """
-  if accumulation not in ("auto", "device", "host"):
-    raise ValueError(f"accumulation must be 'auto', 'device' or 'host', got {accumulation!r}")
-  if landing_limit is not None and (isinstance(landing_limit, bool)
-                                    or not isinstance(landing_limit, int) or landing_limit < 0):
-    raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got {landing_limit!r}")
-  kw = dict(stage=stage, n_devices=n_devices, axis=axis, compute_dtype=compute_dtype,
-            grad_dtype=grad_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
-            max_grad_norm=max_grad_norm, layers=layers, offload=offload,
-            delayed_update=delayed_update, dpu_warmup=dpu_warmup, device_memory=device_memory,
-            host_memory=host_memory, activations=activations, processes=processes,
-            landing_limit=landing_limit)
-  if grad_accum == 1 or offload is False or accumulation == "device":
-    return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=False, **kw)
-  if accumulation == "auto":
+  kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
+            host_memory=host_memory, activations=activations, processes=processes)
+  if options.grad_accum == 1 or not options.offloading or options.accumulation == "device":
+    return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
+  if options.accumulation == "auto":
     try:  # the device's sums need no host pass and no download per micro-batch
-      return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=False, **kw)
+      return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
     except PlacementError:
       pass
-  return _plan_with_landing(shapes, tx_state_bytes, host_accumulation=True, **kw)
+  return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=True, **kw)
 
 
-def _plan_with_landing(shapes, tx_state_bytes: int, *, host_accumulation: bool,
-                       landing_limit: int | None, device_memory: int | None,
+def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
+                       host_accumulation: bool, device_memory: int | None,
                        host_memory: int | None, activations: int, **kw) -> Plan:
   """make_plan with the accumulation decided and the landing limit given
   or chosen (see make_plan)."""
   kw.update(device_memory=device_memory, activations=activations,
             host_accumulation=host_accumulation)
-  if not host_accumulation and landing_limit and kw["delayed_update"]:
+  landing_limit = options.landing_limit
+  if not host_accumulation and landing_limit and options.delayed_update:
     raise ValueError("landing_limit streams the host update in spans, which cannot be "
                      "delayed: the delayed update keeps a whole step's gradients on the host "
                      "(set delayed_update=False, or no landing_limit)")
   if landing_limit is not None:
-    return _make_plan(shapes, tx_state_bytes, landing_limit=landing_limit,
+    return _make_plan(shapes, tx_state_bytes, options, landing_limit=landing_limit,
                       host_memory=host_memory, **kw)
-  plan = _make_plan(shapes, tx_state_bytes, landing_limit=0, host_memory=None, **kw)
+  plan = _make_plan(shapes, tx_state_bytes, options, landing_limit=0, host_memory=None, **kw)
   check = lambda plan: check_fits(plan, activations=activations, device_memory=device_memory,
                                  host_memory=host_memory)
   if not host_accumulation:
@@ -541,19 +535,13 @@ def _plan_with_landing(shapes, tx_state_bytes: int, *, host_accumulation: bool,
   return plan
 
 
-def _make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis: str,
-               compute_dtype, grad_dtype, loss_scale, grad_accum: int, max_grad_norm,
-               layers: str | None, offload, delayed_update: bool, dpu_warmup: int,
-               device_memory: int | None, host_memory: int | None, activations: int,
-               processes: int, host_accumulation: bool, landing_limit: int = 0) -> Plan:
+def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
+               axis: str, device_memory: int | None, host_memory: int | None,
+               activations: int, processes: int, host_accumulation: bool,
+               landing_limit: int = 0) -> Plan:
   """make_plan with the accumulation decided."""
-  auto = isinstance(offload, str)
-  if auto and offload != "auto":
-    raise ValueError(f"offload must be True, False, a fraction in [0, 1] or 'auto', "
-                     f"got {offload!r}")
-  if not auto and not isinstance(offload, bool):
-    if not isinstance(offload, (int, float)) or not 0.0 <= float(offload) <= 1.0:
-      raise ValueError(f"offload fraction must be in [0, 1], got {offload!r}")
+  stage, layers, offload = options.stage, options.layers, options.offload
+  auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
   if auto and device_memory is None:
     raise ValueError("offload='auto' needs the device memory: pass device_memory= (bytes); "
                      "this device reports no limit")
@@ -564,11 +552,11 @@ def _make_plan(shapes, tx_state_bytes: int, *, stage: int, n_devices: int, axis:
 
   def plan_of(layouts) -> Plan:
     return Plan(
-        layouts=layouts, stage=stage,
-        n_devices=n_devices, axis=axis, compute_dtype=np.dtype(compute_dtype),
-        grad_dtype=np.dtype(grad_dtype), loss_scale=loss_scale, grad_accum=grad_accum,
-        max_grad_norm=max_grad_norm, layers=layers, offload=offload is not False,
-        delayed_update=delayed_update, dpu_warmup=dpu_warmup,
+        layouts=layouts, stage=stage, n_devices=n_devices, axis=axis,
+        compute_dtype=options.compute_dtype, grad_dtype=options.grad_dtype,
+        loss_scale=options.loss_scale, grad_accum=options.grad_accum,
+        max_grad_norm=options.max_grad_norm, layers=layers, offload=options.offloading,
+        delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit)
   if auto:

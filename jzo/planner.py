@@ -21,7 +21,7 @@ import numpy as np
 
 from jzo import plan as plan_lib
 from jzo.plan import GiB, Plan, PlacementError
-from jzo.precision import resolve_precision
+from jzo.options import EngineOptions
 
 # Device memory assumed when the estimate runs where there is no accelerator.
 DEFAULT_DEVICE_GIB = 80.0
@@ -83,27 +83,24 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
   if precision not in dtypes:
     raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
-  compute_dtype, loss_scale = resolve_precision(dtypes[precision], "auto")
+  options = EngineOptions(stage=stage, compute_dtype=dtypes[precision], grad_accum=grad_accum,
+                          layers=layers, offload=offload, delayed_update=delayed_update,
+                          dpu_warmup=0, accumulation=accumulation)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
   if host_memory is None:
     host_memory = plan_lib.available_host_memory()
   moment_dtype = np.dtype(jnp.bfloat16 if moments == "bf16" else np.float32)
-  offloading = offload is not False
-  kw = dict(stage=stage, n_devices=devices, axis="data", compute_dtype=compute_dtype,
-            grad_dtype=jnp.float32 if grad_accum > 1 and not offloading else compute_dtype,
-            loss_scale=loss_scale, grad_accum=grad_accum, max_grad_norm=None, layers=layers,
-            offload=offload, delayed_update=delayed_update, dpu_warmup=0,
-            activations=activations, accumulation=accumulation)
+  kw = dict(n_devices=devices, activations=activations)
   try:
-    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, device_memory=device_memory,
-                              host_memory=host_memory, **kw)
+    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
+                              device_memory=device_memory, host_memory=host_memory, **kw)
     error = None
   except PlacementError as e:
     error = str(e)
     # The plan without the checks, to show where the memory would go.
-    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, **{
-        **kw, "offload": 1.0 if offload == "auto" else offload})
+    unchecked = dataclasses.replace(options, offload=1.0 if offload == "auto" else offload)
+    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
 
 

@@ -225,11 +225,9 @@ def test_accumulate_and_cast_refuse_bad_input_before_writing():
 
 # ----------------------------------------------------------------- planner
 def _plan(accumulation, offload=True, grad_accum=K, **kw):
-  return jzo.plan.make_plan(init_params(), 8, stage=2, n_devices=8, axis="data",
-                            compute_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16,
-                            loss_scale=None, grad_accum=grad_accum, max_grad_norm=None,
-                            layers=None, offload=offload, delayed_update=False, dpu_warmup=0,
-                            accumulation=accumulation, **kw)
+  options = jzo.EngineOptions(grad_accum=grad_accum, offload=offload, dpu_warmup=0,
+                              accumulation=accumulation)
+  return jzo.plan.make_plan(init_params(), 8, options, n_devices=8, **kw)
 
 
 def test_the_plan_counts_host_and_device_bytes_of_host_accumulation():

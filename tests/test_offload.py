@@ -180,10 +180,8 @@ def test_host_update_yields_leaves_largest_first_with_their_new_weights():
   from jzo import offload, plan
   params = init_params()
   hyper = jzo.cpu_adamw(1e-2).update.adam_hyperparams
-  layout_plan = plan.make_plan(params, 8, stage=2, n_devices=2, axis="data",
-                               compute_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16,
-                               loss_scale=None, grad_accum=1, max_grad_norm=None, layers=None,
-                               offload=True, delayed_update=False, dpu_warmup=0)
+  layout_plan = plan.make_plan(params, 8, jzo.EngineOptions(offload=True, dpu_warmup=0),
+                               n_devices=2)
   layouts = layout_plan.leaves
   flat = [np.asarray(l.flatten(jnp.asarray(x, jnp.float32)))
           for l, x in zip(layouts, jax.tree.leaves(params))]

@@ -46,10 +46,8 @@ def test_placement_matches_on_device_training(offload, n_dev, stage, layers):
 def test_a_fraction_of_a_shard_not_a_multiple_of_the_alignment_stays_inside_it(fraction):
   """The host part of a large shard is rounded to a cache line, never past the shard."""
   shapes = {"w": jax.ShapeDtypeStruct((3 * 43691,), jnp.float32)}  # shards of 43691 on 3
-  plan = plan_lib.make_plan(shapes, 8, stage=2, n_devices=3, axis="data",
-                            compute_dtype=jnp.bfloat16, grad_dtype=jnp.bfloat16, loss_scale=None,
-                            grad_accum=1, max_grad_norm=None, layers=None, offload=fraction,
-                            delayed_update=False, dpu_warmup=0)
+  plan = plan_lib.make_plan(shapes, 8, jzo.EngineOptions(offload=fraction, dpu_warmup=0),
+                            n_devices=3)
   (layout,) = plan.leaves
   assert 0 <= layout.on_device <= layout.shard_size == 43691
   assert abs(layout.on_host - fraction * 43691) <= 16

@@ -130,11 +130,9 @@ def plan_of(host_gib, **kw):
   fp32 moments, on one device of 80 GiB."""
   shapes = {"a": jax.ShapeDtypeStruct((3 * 2**30,), jnp.float32),
             "b": jax.ShapeDtypeStruct((2**15, 2**15), jnp.float32)}
-  options = dict(stage=2, n_devices=1, axis="data", compute_dtype=jnp.bfloat16,
-                 grad_dtype=jnp.bfloat16, loss_scale=None, grad_accum=1, max_grad_norm=None,
-                 layers=None, offload=True, dpu_warmup=1, device_memory=80 * plan_lib.GiB,
-                 host_memory=int(host_gib * plan_lib.GiB))
-  return plan_lib.make_plan(shapes, 8, **{**options, **kw})
+  options = jzo.EngineOptions(offload=True, dpu_warmup=1, **kw)
+  return plan_lib.make_plan(shapes, 8, options, n_devices=1, device_memory=80 * plan_lib.GiB,
+                            host_memory=int(host_gib * plan_lib.GiB))
 
 
 def test_the_plan_streams_an_update_of_more_than_its_landing_limit_unless_delayed():

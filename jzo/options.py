@@ -1,0 +1,99 @@
+"""The options of a ZeRO engine, checked in one place: `ZeroEngine`, the
+planner (`jzo.estimate`, `jzo.pick_micro_batch`) and the experiments build
+their plans from an `EngineOptions` (`jzo.plan.make_plan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jzo.precision import resolve_precision
+from jzo.transfer import HOST_TRANSFERS
+
+ACCUMULATIONS = ("auto", "device", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+  """What a ZeRO engine does with a model's parameters; `ZeroEngine`'s
+  docstring says what each option means. Built checked: a bad value raises
+  ValueError (TypeError for a loss scale of another type), naming it.
+
+  `compute_dtype` and `loss_scale` are kept resolved: a numpy dtype, and a
+  LossScale or None ("auto" is dynamic scaling for float16 only).
+  """
+  stage: int = 2
+  compute_dtype: Any = jnp.bfloat16
+  loss_scale: Any = "auto"
+  grad_accum: int = 1
+  max_grad_norm: float | None = None
+  layers: str | None = None
+  offload: bool | float | str = False
+  delayed_update: bool = False
+  dpu_warmup: int = 10
+  accumulation: str = "auto"
+  landing_limit: int | None = None
+  host_transfer: str = "auto"
+
+  def __post_init__(self):
+    if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+      raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+    dtype, loss_scale = resolve_precision(self.compute_dtype, self.loss_scale)
+    object.__setattr__(self, "compute_dtype", np.dtype(dtype))
+    object.__setattr__(self, "loss_scale", loss_scale)
+    if not _whole(self.grad_accum) or self.grad_accum < 1:
+      raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+    if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm)
+                                               and self.max_grad_norm > 0):
+      raise ValueError(f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm!r}")
+    if self.layers is not None and self.stage != 3:
+      raise ValueError("layers= only applies to stage 3")
+    _check_offload(self.offload)
+    if self.offloading and self.stage == 0:
+      raise ValueError("offload needs ZeRO stage 1, 2 or 3 (stage 0 replicates the state)")
+    if self.delayed_update and not self.offloading:
+      raise ValueError("delayed_update needs offload=True")
+    if not _whole(self.dpu_warmup) or self.dpu_warmup < 0:
+      raise ValueError(f"dpu_warmup must be an integer >= 0, got {self.dpu_warmup!r}")
+    if self.accumulation not in ACCUMULATIONS:
+      raise ValueError(f"accumulation must be 'auto', 'device' or 'host', got "
+                       f"{self.accumulation!r}")
+    if self.landing_limit is not None and (not _whole(self.landing_limit)
+                                           or self.landing_limit < 0):
+      raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
+                       f"{self.landing_limit!r}")
+    if self.host_transfer not in HOST_TRANSFERS:
+      raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got "
+                       f"{self.host_transfer!r}")
+
+  @property
+  def offloading(self) -> bool:
+    """The optimizer is jzo's Adam, whose state may live on the host."""
+    return self.offload is not False
+
+  @property
+  def grad_dtype(self) -> np.dtype:
+    """The gradients the step keeps or ships: several micro-batches are
+    summed in float32 on the device when the device's optimizer keeps the
+    sum; offload ships the compute dtype (jzo.step)."""
+    if self.grad_accum > 1 and not self.offloading:
+      return np.dtype(np.float32)
+    return self.compute_dtype
+
+
+def _whole(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_offload(offload) -> None:
+  if isinstance(offload, str):
+    if offload != "auto":
+      raise ValueError(f"offload must be True, False, a fraction in [0, 1] or 'auto', "
+                       f"got {offload!r}")
+  elif not isinstance(offload, bool):
+    if not isinstance(offload, (int, float)) or not 0.0 <= float(offload) <= 1.0:
+      raise ValueError(f"offload fraction must be in [0, 1], got {offload!r}")
