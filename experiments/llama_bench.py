@@ -118,7 +118,7 @@ def run_one(args) -> None:
     record.update(family="llama", flops_per_token=config.flops_per_token(),
                   streamed=engine.plan.streamed,
                   landing_gib=(engine.plan.host_bytes()["landing"] / 2**30
-                               if engine.plan.offload else 0.0),
+                               if engine.plan.cpu_adam else 0.0),
                   flops_formula="6 N + 12 L (H head_dim) T per token")
     # At once, so that a later micro-batch that fails does not take it along.
     print(RECORD + json.dumps(record), flush=True)
@@ -177,7 +177,7 @@ def plan_only(args) -> list[dict]:
            "batch": micro, "seq_len": args.seq_len, "n_params": config.n_params,
            "fits": est.fits, "activations_gib": acts / 2**30,
            "tflop_per_step": flops / 1e12, "device_s": device_s}
-    if est.plan is not None and est.plan.offload:
+    if est.plan is not None and est.plan.cpu_adam:
       host = est.plan.host_elements
       # Each host parameter's bf16 gradient goes down and its bf16 weight up.
       transfer_s = 2 * host / PCIE_BYTES_PER_S

@@ -168,7 +168,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       # The planner's figures for this run, beside the measured ones.
       "planned_gpu_gib": sum(engine.plan.device_peak(activations).values()) / 2**30,
       "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
-      "host_state_gib": engine.host_memory() / 2**30,
+      "host_state_gib": engine.host_bytes_in_use() / 2**30,
   }
   if engine.host_update is not None:
     engine.wait()  # no delayed update may share the timings below

@@ -476,10 +476,10 @@ def full_masters(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | No
   """The float32 master weights in full shapes (numpy). With several
   processes every process calls it: the shards are gathered from all."""
   if _several_processes():
-    flat = (_joined_shards(plan, mesh, state.master, host.master) if plan.offload
+    flat = (_joined_shards(plan, mesh, state.master, host.master) if plan.cpu_adam
             else state.master)
     return _full(plan, multihost_utils.process_allgather(flat, tiled=True))
-  if not plan.offload:
+  if not plan.cpu_adam:
     return _full(plan, state.master)
   return _parts(plan, state.master, host.master, np.float32)
 
@@ -500,7 +500,7 @@ def _device_adam(plan: Plan, state: EngineState):
   (jzo.cpu_adam(w), optax.adam/adamw, with a schedule); else None: other
   state (another optimizer's, injected hyperparameters) has no place in the
   full-shape format."""
-  if plan.offload:
+  if plan.cpu_adam:
     return None
   leaves = jax.tree_util.tree_leaves_with_path(state.opt_state, is_leaf=_is_adam)
   adams = [x for _, x in leaves if _is_adam(x)]
@@ -532,7 +532,7 @@ def engine_state_dict(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam
   device_adam = _device_adam(plan, state)
   if _several_processes():
     return _sharded_state_dict(plan, mesh, state, host, device_adam, common)
-  if plan.offload:
+  if plan.cpu_adam:
     opt = state.opt_state
     count = host.count if plan.has_host_state else opt.count
     adam = {"master": _parts(plan, state.master, host.master, np.float32),
@@ -552,7 +552,7 @@ def _sharded_state_dict(plan: Plan, mesh: Mesh, state: EngineState, host: HostAd
                         device_adam, common: dict) -> dict:
   """`engine_state_dict` with several processes: the masters and moments
   (or another optimizer's state) as global arrays, flat and padded."""
-  if plan.offload:
+  if plan.cpu_adam:
     opt = state.opt_state
     count = host.count if plan.has_host_state else _scalar(opt.count)
     adam = {name: _joined_shards(plan, mesh, getattr(opt, name) if opt else None,
@@ -586,7 +586,7 @@ def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
   device_adam = _device_adam(plan, state)
   several = _several_processes()
   outline = _outline(saved)
-  if not plan.offload and (device_adam is None or "opt_state" in saved):
+  if not plan.cpu_adam and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
     target = {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=x.sharding if several else None), flat)}
@@ -617,7 +617,7 @@ def _expected(plan: Plan, mesh: Mesh, state: EngineState, host: HostAdam | None,
     return (jax.tree.unflatten(structure, [t for t, _ in pairs]),
             jax.tree.unflatten(structure, [a for _, a in pairs]))
   # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
-  masters, adam = (host.master, host) if plan.offload else (state.master, device_adam)
+  masters, adam = (host.master, host) if plan.cpu_adam else (state.master, device_adam)
   entries = {"master": entry("master", masters), "mu": entry("mu", adam.mu),
              "nu": entry("nu", adam.nu)}
   target = {**tree, **{k: t for k, (t, _) in entries.items()},
@@ -659,7 +659,7 @@ def load_engine_state(plan: Plan, mesh: Mesh, tx, state: EngineState, host: Host
   # checkpoint) moves shard by shard into the devices' memory.
   put = lambda x, spec: jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x),
                                        NamedSharding(mesh, spec))
-  if plan.offload:
+  if plan.cpu_adam:
     masters = saved["master"]
     master = opt_state = None
     device_parts = {}

@@ -203,7 +203,7 @@ class ZeroEngine:
                                    out_specs=specs.opt_state))
       opt_state = init(master)
     grads = None  # offload: the step's outputs until they are downloaded
-    if not plan.offload:
+    if not plan.cpu_adam:
       grads = jax.tree.map(
           lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
           plan.layouts, specs.grads, is_leaf=is_layout)
@@ -323,7 +323,7 @@ class ZeroEngine:
       raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
     batch = self._global_batch(batch)
-    if self.plan.offload:
+    if self.plan.cpu_adam:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
       self.state = self.state._replace(grads=None)
@@ -346,7 +346,7 @@ class ZeroEngine:
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead);
     under host accumulation, its first micro-batch's call."""
-    state = self.state._replace(grads=None) if self.plan.offload else self.state
+    state = self.state._replace(grads=None) if self.plan.cpu_adam else self.state
     if self.plan.host_accumulation:
       micro = self._micro_batches(batch)[0]
       return self._step_fn(batch)[0].lower(state, self._global_batch(micro))
@@ -467,7 +467,7 @@ class ZeroEngine:
     return {"params": nbytes(s.params), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
 
-  def host_memory(self) -> int:
+  def host_bytes_in_use(self) -> int:
     """Bytes of host RAM the offloaded state holds (0 without offload):
     masters, moments and the most that the landing buffers, which carry
     gradients down and weights up, have held at once (0 before a step)."""

@@ -137,7 +137,7 @@ class Plan:
   grad_accum: int  # micro-batches per step
   max_grad_norm: float | None  # global-norm clip
   layers: str | None  # stage 3: dotted path of the stacked layers gathered one at a time
-  offload: bool  # the optimizer is jzo's Adam: its state may live on the host
+  cpu_adam: bool  # the optimizer is jzo.cpu_adam(w), whose state may live on the host
   delayed_update: bool  # the host part's update lands one step late
   dpu_warmup: int  # plain steps before delayed updates start
   moment_bytes: int  # optimizer state bytes per parameter besides the master weights
@@ -163,7 +163,7 @@ class Plan:
   @property
   def host_elements(self) -> int:
     """Parameters (padding included, all shards) whose state is on the host."""
-    return sum(l.shards * _rows(l) * l.on_host for l in self.leaves) if self.offload else 0
+    return sum(l.shards * _rows(l) * l.on_host for l in self.leaves) if self.cpu_adam else 0
 
   @property
   def device_elements(self) -> int:
@@ -176,7 +176,7 @@ class Plan:
 
   @property
   def has_device_state(self) -> bool:
-    return not self.offload or self.device_elements > 0
+    return not self.cpu_adam or self.device_elements > 0
 
   @property
   def n_params(self) -> int:
@@ -195,13 +195,13 @@ class Plan:
     full = self.n_params
     local = sum(_rows(l) * l.shard_size for l in self.leaves)  # one shard, padded
     params = lowp * (local if self.sharded_lowp else full)
-    if self.offload:
+    if self.cpu_adam:
       grads = 0  # the host part lands in pinned host memory, the device part is used at once
     elif self.stage == 0 or self.stage == 1:
       grads = self.grad_dtype.itemsize * full  # full gradients (stage 1: unreduced)
     else:
       grads = self.grad_dtype.itemsize * local
-    if self.offload:
+    if self.cpu_adam:
       master = 4 * self.device_elements
       moments = self.moment_bytes * self.device_elements
     else:  # every leaf whole on the device (stage 0: one shard, the whole leaf)
@@ -304,7 +304,7 @@ def format_plan(plan: Plan, activations: int | None = None,
       rows.append(f"  {name:<22}{gib(b)}")
   rows.append(f"  {'total (peak)':<22}{gib(sum(peak.values()))}"
               + (f"  of {device_memory / GiB:.2f} available" if device_memory else ""))
-  if plan.offload:
+  if plan.cpu_adam:
     host = plan.host_bytes()
     where = "host" if plan.processes == 1 else f"host, each of {plan.processes} processes"
     rows.append(f"  {where:<22}{'GiB':>8}")
@@ -433,14 +433,14 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"does not fit a device: needs {need / GiB:.2f} GiB per device ({parts} GiB), "
           f"{device_memory / GiB:.2f} GiB available"
           + ("; offload more of the optimizer state (offload=... or 'auto')"
-             if plan.offload and plan.offloaded_fraction < 1 else ""))
+             if plan.cpu_adam and plan.offloaded_fraction < 1 else ""))
     state = sum(plan.device_bytes().values())
     if state + plan.build_bytes() > device_memory:
       raise PlacementError(
           f"cannot draw the weights on a device beside the state: needs "
           f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the largest "
           f"leaf drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
-  if plan.offload and host_memory is not None:
+  if plan.cpu_adam and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
     host = plan.host_bytes()
@@ -555,7 +555,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         layouts=layouts, stage=stage, n_devices=n_devices, axis=axis,
         compute_dtype=options.compute_dtype, grad_dtype=options.grad_dtype,
         loss_scale=options.loss_scale, grad_accum=options.grad_accum,
-        max_grad_norm=options.max_grad_norm, layers=layers, offload=options.offloading,
+        max_grad_norm=options.max_grad_norm, layers=layers, cpu_adam=options.offloading,
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit)

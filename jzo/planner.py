@@ -43,7 +43,7 @@ class Estimate:
   @property
   def offload(self) -> float | bool:
     """The placement to give the engine: False or the offloaded fraction."""
-    return False if not self.plan.offload else self.plan.offloaded_fraction
+    return False if not self.plan.cpu_adam else self.plan.offloaded_fraction
 
   def __str__(self) -> str:
     if self.plan is None:
@@ -162,7 +162,7 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
                      grad_accum=accum, **options)
     if found.fits:
       where = ""
-      if accum > 1 and found.plan.offload:
+      if accum > 1 and found.plan.cpu_adam:
         where = " summed on the host" if found.plan.host_accumulation else " summed on the device"
       why = f" ({refused[0]} does not fit: {refused[1]})" if refused else ""
       line = (f"micro-batch {micro} a device x {accum} accumulation{where} x {devices} "

@@ -80,7 +80,7 @@ def lowp_spec(plan: Plan, layout: LeafLayout) -> P:
 
 
 def grad_spec(plan: Plan, layout: LeafLayout) -> P:
-  if plan.stage == 1 and not plan.offload:
+  if plan.stage == 1 and not plan.cpu_adam:
     return P(plan.axis)  # (Nd, *shape): each device's own unreduced gradients
   return layout.spec(plan.axis)  # stage 0: replicated full; 2-3 and offload: shards
 
@@ -244,7 +244,7 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   clip) the host applies."""
   specs = state_specs(plan, tx)
   batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
-  in_state = specs._replace(grads=None) if plan.offload else specs
+  in_state = specs._replace(grads=None) if plan.cpu_adam else specs
   # check_vma=False: the replicated outputs (all-gathered params, psum'd
   # metrics) are equal on every device by construction; the spelling of the
   # invariant all-gather that would prove it differs across JAX versions.
@@ -297,7 +297,7 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   # Offload ships each shard's host part in the compute dtype: accumulated
   # fp32 sums are rounded once (the precision one large batch's gradient
   # has), at half the bytes on the copy that follows the step.
-  if plan.offload:
+  if plan.cpu_adam:
     buffer = flatten(lambda l, x: (x if l.on_host else x[..., :0]).astype(plan.grad_dtype),
                      shard)
   else:
@@ -305,7 +305,7 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
 
   sq = _sum_of_squares(shard)
   # Offload checks what it ships (an fp16 rounding of an fp32 sum may overflow).
-  bad = _non_finite(jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.offload else ()))
+  bad = _non_finite(jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.cpu_adam else ()))
   return end_step(plan, tx, state, device_part, buffer, sq, bad,
                   jax.lax.psum(loss, axis) / plan.n_devices)
 

@@ -117,7 +117,7 @@ def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part():
   # when the host's sums free some before the last ones land)
   landing_peak = on_host.host_update.landing_peak
   assert 0 < landing_peak <= 2 * host_elements
-  assert on_host.host_memory() == 16 * host_elements + landing_peak
+  assert on_host.host_bytes_in_use() == 16 * host_elements + landing_peak
 
 
 def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():

@@ -39,7 +39,7 @@ def test_placement_matches_on_device_training(offload, n_dev, stage, layers):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   device_share = placed.memory_per_device()["optimizer"]
   assert (device_share > 0) == (offload is not True)
-  assert (placed.host_memory() > 0) == (offload != 0.0)
+  assert (placed.host_bytes_in_use() > 0) == (offload != 0.0)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.9999, 0.5, 0.0001, 0.0])
@@ -65,11 +65,11 @@ def test_host_bytes_planned_equal_what_the_engine_allocates():
     engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=offload, mesh=mesh_of(8),
                             delayed_update=delayed, dpu_warmup=0)
     planned = engine.plan.host_bytes()
-    assert engine.host_memory() == planned["master"] + planned["moments"]  # before a step
+    assert engine.host_bytes_in_use() == planned["master"] + planned["moments"]  # before a step
     for b in batches(3):
       engine.step(b)
     # One set of landing buffers, with the delayed update too.
-    assert engine.host_memory() == sum(planned.values())
+    assert engine.host_bytes_in_use() == sum(planned.values())
     assert engine.host_update.landing_bytes() == (planned["landing"] if delayed else 0)
     device = engine.plan.device_bytes()
     mem = engine.memory_per_device()

@@ -59,7 +59,7 @@ def test_the_portable_path_trains_as_the_pinned_one(offload):
                  fast.state_dict()[name])
   for a, b in zip(jax.tree.leaves(portable.state.params), jax.tree.leaves(fast.state.params)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert portable.host_memory() == fast.host_memory()
+  assert portable.host_bytes_in_use() == fast.host_bytes_in_use()
   fast.close()
   portable.close()
 
