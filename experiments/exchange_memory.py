@@ -45,13 +45,13 @@ def main():
       print(f"  {name} {i}: {gib()} GiB in use", file=sys.stderr, flush=True)
       return out
     setattr(transfer, name, traced)
-  install = engine._install
+  install = engine.trained.install
 
-  def traced_install(i, uploaded):
-    out = install(i, uploaded)
+  def traced_install(i, uploaded, span=None):
+    out = install(i, uploaded, span)
     print(f"  install {i}: {gib()} GiB in use", file=sys.stderr, flush=True)
     return out
-  engine._install = traced_install
+  engine.trained.install = traced_install
   batch = {"tokens": jnp.zeros((args.batch, 1025), jnp.int32)}
   for step in range(args.steps):
     print(f"step {step}: before {gib()} GiB", file=sys.stderr, flush=True)

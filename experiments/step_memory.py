@@ -19,33 +19,19 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jzo
-from jzo import plan as plan_lib, step as step_lib
+from jzo import plan as plan_lib, state as state_lib, step as step_lib
 from jzo.recipe import estimate as estimate_cli
 from jzo.cpu_adam import cpu_adamw_with, decay_flags
-from jzo.partition import is_layout
-from jzo.precision import init_loss_scale
 from jzo.models import gpt
 
 
 def abstract_state(plan, tx, mesh):
-  """The engine's first state as ShapeDtypeStructs with their shardings."""
-  specs = step_lib.state_specs(plan, tx)
-  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype,
-                                                        sharding=NamedSharding(mesh, spec))
-  on = lambda f, tree: jax.tree.map(f, plan.layouts, tree, is_leaf=is_layout)
-  lowp = plan.compute_dtype
-  params = on(lambda l, s: sds(l.flat_shape if plan.sharded_lowp else l.shape, lowp, s),
-              specs.params)
-  master = opt = None
-  if plan.has_device_state:
-    master = on(lambda l, s: sds(l.part_shape(l.on_device), jnp.float32, s), specs.master)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs.master,), out_specs=specs.opt_state)
-    opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(init, master),
-                       specs.opt_state)
-  scalar = lambda x: sds(jnp.shape(x), jnp.result_type(x), P())
-  return step_lib.EngineState(params, master, opt, None,
-                              jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
-                              scalar(jnp.int32(0)), scalar(jnp.int32(0)))
+  """The engine's first device state as ShapeDtypeStructs with their
+  shardings: the engine's own builder, evaluated for shapes alone."""
+  shapes = jax.eval_shape(functools.partial(state_lib.empty_device_state, plan, mesh, tx))
+  specs = step_lib.state_specs(plan, tx)._replace(grads=None)
+  return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), shapes._replace(grads=None), specs)
 
 
 def main():
@@ -64,7 +50,7 @@ def main():
   acts = gpt.activation_bytes(config, args.batch, args.seq_len)
   shapes = jax.eval_shape(functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)))
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-  hyper = jzo.cpu_adamw(3e-4, weight_decay=0.1).update.adam_hyperparams
+  hyper = jzo.cpu_adamw(3e-4, weight_decay=0.1).hyperparams
   tx = cpu_adamw_with(hyper, decay_flags(hyper.mask, shapes))
   batch = {"tokens": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
   gib = lambda b: f"{b / 2**30:.2f}"

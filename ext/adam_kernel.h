@@ -21,18 +21,47 @@
 
 namespace jzo {
 
-enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// Storage types of the arrays, by the codes Python passes (jzo.native.DTYPE_CODES).
+#define JZO_DTYPES(X) X(kF32, 0, "float32") X(kBF16, 1, "bfloat16") X(kF16, 2, "float16")
 
-// Scalars of one step, already reduced to float32 (bias corrections included)
-// so that every code path sees the same rounded values.
+enum class DType : int {
+#define JZO_DTYPE_ENUM(name, code, text) name = code,
+  JZO_DTYPES(JZO_DTYPE_ENUM)
+#undef JZO_DTYPE_ENUM
+};
+
+// The float32 scalars of one step, already reduced to float32 (bias
+// corrections included) so that every code path sees the same rounded
+// values. This list is their one definition: the struct, the order of the
+// float32[kNumAdamScalars] array every caller passes (Python reads the names
+// from jzo.native.ADAM_SCALARS) and its reading all come from it.
+//   inv_bc1 = 1 / (1 - b1**t), inv_bc2 = 1 / (1 - b2**t),
+//   inv_bc1_next = 1 / (1 - b1**(t + 1)) (nesterov only).
+#define JZO_ADAM_SCALARS(X)                                                              \
+  X(lr) X(b1) X(one_minus_b1) X(b2) X(one_minus_b2) X(eps) X(eps_root) X(weight_decay) \
+  X(inv_bc1) X(inv_bc2) X(inv_bc1_next) X(grad_scale)
+
 struct AdamScalars {
-  float lr, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay;
-  float inv_bc1;       // 1 / (1 - b1**t)
-  float inv_bc2;       // 1 / (1 - b2**t)
-  float inv_bc1_next;  // 1 / (1 - b1**(t + 1)), used by nesterov only
-  float grad_scale;
+#define JZO_SCALAR_FIELD(name) float name;
+  JZO_ADAM_SCALARS(JZO_SCALAR_FIELD)
+#undef JZO_SCALAR_FIELD
   bool nesterov;
 };
+
+#define JZO_COUNT_ONE(name) +1
+constexpr int kNumAdamScalars = 0 JZO_ADAM_SCALARS(JZO_COUNT_ONE);
+#undef JZO_COUNT_ONE
+
+// The scalars from c[0 .. kNumAdamScalars), in the list's order.
+inline AdamScalars adam_scalars_from(const float* c, bool nesterov) {
+  AdamScalars s{};
+  int i = 0;
+#define JZO_READ_SCALAR(name) s.name = c[i++];
+  JZO_ADAM_SCALARS(JZO_READ_SCALAR)
+#undef JZO_READ_SCALAR
+  s.nesterov = nesterov;
+  return s;
+}
 
 struct AdamBuffers {
   int64_t n = 0;                     // elements in every buffer

@@ -69,9 +69,7 @@ ffi::Error read_scalars(const char* target, ffi::Buffer<ffi::F32> scalars, bool 
                         AdamScalars* s) {
   if (scalars.element_count() != kNumAdamScalars)
     return invalid(target, "expected " + std::to_string(kNumAdamScalars) + " scalars");
-  const float* c = scalars.typed_data();
-  *s = AdamScalars{c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11],
-                   nesterov};
+  *s = adam_scalars_from(scalars.typed_data(), nesterov);
   return ffi::Error::Success();
 }
 
@@ -138,7 +136,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JzoAdamUpdateFfi, jzo::AdamUpdateImpl,
                                   .Arg<ffi::AnyBuffer>()         // mu, f32/bf16
                                   .Arg<ffi::AnyBuffer>()         // nu, f32/bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // param, empty if no decay
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the 12 step scalars
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the step's scalars (JZO_ADAM_SCALARS)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // update (-lr * ...)
                                   .Ret<ffi::AnyBuffer>()         // mu, aliased to input 1
                                   .Ret<ffi::AnyBuffer>()         // nu, aliased to input 2
@@ -149,7 +147,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JzoAdamMomentsFfi, jzo::AdamMomentsImpl,
                                   .Arg<ffi::AnyBuffer>()         // grad, f32/bf16/f16
                                   .Arg<ffi::AnyBuffer>()         // mu, f32/bf16
                                   .Arg<ffi::AnyBuffer>()         // nu, f32/bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the 12 step scalars
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the step's scalars (JZO_ADAM_SCALARS)
                                   .Ret<ffi::AnyBuffer>()         // mu, aliased to input 1
                                   .Ret<ffi::AnyBuffer>());       // nu, aliased to input 2
 
@@ -159,7 +157,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JzoAdamStepFfi, jzo::AdamStepImpl,
                                   .Arg<ffi::AnyBuffer>()         // mu, f32/bf16
                                   .Arg<ffi::AnyBuffer>()         // nu, f32/bf16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // param, f32 master weights
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // the 12 step scalars
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the step's scalars (JZO_ADAM_SCALARS)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // param, aliased to input 3
                                   .Ret<ffi::AnyBuffer>()         // mu, aliased to input 1
                                   .Ret<ffi::AnyBuffer>()         // nu, aliased to input 2

@@ -3,15 +3,8 @@
 
 #include "xla/ffi/api/api.h"
 
-namespace jzo {
-
-// Number of float32 scalars the handlers read, in this order:
-// lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, 1/bc1, 1/bc2, 1/bc1_next,
-// grad_scale, with bc = 1 - b**t.
-constexpr int kNumAdamScalars = 12;
-
-}  // namespace jzo
-
+// Each handler reads the step's scalars as float32[kNumAdamScalars] laid out
+// as JZO_ADAM_SCALARS lists them (adam_kernel.h).
 // Handler symbols registered with jax.ffi.register_ffi_target (C linkage).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JzoAdamUpdateFfi);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JzoAdamMomentsFfi);

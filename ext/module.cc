@@ -1,4 +1,4 @@
-// nanobind module jzo._ext: argument checks at the boundary, then the kernels.
+// nanobind module jzo.native: argument checks at the boundary, then the kernels.
 // Arrays come in as numpy views; bf16/fp16 payloads arrive as uint16 views
 // with a dtype code, since numpy has no native bf16 to exchange.
 // Every array is .noconvert(): a converted temporary would silently drop the
@@ -27,9 +27,11 @@ using WriteArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using F32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 
 jzo::DType to_dtype(int code, const char* name) {
-  if (code < 0 || code > 2)
-    throw std::invalid_argument(std::string(name) + ": unknown dtype code " + std::to_string(code));
-  return static_cast<jzo::DType>(code);
+#define JZO_KNOWN_CODE(enum_name, value, text) \
+  if (code == value) return jzo::DType::enum_name;
+  JZO_DTYPES(JZO_KNOWN_CODE)
+#undef JZO_KNOWN_CODE
+  throw std::invalid_argument(std::string(name) + ": unknown dtype code " + std::to_string(code));
 }
 
 // Checks that the array's storage matches the dtype code: float32 for f32,
@@ -112,9 +114,7 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   b.nu = nu.data();
   b.param = param.data();
   b.update_param = true;
-  const float* c = scalars.data();
-  const jzo::AdamScalars s{c[0], c[1], c[2], c[3], c[4],  c[5],    c[6],
-                           c[7], c[8], c[9], c[10], c[11], nesterov};
+  const jzo::AdamScalars s = jzo::adam_scalars_from(scalars.data(), nesterov);
   nb::gil_scoped_release release;
   jzo::adam_parallel(b, s, num_threads);
 }
@@ -175,8 +175,8 @@ void parallel_copy(WriteArray dst, ReadArray src, int num_threads) {
 
 }  // namespace
 
-NB_MODULE(_ext, m) {
-  m.doc() = "jzo's C++ host kernels (private; use jzo.kernels)";
+NB_MODULE(native, m) {
+  m.doc() = "jzo's C++ host kernels, their arguments checked and nothing more (jzo.kernels wraps them)";
   m.def("adam_step", &adam_step, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
         nb::arg("grad_dtype"), nb::arg("mu").noconvert(), nb::arg("mu_dtype"),
         nb::arg("nu").noconvert(), nb::arg("nu_dtype"), nb::arg("lowp_out").noconvert().none(),
@@ -199,4 +199,14 @@ NB_MODULE(_ext, m) {
   m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
   m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });
   m.attr("NUM_ADAM_SCALARS") = jzo::kNumAdamScalars;
+  nb::list scalar_names;
+#define JZO_SCALAR_NAME(name) scalar_names.append(#name);
+  JZO_ADAM_SCALARS(JZO_SCALAR_NAME)
+#undef JZO_SCALAR_NAME
+  m.attr("ADAM_SCALARS") = nb::tuple(scalar_names);
+  nb::dict dtype_codes;
+#define JZO_DTYPE_CODE(enum_name, value, text) dtype_codes[text] = value;
+  JZO_DTYPES(JZO_DTYPE_CODE)
+#undef JZO_DTYPE_CODE
+  m.attr("DTYPE_CODES") = dtype_codes;
 }

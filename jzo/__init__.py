@@ -16,7 +16,7 @@ Public API:
 """
 
 from jzo import distributed, kernels
-from jzo.cpu_adam import CpuAdamState, adamw_step, cpu_adam, cpu_adamw
+from jzo.cpu_adam import CpuAdamState, CpuAdamTransform, adamw_step, cpu_adam, cpu_adamw
 from jzo.engine import ZeroEngine
 from jzo.host_leaf import HostLeaf
 from jzo.options import EngineOptions
@@ -26,7 +26,7 @@ from jzo.step import EngineState, StepMetrics
 from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
-__all__ = ["CpuAdamState", "EngineOptions", "EngineState", "HostLeaf", "LossScale", "PlacementError", "Plan",
-           "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
+__all__ = ["CpuAdamState", "CpuAdamTransform", "EngineOptions", "EngineState", "HostLeaf",
+           "LossScale", "PlacementError", "Plan", "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
            "estimate", "gather_layer", "kernels", "pick_micro_batch"]
 __version__ = "0.1.0"

@@ -56,6 +56,19 @@ class AdamHyperparams:
   nu_dtype: jnp.dtype
 
 
+class CpuAdamTransform(optax.GradientTransformation):
+  """What cpu_adam and cpu_adamw return: an optax GradientTransformation (the
+  pair init, update) that also carries its arguments as `hyperparams`, for
+  adamw_step and the offload engine, which run the same update themselves."""
+
+  hyperparams: AdamHyperparams
+
+  def __new__(cls, init, update, hyperparams: AdamHyperparams):
+    tx = super().__new__(cls, init, update)
+    tx.hyperparams = hyperparams
+    return tx
+
+
 class CpuAdamState(NamedTuple):
   """State of cpu_adam/cpu_adamw: the step count and both Adam moments."""
   count: jax.Array  # int32 scalar: updates applied so far
@@ -72,34 +85,47 @@ def _moment_dtype(name: str, dtype) -> jnp.dtype:
 
 def _xla_moments(g, m, v, scalars):
   """The new moments in float32, before rounding to their storage dtype."""
-  _, b1, omb1, b2, omb2, *_, grad_scale = scalars
-  g = g.astype(jnp.float32) * grad_scale
-  return b1 * m.astype(jnp.float32) + omb1 * g, b2 * v.astype(jnp.float32) + omb2 * (g * g)
+  s = kernels.AdamScalars(*scalars)
+  g = g.astype(jnp.float32) * s.grad_scale
+  return (s.b1 * m.astype(jnp.float32) + s.one_minus_b1 * g,
+          s.b2 * v.astype(jnp.float32) + s.one_minus_b2 * (g * g))
 
 
 def _xla_update_from_moments(g, m_new, v_new, p, scalars, *, nesterov: bool):
   """The float32 update from the new (float32) moments; p None: no weight decay."""
-  lr, b1, omb1, _, _, eps, eps_root, wd, inv_bc1, inv_bc2, inv_bc1_next, grad_scale = scalars
+  s = kernels.AdamScalars(*scalars)
   if nesterov:
-    m_hat = b1 * (m_new * inv_bc1_next) + omb1 * (g.astype(jnp.float32) * grad_scale * inv_bc1)
+    m_hat = (s.b1 * (m_new * s.inv_bc1_next)
+             + s.one_minus_b1 * (g.astype(jnp.float32) * s.grad_scale * s.inv_bc1))
   else:
-    m_hat = m_new * inv_bc1
-  x = m_hat / (jnp.sqrt(v_new * inv_bc2 + eps_root) + eps)
+    m_hat = m_new * s.inv_bc1
+  x = m_hat / (jnp.sqrt(v_new * s.inv_bc2 + s.eps_root) + s.eps)
   if p is not None:
-    x = x + wd * p.astype(jnp.float32)
-  return -lr * x
+    x = x + s.weight_decay * p.astype(jnp.float32)
+  return -s.lr * x
 
 
-def _xla_update(g, m, v, p, scalars, *, nesterov: bool):
-  """The kernel's math as plain XLA operations (accelerators, reference)."""
+def xla_update(g, m, v, p, scalars, *, nesterov: bool):
+  """The kernel's Adam update as plain XLA operations: what cpu_adamw runs
+  traced for an accelerator, and the reference the kernel is tested against.
+
+  Args:
+    g, m, v: a leaf's gradient and moments (any shape; dtypes as the kernel's).
+    p: its params (float32), or None for no weight decay.
+    scalars: `jzo.kernels.adam_scalars(...)`.
+    nesterov: Nesterov momentum.
+
+  Returns:
+    (float32 update, new mu, new nu), the moments in their own dtypes.
+  """
   m_new, v_new = _xla_moments(g, m, v, scalars)
   u = _xla_update_from_moments(g, m_new, v_new, p, scalars, nesterov=nesterov)
   return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
 
 
-def _xla_step(g, m, v, p, scalars, *, nesterov: bool):
-  """_xla_update applied to p, as optax.apply_updates would."""
-  u, m, v = _xla_update(g, m, v, p, scalars, nesterov=nesterov)
+def xla_step(g, m, v, p, scalars, *, nesterov: bool):
+  """xla_update applied to p, as optax.apply_updates would."""
+  u, m, v = xla_update(g, m, v, p, scalars, nesterov=nesterov)
   return p + u, m, v
 
 
@@ -240,7 +266,7 @@ def cpu_adamw(
     *,
     nesterov: bool = False,
     nu_dtype: Any | None = None,
-) -> optax.GradientTransformation:
+) -> CpuAdamTransform:
   r"""AdamW with decoupled weight decay, computed by jzo's fused C++ kernel.
 
   Same arguments, defaults and update as :func:`optax.adamw`:
@@ -264,8 +290,9 @@ def cpu_adamw(
       even after each update.
 
   Returns:
-    An optax GradientTransformation; its updates are float32, to be applied
-    with `optax.apply_updates`.
+    An optax GradientTransformation (a `CpuAdamTransform`, which keeps these
+    arguments as `hyperparams`); its updates are float32, to be applied with
+    `optax.apply_updates`.
 
   Example:
     >>> tx = optax.chain(optax.clip_by_global_norm(1.0), jzo.cpu_adamw(3e-4))
@@ -294,12 +321,11 @@ def cpu_adamw(
 
   def update_fn(updates, state, params=None):
     def leaf(g, m, v, p, scalars, decay):
-      return _on_platform(_host_update, _xla_update, g, m, v, p if decay else None, scalars,
+      return _on_platform(_host_update, xla_update, g, m, v, p if decay else None, scalars,
                           nesterov)
     return _apply_leaves(hyper, leaf, updates, state, params)
 
-  update_fn.adam_hyperparams = hyper  # read by adamw_step and the offload engine
-  return optax.GradientTransformation(init_fn, update_fn)
+  return CpuAdamTransform(init_fn, update_fn, hyper)
 
 
 def cpu_adam(
@@ -312,7 +338,7 @@ def cpu_adam(
     *,
     nesterov: bool = False,
     nu_dtype: Any | None = None,
-) -> optax.GradientTransformation:
+) -> CpuAdamTransform:
   """Adam computed by jzo's fused C++ kernel; a drop-in for :func:`optax.adam`.
 
   It is :func:`cpu_adamw` with no weight decay: see there for the arguments.
@@ -360,8 +386,7 @@ def adamw_step(tx: optax.GradientTransformation, grads, state: CpuAdamState, par
     >>> step = jax.jit(lambda p, s, g: jzo.adamw_step(tx, g, s, p), donate_argnums=(0, 1))
     >>> params, state = step(params, state, grads)
   """
-  hyper = getattr(getattr(tx, "update", None), "adam_hyperparams", None)
-  if hyper is None:
+  if not isinstance(tx, CpuAdamTransform):
     raise TypeError("adamw_step takes the transform jzo.cpu_adamw or jzo.cpu_adam returned "
                     f"(not an optax chain), got {type(tx).__name__}")
   if params is None:
@@ -373,11 +398,11 @@ def adamw_step(tx: optax.GradientTransformation, grads, state: CpuAdamState, par
 
   def leaf(g, m, v, p, scalars, decay):
     del decay  # scalars carry weight decay 0 where the mask is False
-    return _on_platform(_host_step, _xla_step, g, m, v, p, scalars, hyper.nesterov)
-  return _apply_leaves(hyper, leaf, grads, state, params)
+    return _on_platform(_host_step, xla_step, g, m, v, p, scalars, tx.hyperparams.nesterov)
+  return _apply_leaves(tx.hyperparams, leaf, grads, state, params)
 
 
-def cpu_adamw_with(hyper: AdamHyperparams, mask) -> optax.GradientTransformation:
+def cpu_adamw_with(hyper: AdamHyperparams, mask) -> CpuAdamTransform:
   """cpu_adamw with the hyperparameters `hyper` and another weight-decay mask
   (the offload engine resolves a mask of the full params into per-leaf bools
   before its optimizer sees flat shards)."""

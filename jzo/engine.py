@@ -1,6 +1,7 @@
 """`ZeroEngine`: the object users hold. It makes the plan, builds the state
-leaf by leaf, and each step calls the jitted device step (jzo.step) and the
-host side (jzo.offload); the state lives in `engine.state`.
+leaf by leaf (jzo.state), and each step calls the jitted device step
+(jzo.step) and the host side (jzo.offload); the state lives in
+`engine.trained` (device part `engine.state`, host part `engine.host`).
 
 Memory per device for Psi params with Adam (ZeRO paper, K = 12): stage 0
 16 Psi; stage 1 4 Psi + 12 Psi / Nd; stage 2 2 Psi + 14 Psi / Nd; stage 3
@@ -20,8 +21,6 @@ whose clip would see one shard only.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Callable
 
 import jax
@@ -30,14 +29,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import checkpoint, distributed, plan as plan_lib, step as step_lib
-from jzo.cpu_adam import cpu_adamw_with, decay_flags
+from jzo import distributed, plan as plan_lib, state as state_lib, state_dict, step as step_lib
+from jzo.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
 from jzo.offload import HostAdam, HostUpdate
-from jzo.partition import is_layout
 from jzo.options import EngineOptions
-from jzo.precision import init_loss_scale
 from jzo.step import EngineState, StepMetrics
-from jzo.transfer import ShardTransfer, copy_to_host, resolve_host_transfer
+from jzo.transfer import ShardTransfer, resolve_host_transfer
 
 
 class ZeroEngine:
@@ -105,6 +102,13 @@ class ZeroEngine:
       accumulation one micro-batch's set, or a ring of two leaves where the
       host lacks room.
 
+  Attributes:
+    plan: the layouts and placement (printable).
+    options: the checked options (jzo.EngineOptions).
+    tx: the optimizer as given.
+    trained: the state (jzo.state.ZeroState): `state` is its device part,
+      `host` its host part, and its step counter the only one.
+
   Raises:
     ValueError, TypeError: a bad option, naming it.
     MemoryError (jzo.plan.PlacementError): the plan does not fit the device
@@ -127,7 +131,7 @@ class ZeroEngine:
         landing_limit=landing_limit, host_transfer=host_transfer)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
-    hyper = getattr(tx.update, "adam_hyperparams", None)
+    hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
     offloading = options.offloading
     if offloading and hyper is None:
       raise TypeError("offload runs the optimizer on the host: tx must be jzo.cpu_adam or "
@@ -153,91 +157,38 @@ class ZeroEngine:
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions))
     self.loss_fn, self.mesh, self.options = loss_fn, mesh, options
+    self.tx = tx
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
     adam = None
-    self.tx = tx
+    device_tx = tx
     if offloading:
       # The device part runs cpu_adamw with the mask resolved on the full
       # params (the step sees flat shards); the host part the same flags.
       decay = decay_flags(hyper.mask, shapes)
-      self.tx = cpu_adamw_with(hyper, decay)
+      device_tx = cpu_adamw_with(hyper, decay)
       adam = HostAdam(self.plan, hyper, decay, self.positions)
-    self._pinned = False  # host copies through pinned host memory (jzo.transfer)
+    pinned = False  # host copies through pinned host memory (jzo.transfer)
     if self.plan.has_host_state:
-      self._pinned = resolve_host_transfer(host_transfer, device) == "pinned"
+      pinned = resolve_host_transfer(host_transfer, device) == "pinned"
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
-                               pinned=self._pinned)
+                               pinned=pinned)
       transfer.reserve(self.plan.host_bytes()["landing"])  # before the build pins its chunks
-    self.state = self._build_state(draw_leaf, adam)
+    self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaf, adam,
+                                         pinned=pinned)
     if self.plan.has_host_state:
-      self.host_update = HostUpdate(adam, transfer, self.plan.landing_limit)
-      self._install_fn = step_lib.host_part_installer(self.plan, mesh)
-    self.host = adam  # the host part's state and kernel (None without offload)
+      self.host_update = HostUpdate(self.trained, transfer)
     self._step_fns: dict = {}
-    self._steps = 0  # steps run (decides when delayed updates start)
     self._closed = False
 
-  # ------------------------------------------------------------ building
-  def _build_state(self, draw_leaf, adam: HostAdam | None) -> EngineState:
-    """The first state. Its device buffers are allocated first, side by side,
-    then filled one leaf at a time, largest first, from the leaf's float32
-    values drawn on this process's first device (every process draws the
-    same values and keeps its devices' parts): so at most one leaf's
-    float32 weights exist beside the state, and the draws' memory, freed, leaves one free
-    block for the step (the allocator could not fit gpt2-10b's step into
-    the holes of state allocated between draws). Every buffer is new: the
-    state is donated each step and must never alias the caller's arrays."""
-    plan = self.plan
-    specs = step_lib.state_specs(plan, self.tx)
-    sharding = lambda spec: NamedSharding(self.mesh, spec)
-    zeros = lambda shape, dtype, spec: jax.jit(lambda: jnp.zeros(shape, dtype),
-                                               out_shardings=sharding(spec))()
-    lowp_shape = lambda l: l.flat_shape if plan.sharded_lowp else l.shape
-    lowp = jax.tree.map(lambda l, s: zeros(lowp_shape(l), plan.compute_dtype, s),
-                        plan.layouts, specs.params, is_leaf=is_layout)
-    master = opt_state = None
-    if plan.has_device_state:
-      master = jax.tree.map(lambda l, s: zeros(l.part_shape(l.on_device), jnp.float32, s),
-                            plan.layouts, specs.master, is_leaf=is_layout)
-      init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=(specs.master,),
-                                   out_specs=specs.opt_state))
-      opt_state = init(master)
-    grads = None  # offload: the step's outputs until they are downloaded
-    if not plan.cpu_adam:
-      grads = jax.tree.map(
-          lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
-          plan.layouts, specs.grads, is_leaf=is_layout)
-    lowp, treedef = jax.tree.flatten(lowp)
-    master = jax.tree.leaves(master) if master is not None else None
-    host_masters = jax.tree.leaves(adam.master) if adam is not None else None
-    master_specs = jax.tree.leaves(specs.master)
-    for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
-      layout = plan.leaves[i]
-      c, k = layout.on_device, layout.shard_size
-      flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
-      new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
-      lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
-      del new
-      # One device reads each part straight out of the draw; several need
-      # the parts as arrays of their own (copies) to spread them over the mesh.
-      part = lambda side: (lambda x: layout.split(x)[side])
-      if master is not None and c:
-        if self.mesh.devices.size == 1:
-          master[i] = _write_into(master[i], flat, part(0))
-        else:
-          master[i] = _write_into(master[i], _to_global(
-              jax.jit(part(0))(flat), sharding(master_specs[i])))
-      if adam is not None and c < k:
-        mine = slice(self.positions.start, self.positions.stop)
-        copy_to_host(flat, host_masters[i], lambda x: layout.split(x)[1][mine],
-                     pinned=self._pinned)
-      del flat
-    if master is not None:
-      master = jax.tree.unflatten(treedef, master)
-    scalar = lambda x: jax.device_put(np.asarray(x), sharding(P()))
-    return EngineState(jax.tree.unflatten(treedef, lowp), master, opt_state, grads,
-                       jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
-                       scalar(jnp.int32(0)), scalar(jnp.int32(0)))
+  @property
+  def state(self) -> EngineState:
+    """The device state (global arrays; see jzo.step.EngineState)."""
+    return self.trained.device
+
+  @property
+  def host(self) -> HostAdam | None:
+    """The host parts' state and kernel (None without offload)."""
+    return self.trained.host
 
   # ---------------------------------------------------------------- step
   def step(self, batch) -> StepMetrics:
@@ -254,13 +205,12 @@ class ZeroEngine:
     """
     if self.plan.host_accumulation:
       return self._accumulated_step(batch)
+    delayed = self._delayed() if self.host_update is not None else False
     metrics, grad_scale = self.run_device_step(batch)
     if self.host_update is not None:
-      delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
       grads = jax.tree.leaves(self.state.grads)
-      self.state = self.state._replace(grads=None)  # each freed once it is down
-      self.host_update.exchange(grads, metrics.skipped, grad_scale, delayed=delayed,
-                                install=self._install)
+      self._set_device(grads=None)  # each freed once it is down
+      self.host_update.exchange(grads, metrics.skipped, grad_scale, delayed=delayed)
     return metrics
 
   def _accumulated_step(self, batch) -> StepMetrics:
@@ -268,11 +218,21 @@ class ZeroEngine:
     followed by its host parts' trip down and their sums on the host; then
     the end of the step on the devices with the host's sums of squares; then
     the host update (see jzo.step and jzo.offload)."""
+    delayed = self._delayed()
     metrics, grad_scale = self._micro_calls(batch, self.host_update)
-    delayed = self.plan.delayed_update and self._steps > self.plan.dpu_warmup
-    self.host_update.exchange_accumulated(metrics.skipped, grad_scale, delayed=delayed,
-                                          install=self._install)
+    self.host_update.exchange_accumulated(metrics.skipped, grad_scale, delayed=delayed)
     return metrics
+
+  def _delayed(self) -> bool:
+    """Whether the step about to run leaves its host update in flight: the
+    delayed update, after dpu_warmup plain steps. (The devices' counters
+    are read before the step starts: the last step's exchange waited for
+    them already.)"""
+    return self.plan.delayed_update and self.trained.steps_run + 1 > self.plan.dpu_warmup
+
+  def _set_device(self, **parts) -> None:
+    """Replaces parts of the device state."""
+    self.trained.device = self.trained.device._replace(**parts)
 
   def _micro_calls(self, batch, host: HostUpdate | None) -> tuple[StepMetrics, jax.Array]:
     """The device calls of a host-accumulated step; host None drops the host
@@ -282,10 +242,11 @@ class ZeroEngine:
     first, rest, finish = self._step_fn(batch)
     losses = []
     for j, micro in enumerate(self._micro_batches(batch)):
-      self.state, loss = (first if j == 0 else rest)(self.state, self._global_batch(micro))
+      self.trained.device, loss = (first if j == 0 else rest)(self.state,
+                                                              self._global_batch(micro))
       losses.append(loss)
       grads = jax.tree.leaves(self.state.grads)
-      self.state = self.state._replace(grads=None)
+      self._set_device(grads=None)
       if host is not None:
         host.accumulate(grads, first=j == 0)
       del grads
@@ -293,9 +254,8 @@ class ZeroEngine:
     sq, bad = host.host_sums() if host is not None else (np.zeros(n, np.float32),) * 2
     per_device = NamedSharding(self.mesh, P(self.plan.axis))
     on_devices = lambda x: jax.make_array_from_process_local_data(per_device, x)
-    self.state, metrics, grad_scale = finish(self.state, on_devices(sq), on_devices(bad),
-                                             sum(losses) / len(losses))
-    self._steps += 1
+    self.trained.device, metrics, grad_scale = finish(
+        self.state, on_devices(sq), on_devices(bad), sum(losses) / len(losses))
     return metrics, grad_scale
 
   def _micro_batches(self, batch) -> list:
@@ -326,22 +286,15 @@ class ZeroEngine:
     if self.plan.cpu_adam:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
-      self.state = self.state._replace(grads=None)
-    self.state, metrics, grad_scale = fn(self.state, batch)
-    self._steps += 1
+      self._set_device(grads=None)
+    self.trained.device, metrics, grad_scale = fn(self.state, batch)
     return metrics, grad_scale
 
   def wait(self) -> None:
     """Applies the host update in flight, if any: its weights are written
     into the params (a no-op without offload)."""
     if self.host_update is not None:
-      self.host_update.finish(self._install)
-
-  def _install(self, i: int, uploaded: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
-    leaves, treedef = jax.tree.flatten(self.state.params)
-    leaves[i] = self._install_fn(i, leaves[i], uploaded, span)
-    self.state = self.state._replace(params=jax.tree.unflatten(treedef, leaves))
-    return leaves[i]
+      self.host_update.finish()
 
   def lower(self, batch) -> jax.stages.Lowered:
     """The lowered step for `batch` (to read its HLO or compile it ahead);
@@ -385,13 +338,13 @@ class ZeroEngine:
       return self._step_fns[key]
     if self.plan.host_accumulation:  # (first micro-batch, the others, the end)
       micro = self._micro_batches(batch)[0]
-      make = lambda first: step_lib.make_micro_step(self.plan, self.mesh, self.loss_fn, self.tx,
-                                                    micro, first)
+      make = lambda first: step_lib.make_micro_step(self.plan, self.mesh, self.loss_fn,
+                                                    self.trained.tx, micro, first)
       self._step_fns[key] = (make(True), make(False),
-                             step_lib.make_finish(self.plan, self.mesh, self.tx))
+                             step_lib.make_finish(self.plan, self.mesh, self.trained.tx))
     else:
-      self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn, self.tx,
-                                               batch)
+      self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn,
+                                               self.trained.tx, batch)
     return self._step_fns[key]
 
   def local_batch(self, batch):
@@ -424,19 +377,18 @@ class ZeroEngine:
     """The float32 master weights, gathered to full shapes (numpy arrays;
     with several processes every process must read them together)."""
     self.wait()
-    return checkpoint.full_masters(self.plan, self.mesh, self.state, self.host)
+    return state_dict.full_masters(self.trained)
 
   def state_dict(self) -> dict:
     """Everything needed to continue training exactly, as host numpy arrays:
     with Adam (jzo's or optax's) masters and moments in the params' full
     shapes, with another optimizer as the devices keep them (see
-    jzo.checkpoint). With several processes, what each process holds: the
+    jzo.state_dict). With several processes, what each process holds: the
     masters and moments as global arrays, flat and padded, whose shards
     each process wrote from its own. A delayed update in flight is applied
     first."""
     self.wait()
-    return checkpoint.engine_state_dict(self.plan, self.mesh, self.state, self.host,
-                                        self._steps)
+    return state_dict.engine_state_dict(self.trained)
 
   def load_state_dict(self, saved: dict) -> None:
     """Restores `state_dict()` output into this engine: the same model; an
@@ -449,8 +401,7 @@ class ZeroEngine:
         first entries that differ.
     """
     self.wait()
-    self.state, self._steps = checkpoint.load_engine_state(self.plan, self.mesh, self.tx,
-                                                           self.state, self.host, saved)
+    self.trained.device = state_dict.load_engine_state(self.trained, saved)
 
   @property
   def host_timings(self) -> dict[str, float]:
@@ -475,23 +426,6 @@ class ZeroEngine:
       return 0
     landing = self.host_update.landing_peak if self.host_update is not None else 0
     return sum(x.nbytes for x in self.host.arrays()) + landing
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
-def _write_into(buffer: jax.Array, values: jax.Array, of=lambda x: x) -> jax.Array:
-  """of(values) written into `buffer` (donated: the result is buffer's
-  memory; `of`, a slice say, is computed in the same program, not apart)."""
-  return jax.lax.dynamic_update_slice(buffer, of(values).astype(buffer.dtype),
-                                      (0,) * buffer.ndim)
-
-
-def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """x, a value every process holds whole (here on its first device), as
-  an array placed by `sharding`, which may span other processes' devices:
-  each process then puts only its own devices' pieces."""
-  if sharding.is_fully_addressable:
-    return jax.device_put(x, sharding)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _leaf_sources(params, device):

@@ -10,6 +10,7 @@ JAX bf16 array gives).
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -18,32 +19,41 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jzo import _ext
+from jzo import native
 
 # XLA FFI targets of the CPU backend (ext/ffi_adam.cc): the update for
 # optax's contract, the moments alone, and the in-place step.
 ADAM_UPDATE_TARGET = "jzo_adam_update"
 ADAM_MOMENTS_TARGET = "jzo_adam_moments"
 ADAM_STEP_TARGET = "jzo_adam_step"
-for _target, _handler in ((ADAM_UPDATE_TARGET, _ext.adam_update_ffi),
-                          (ADAM_MOMENTS_TARGET, _ext.adam_moments_ffi),
-                          (ADAM_STEP_TARGET, _ext.adam_step_ffi)):
+for _target, _handler in ((ADAM_UPDATE_TARGET, native.adam_update_ffi),
+                          (ADAM_MOMENTS_TARGET, native.adam_moments_ffi),
+                          (ADAM_STEP_TARGET, native.adam_step_ffi)):
   jax.ffi.register_ffi_target(_target, _handler(), platform="cpu")
 
-# Dtype codes shared with the C++ side (DType in ext/adam_kernel.h).
-_DTYPE_CODES = {
-    np.dtype(np.float32): 0,
-    np.dtype(ml_dtypes.bfloat16): 1,
-    np.dtype(np.float16): 2,
-}
+# The C++ side's dtype codes (DType in ext/adam_kernel.h), by numpy dtype.
+_DTYPE_CODES = {np.dtype(jnp.dtype(name)): code for name, code in native.DTYPE_CODES.items()}
 GRAD_DTYPES = tuple(_DTYPE_CODES)
+# One Adam step's float32 scalars by name, in the order the kernel reads
+# them (JZO_ADAM_SCALARS in ext/adam_kernel.h): `adam_scalars` lays them out,
+# `AdamScalars(*scalars)` reads them back.
+AdamScalars = collections.namedtuple("AdamScalars", native.ADAM_SCALARS)
 MOMENT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 LOWP_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
 def simd_level() -> str:
   """Instruction set the kernel runs with here: 'avx512', 'avx2' or 'scalar'."""
-  return _ext.simd_level()
+  return native.simd_level()
+
+
+def supported_simd_levels() -> tuple[str, ...]:
+  """The instruction sets the kernel can run with on this CPU, best first
+  (the level in use is left as it is)."""
+  current = simd_level()
+  levels = tuple(level for level in ("avx512", "avx2", "scalar") if native.set_simd_level(level))
+  native.set_simd_level(current)
+  return levels
 
 
 def set_simd_level(level: str) -> None:
@@ -52,20 +62,20 @@ def set_simd_level(level: str) -> None:
   Raises:
     ValueError: the name is unknown or this CPU lacks that instruction set.
   """
-  if not _ext.set_simd_level(level):
+  if not native.set_simd_level(level):
     raise ValueError(f"SIMD level {level!r} is unknown or unsupported on this CPU")
 
 
 def num_threads() -> int:
   """Threads the host kernels use (the caller's thread included)."""
-  return _ext.num_threads()
+  return native.num_threads()
 
 
 def set_num_threads(n: int) -> None:
   """Sets the threads the host kernels use; the default is the CPUs this process may use."""
   if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
     raise ValueError(f"num_threads must be an integer >= 1, got {n!r}")
-  _ext.set_num_threads(int(n))
+  native.set_num_threads(int(n))
 
 
 # The kernel computes in float32: a larger value would be inf there.
@@ -108,7 +118,8 @@ def check_adam_hyperparameters(*, learning_rate, b1, b2, eps, eps_root, weight_d
 
 
 def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1.0) -> jax.Array:
-  """The float32[12] scalars of one Adam step, as the C++ kernel reads them.
+  """The float32 scalars of one Adam step, as the C++ kernel reads them
+  (`AdamScalars` names them, in order).
 
   Bias corrections follow optax, bc = 1 - b ** count with count the 1-based
   step, but are passed as reciprocals (the kernel multiplies by them).
@@ -119,15 +130,17 @@ def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1
     grad_scale: factor applied to gradients first (1 / loss scale * clip).
 
   Returns:
-    float32[12]: lr, b1, 1-b1, b2, 1-b2, eps, eps_root, weight_decay, 1/bc1,
-    1/bc2, 1/bc1_next (for nesterov), grad_scale.
+    float32[len(AdamScalars._fields)]: lr, b1, 1-b1, b2, 1-b2, eps,
+    eps_root, weight_decay, 1/bc1, 1/bc2, 1/bc1_next (for nesterov), grad_scale.
   """
   # A float exponent, as jit makes of a traced count anyway: called eagerly,
   # an integer one would compile a new program for every step count.
   t = jnp.asarray(count, jnp.int32).astype(jnp.float32)
   # `1 - b` is formed before the cast, like optax's `(1 - b1) * g`.
-  values = [lr, b1, 1 - b1, b2, 1 - b2, eps, eps_root, weight_decay,
-            1 / (1 - b1**t), 1 / (1 - b2**t), 1 / (1 - b1**(t + 1)), grad_scale]
+  values = AdamScalars(
+      lr=lr, b1=b1, one_minus_b1=1 - b1, b2=b2, one_minus_b2=1 - b2, eps=eps,
+      eps_root=eps_root, weight_decay=weight_decay, inv_bc1=1 / (1 - b1**t),
+      inv_bc2=1 / (1 - b2**t), inv_bc1_next=1 / (1 - b1**(t + 1)), grad_scale=grad_scale)
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
 
 
@@ -219,7 +232,7 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
 
   scalars = _host_scalars(float(learning_rate), float(b1), float(b2), float(eps),
                           float(eps_root), float(weight_decay), int(count), float(grad_scale))
-  _ext.adam_step(
+  native.adam_step(
       param, _payload(grad), _DTYPE_CODES[grad.dtype], _payload(mu), _DTYPE_CODES[mu.dtype],
       _payload(nu), _DTYPE_CODES[nu.dtype],
       None if lowp_out is None else _payload(lowp_out),
@@ -281,7 +294,7 @@ def accumulate_(acc: np.ndarray, grad: np.ndarray, *, add: bool,
     raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
   if grad.size != acc.size:
     raise ValueError(f"grad has {grad.size} elements, acc has {acc.size}")
-  return _ext.accumulate(acc, _payload(grad), _DTYPE_CODES[grad.dtype], bool(add), None, 1,
+  return native.accumulate(acc, _payload(grad), _DTYPE_CODES[grad.dtype], bool(add), None, 1,
                          _threads(num_threads))
 
 
@@ -300,7 +313,7 @@ def cast_(dst: np.ndarray, src: np.ndarray, *, num_threads: int | None = None) -
     raise TypeError(f"dst must be bfloat16 or float16, got {dst.dtype}")
   if dst.size != src.size:
     raise ValueError(f"dst has {dst.size} elements, src has {src.size}")
-  _ext.accumulate(None, src, _DTYPE_CODES[src.dtype], False, _payload(dst),
+  native.accumulate(None, src, _DTYPE_CODES[src.dtype], False, _payload(dst),
                   _DTYPE_CODES[dst.dtype], _threads(num_threads))
 
 
@@ -332,4 +345,4 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, *, num_threads: int | None =
   """Copies src into dst (same byte size, both C-contiguous) on several threads."""
   _require_host_array("dst", dst, writable=True)
   _require_host_array("src", src, writable=False)
-  _ext.parallel_copy(dst, src, int(num_threads or 0))
+  native.parallel_copy(dst, src, int(num_threads or 0))

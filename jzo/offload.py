@@ -26,8 +26,8 @@ Where the host has no room for one set of landing buffers (`plan.streamed`:
 a landing limit without host accumulation), the update streams instead:
 each leaf's host part goes down in spans of a quarter of the limit, each
 span through the kernel on the update thread and back up into the params at
-its offset, the next spans going down meanwhile (qwen2.5-14b with bf16
-moments: 27 GiB of landing buffers become 2).
+its offset, the next spans going down meanwhile: the landing buffers take
+the limit, not 2 bytes a host parameter.
 
 Under host accumulation (`plan.host_accumulation`) the engine calls
 `accumulate` after each micro-batch: each leaf's host parts go down into a
@@ -47,12 +47,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import math
 import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import jax
 import numpy as np
@@ -62,6 +61,9 @@ from jzo.cpu_adam import AdamHyperparams
 from jzo.partition import is_layout
 from jzo.plan import STREAM_SPANS, Plan
 from jzo.transfer import ShardTransfer
+
+if TYPE_CHECKING:
+  from jzo.state import ZeroState
 
 
 class HostAdam:
@@ -83,7 +85,6 @@ class HostAdam:
   def __init__(self, plan: Plan, hyper: AdamHyperparams, decay, shards: range | None = None):
     shards = shards if shards is not None else range(plan.n_devices)
     self.hyper, self.shards = hyper, shards
-    self.count = 0  # updates applied
     self._decay = jax.tree.leaves(decay)
     self._lowp_dtype = np.dtype(plan.compute_dtype)
     shape = lambda l: (len(shards),) + l.host_shape[1:]
@@ -129,43 +130,45 @@ class HostAdam:
       else:
         kernels.cast_(piece, master[d])
 
-  def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float,
+  def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float, count: int,
                     lowp: bool = True) -> Iterator[int]:
     """One AdamW step of every shard, leaf by leaf, largest first; yields
     each leaf's index (jax.tree.leaves order) once it is done, so its upload
     can overlap the update of the rest. Leaves without a host part are
-    skipped. The step counts once all leaves are done.
+    skipped.
 
     Args:
       grads_of: grads_of(i)[d] is the gradient of leaf i's host part on
         this process's d-th device, a writable numpy array (float32/bf16/fp16); the new weights in
         the compute dtype are written over it (unless lowp is False).
       grad_scale: multiplies the gradients first (1 / loss scale * clip).
+      count: this update's number, 1 for the first (the engine's step
+        counter after the step: Adam's bias corrections and schedules).
       lowp: write the new weights over the gradients (host accumulation's
         float32 sums instead leave them to `lowp_weights`).
     """
-    scalars = self.step_scalars()
+    scalars = self.step_scalars(count)
     masters = jax.tree.leaves(self.master)
     for i in sorted(range(len(masters)), key=lambda i: -masters[i].size):
       if masters[i].size == 0:
         continue
-      self.update_part(i, grads_of(i), grad_scale, scalars, lowp=lowp)
+      self.update_part(i, grads_of(i), grad_scale, scalars, count, lowp=lowp)
       yield i
-    self.count += 1
 
-  def step_scalars(self) -> tuple[float, float]:
-    """(learning rate, weight decay) of the update being applied (step `count`)."""
-    h, step = self.hyper, self.count
+  def step_scalars(self, count: int) -> tuple[float, float]:
+    """(learning rate, weight decay) of update number `count` (1-based), as
+    optax evaluates its schedules: at the updates applied before it."""
+    h, step = self.hyper, count - 1
     lr = float(h.learning_rate(step)) if callable(h.learning_rate) else float(h.learning_rate)
     wd = float(h.weight_decay(step)) if callable(h.weight_decay) else float(h.weight_decay)
     return lr, wd
 
   def update_part(self, i: int, grads: list, grad_scale: float, scalars: tuple[float, float],
-                  span: tuple[int, int] | None = None, lowp: bool = True) -> None:
+                  count: int, span: tuple[int, int] | None = None, lowp: bool = True) -> None:
     """AdamW of leaf i's host parts, or of their elements [lo, hi) along the
     first axis (span; see `ShardTransfer.spans`), with the step's `scalars`.
     grads[d]: this process's d-th device's gradients of those elements;
-    lowp as in `update_leaves`. Does not count the step."""
+    count and lowp as in `update_leaves`."""
     h, (lr, wd) = self.hyper, scalars
     part = (lambda a: a) if span is None else (lambda a: a[span[0]:span[1]])
     master, mu, nu = (jax.tree.leaves(t)[i] for t in (self.master, self.mu, self.nu))
@@ -175,7 +178,7 @@ class HostAdam:
                         f"in {self._lowp_dtype}; the landing buffer must carry both")
       in_place = grad if lowp and self._lowp_dtype != np.float32 else None
       kernels.adam_step_(part(master[d]), grad, part(mu[d]), part(nu[d]), learning_rate=lr,
-                         count=self.count + 1, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
+                         count=count, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
                          weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
                          grad_scale=grad_scale, lowp_out=in_place)
       if lowp and in_place is None:  # float32 compute: the masters themselves go up
@@ -186,14 +189,16 @@ class HostUpdate:
   """The host side of an offloading engine, called once per step.
 
   Args:
-    adam: the host state and kernel.
+    state: the engine's state: its host part (`state.host`) is updated,
+      its params receive the new weights (`state.install`), and its step
+      counter numbers the updates.
     transfer: moves gradients down and weights up.
 
-    landing_limit: bytes of landing buffers held at once (0: one set, every
-      host part's gradient). Under host accumulation it bounds the
-      micro-batches' leaves waiting for their sums; otherwise the update
-      streams: spans of at most landing_limit / STREAM_SPANS bytes go down,
-      through the kernel and up, and cannot be delayed.
+  The plan's landing limit bounds the bytes of landing buffers held at once
+  (0: one set, every host part's gradient). Under host accumulation it
+  bounds the micro-batches' leaves waiting for their sums; otherwise the
+  update streams: spans of at most landing_limit / STREAM_SPANS bytes go
+  down, through the kernel and up, and cannot be delayed.
 
   Attributes:
     timings: seconds of the last update: `wait_grads` (waiting for the
@@ -204,12 +209,14 @@ class HostUpdate:
       (the engine waiting for micro-batches' gradients to leave the devices).
   """
 
-  def __init__(self, adam: HostAdam, transfer: ShardTransfer, landing_limit: int = 0):
-    self.adam, self.transfer = adam, transfer
+  def __init__(self, state: ZeroState, transfer: ShardTransfer):
+    self.state, self.adam, self.transfer = state, state.host, transfer
+    adam, plan, landing_limit = state.host, state.plan, state.plan.landing_limit
     self.timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     if adam.acc is not None:
       self.timings.update(accumulate=0.0, wait_micro=0.0)
-    self._host_leaves = [i for i, l in enumerate(transfer.layouts) if l.on_host]
+    self._host_leaves = [i for i, l in enumerate(plan.leaves) if l.on_host]
+    self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
     # host RSS against a plan of 103).
@@ -241,8 +248,7 @@ class HostUpdate:
     """Bytes of pinned host memory the landing buffers in use hold now."""
     return sum(x.nbytes for x in self.landing_buffers().values())
 
-  def exchange(self, grads: list, skipped, grad_scale, *, delayed: bool,
-               install: Callable[[int, jax.Array], jax.Array]) -> None:
+  def exchange(self, grads: list, skipped, grad_scale, *, delayed: bool) -> None:
     """The host side of one step.
 
     Args:
@@ -254,26 +260,24 @@ class HostUpdate:
       skipped, grad_scale: the step's device scalars.
       delayed: leave this step's update in flight (the delayed update);
         otherwise it is applied before this returns.
-      install: install(i, uploaded) writes leaf i's new host parts (on the
-        devices, flat `part_shape(k - c)`) into the params and returns the
-        new params leaf.
     """
     with self._guard():
-      self._exchange(grads, skipped, grad_scale, delayed, install)
+      self._exchange(grads, skipped, grad_scale, delayed)
 
-  def _exchange(self, grads, skipped, grad_scale, delayed, install) -> None:
+  def _exchange(self, grads, skipped, grad_scale, delayed) -> None:
     start = time.perf_counter()
     jax.block_until_ready(grads)  # the step is done: its peak has passed
     waited = time.perf_counter()
     skip = bool(skipped)
-    landing = self._finish(install, None if skip else grads)
+    landing = self._finish(None if skip else grads)
     if skip:
       return
+    count = int(self.state.device.step)  # this update's number (the step counted it)
     if self._streamed:
       if delayed:
         raise ValueError("a streamed update (a landing limit below one step's gradients) "
                          "cannot be delayed: the delayed update keeps them all on the host")
-      self._exchange_streamed(grads, float(grad_scale), install)
+      self._exchange_streamed(grads, float(grad_scale), count)
       self.timings["wait_grads"] = waited - start
       return
     for i in self._host_leaves:
@@ -283,24 +287,26 @@ class HostUpdate:
     # The gradients leave the devices before the next step allocates its memory.
     jax.block_until_ready(list(landing.values()))
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
-    self._pending = _Update(landing, float(grad_scale))
+    self._pending = _Update(landing, float(grad_scale), count)
     self._pending.future = self._executor.submit(self._run, self._pending)
     self.timings["wait_grads"] = waited - start
     if not delayed:
-      self._finish(install, None)
+      self._finish(None)
 
-  def _exchange_streamed(self, grads: list, grad_scale: float, install) -> None:
+  def _exchange_streamed(self, grads: list, grad_scale: float, count: int) -> None:
     """The update a span at a time (see `ShardTransfer.spans`): each span of
     each leaf, largest leaf first, goes down, through the kernel (on the
     update thread, in order) and up into the params, with at most the
     landing limit of spans between its download and its upload; a leaf's
-    gradient leaves the devices with its last span. Arguments as `exchange`'s."""
-    scalars = self.adam.step_scalars()
+    gradient leaves the devices with its last span. Arguments as
+    `exchange`'s; count is the update's number."""
+    scalars = self.adam.step_scalars(count)
     kernel = {"seconds": 0.0, "done": time.perf_counter()}
 
     def update(i: int, span: tuple[int, int], handed: list) -> None:
       begin = time.perf_counter()
-      self.adam.update_part(i, self.transfer.views(i, handed[0]), grad_scale, scalars, span)
+      self.adam.update_part(i, self.transfer.views(i, handed[0]), grad_scale, scalars, count,
+                            span)
       kernel["done"] = time.perf_counter()
       kernel["seconds"] += kernel["done"] - begin
 
@@ -311,7 +317,7 @@ class HostUpdate:
       nonlocal held
       i, span, handed, future, nbytes = in_flight.popleft()
       future.result()
-      jax.block_until_ready(install(i, self.transfer.upload(i, handed.pop()), span))
+      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, handed.pop()), span))
       held -= nbytes
 
     for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
@@ -328,7 +334,6 @@ class HostUpdate:
       grads[i] = None
     while in_flight:
       upload_oldest()
-    self.adam.count += 1
     self.timings["update"] = kernel["seconds"]
     self.timings["upload"] = time.perf_counter() - kernel["done"]
 
@@ -364,12 +369,6 @@ class HostUpdate:
         del landing
       jax.block_until_ready([x for x in (ref() for ref in landed) if x is not None])
       self.timings["wait_micro"] += time.perf_counter() - start
-
-  def _landing_bytes(self, i: int) -> int:
-    """Bytes of leaf i's landing buffer: this process's devices' host parts."""
-    layout = self.transfer.layouts[i]
-    itemsize = self.transfer.dtype.itemsize
-    return len(self.adam.shards) * math.prod(layout.host_shape[1:]) * itemsize
 
   def _hold_landing(self, nbytes: int) -> None:
     """Waits until a landing buffer of nbytes fits under the limit (one
@@ -410,25 +409,24 @@ class HostUpdate:
       bad = sum((v[1] for v in last.values()), np.zeros(n, np.float32))
       return sq, np.minimum(bad, 1)
 
-  def exchange_accumulated(self, skipped, grad_scale, *, delayed: bool,
-                           install: Callable[[int, jax.Array], jax.Array]) -> None:
+  def exchange_accumulated(self, skipped, grad_scale, *, delayed: bool) -> None:
     """The host side of a host-accumulated step, after its end on the
     devices: installs the update in flight (the delayed update's), then,
     unless the step was skipped, runs AdamW over the accumulators (left in
     flight with `delayed`). Arguments as `exchange`'s."""
     with self._guard():
-      self._finish(install, None)
+      self._finish(None)
       if bool(skipped):
         return
-      self._pending = _Update({}, float(grad_scale))
+      self._pending = _Update({}, float(grad_scale), int(self.state.device.step))
       self._pending.future = self._executor.submit(self._run, self._pending)
       if not delayed:
-        self._finish(install, None)
+        self._finish(None)
 
-  def finish(self, install: Callable[[int, jax.Array], jax.Array]) -> None:
+  def finish(self) -> None:
     """Applies the update in flight, if any (see `exchange`)."""
     with self._guard():
-      self._finish(install, None)
+      self._finish(None)
 
   @contextlib.contextmanager
   def _guard(self):
@@ -446,7 +444,7 @@ class HostUpdate:
       self.failure = e
       raise
 
-  def _finish(self, install, next_grads) -> dict:
+  def _finish(self, next_grads) -> dict:
     """Uploads and installs the update in flight leaf by leaf; with
     next_grads, downloads each leaf's new gradient into the memory its
     landing buffer freed. Returns the new landing buffers by leaf."""
@@ -461,10 +459,10 @@ class HostUpdate:
       # uploaded copy freed, before the next leaf's come up.
       if i in pending.landing:
         weights = pending.landing.pop(i)
-        jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
+        jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
         del weights
       else:
-        self._upload_from_masters(i, install)
+        self._upload_from_masters(i)
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
@@ -475,7 +473,7 @@ class HostUpdate:
     self.timings["upload"] = time.perf_counter() - pending.kernel_done
     return landing
 
-  def _upload_from_masters(self, i: int, install) -> None:
+  def _upload_from_masters(self, i: int) -> None:
     """Host accumulation: leaf i's new weights in the compute dtype, made
     from its masters into a landing buffer under the same limit as the
     micro-batches' (whose sums may still be running: without the limit the
@@ -486,7 +484,7 @@ class HostUpdate:
     try:
       weights = self.transfer.new_landing(i)
       self.adam.lowp_weights(i, self.transfer.views(i, weights))
-      jax.block_until_ready(install(i, self.transfer.upload(i, weights)))
+      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
       del weights
     finally:
       self._release_landing(nbytes)
@@ -496,10 +494,11 @@ class HostUpdate:
     try:
       if self.adam.acc is not None:  # host accumulation: the float32 sums
         sums = jax.tree.leaves(self.adam.acc)
-        leaves = self.adam.update_leaves(lambda i: sums[i], update.grad_scale, lowp=False)
+        leaves = self.adam.update_leaves(lambda i: sums[i], update.grad_scale, update.count,
+                                         lowp=False)
       else:
         views = lambda i: self.transfer.views(i, update.landing[i])
-        leaves = self.adam.update_leaves(views, update.grad_scale)
+        leaves = self.adam.update_leaves(views, update.grad_scale, update.count)
       for i in leaves:
         update.done.put(i)
     except BaseException as e:
@@ -516,11 +515,11 @@ class HostUpdate:
 
 
 class _Update:
-  """One step's host update: its landing buffers (by leaf index) and the
-  leaves the kernel has finished, in order (None: all done)."""
+  """One step's host update (number `count`): its landing buffers (by leaf
+  index) and the leaves the kernel has finished, in order (None: all done)."""
 
-  def __init__(self, landing: dict, grad_scale: float):
-    self.landing, self.grad_scale = landing, grad_scale
+  def __init__(self, landing: dict, grad_scale: float, count: int):
+    self.landing, self.grad_scale, self.count = landing, grad_scale, count
     self.done: queue.Queue = queue.Queue()
     self.future: concurrent.futures.Future | None = None
     self.kernel_s = 0.0

@@ -33,18 +33,8 @@ largest leaves when the host lacks room; the new weights are made again
 from the masters a leaf at a time, so none wait in landing buffers). Per
 device: params 2 a parameter, one micro-batch's gradients 2 a parameter,
 and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
-The targets of issue 23 (one H100, 78 GiB usable, 6% headroom; 125 GiB
-host, 4.5 GiB runtime; mb 8, seq 1024, activations 5.43 GiB, 3.99 at 4b):
-  gpt2-10b, fp32 moments: device fixed 19.15 + 19.15 + 5.43 = 43.7 GiB
-    leaves 29.6 GiB for 16 B each: 1.99B params' state on the device; the
-    other 8.29B need 16 B = 123.6 GiB + runtime 4.5 on the host, over 125
-    with no landing buffer at all: does not fit (3.1 GiB short).
-  gpt2-13b, bf16 moments: device fixed 23.93 + 23.93 + 5.43 = 53.3 GiB
-    leaves 20.0 GiB at 12 B: 1.79B on the device; the other 11.06B need
-    12 B = 123.6 GiB + 4.5: does not fit either (3.1 GiB short).
-  gpt2-4b, all on the host: host 16 + 2 B x 4.24B = 71.0 GiB + 4.5; device
-    7.89 + 7.89 + 3.99 GiB. Fits; "auto" keeps its float32 sum on the
-    device instead (7.89 + 23.67 + 3.99 GiB), which needs no host pass.
+(experiments/RESULTS.md works these bytes through for gpt2-4b, -10b and
+-13b on one H100.)
 """
 
 from __future__ import annotations
@@ -212,9 +202,8 @@ class Plan:
   def device_peak(self, activations: int = 0) -> dict[str, int]:
     """Bytes one device needs at its peak: `device_bytes()` and the larger
     of the step's peak (the backward pass's gradients with the fp32
-    accumulator, and the activations: XLA's temporaries of the compiled step
-    on an H100 were their sum within 5%, gpt2-10b 24.15 GiB, gpt2-4b 11.41)
-    and the exchange after it (see the module docstring)."""
+    accumulator, and the activations, which XLA's temporaries of the
+    compiled step match) and the exchange after it (see the module docstring)."""
     lowp = np.dtype(self.compute_dtype).itemsize
     local = sum(_rows(l) * l.shard_size for l in self.leaves)
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
@@ -262,13 +251,17 @@ class Plan:
     limit without host accumulation; see jzo.offload)."""
     return self.has_host_state and not self.host_accumulation and self.landing_limit > 0
 
+  def landing_bytes(self, i: int) -> int:
+    """Bytes of leaf i's landing buffer in one process: its devices' host
+    parts of the leaf, in the gradient dtype (0 for a leaf without one)."""
+    l = self.leaves[i]
+    return self.grad_dtype.itemsize * l.shards * _rows(l) * l.on_host // self.processes
+
   def landing_ring(self) -> int:
     """Bytes of the smallest landing ring of host accumulation: the two
     largest leaves' host parts of this process's devices (one lands while
     the host sums the other)."""
-    per_leaf = sorted(self.grad_dtype.itemsize * l.shards * _rows(l) * l.on_host
-                      // self.processes for l in self.leaves)
-    return sum(per_leaf[-2:])
+    return sum(sorted(map(self.landing_bytes, range(len(self.leaves))))[-2:])
 
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),

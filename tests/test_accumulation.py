@@ -87,26 +87,39 @@ def test_a_non_finite_micro_batch_skips_the_whole_step_and_fp16_scaling_follows(
     used.append(float(got.loss_scale))
   assert used == [256, 256, 512, 256, 256]  # doubled after 2 clean steps, halved by the skip
   on_host.close()
-  assert int(on_host.state.skipped) == 1 and on_host.host.count == len(data) - 1
+  assert int(on_host.state.skipped) == 1 and int(on_host.state.step) == len(data) - 1
   assert float(on_host.state.loss_scale.scale) == float(on_device.state.loss_scale.scale)
   assert_close(on_host.params, on_device.params, **(dict(rtol=1e-3, atol=1e-5) if delayed else {}))
 
 
-def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part():
+def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part(monkeypatch):
   """Between micro-batches the state carries float32 sums of the device
   parts only and compute-dtype gradients of the host parts; between steps
   no accumulator at all, so checkpoints are unchanged."""
+  between = []  # (shape, dtype) of the sums and gradients after each micro-batch
+  make_micro_step = jzo.step.make_micro_step
+
+  def watched_make_micro_step(*args, **kwargs):
+    micro_step = make_micro_step(*args, **kwargs)
+
+    def watched(state, batch):
+      state, loss = micro_step(state, batch)
+      between.append(([(x.shape, x.dtype) for x in jax.tree.leaves(state.acc)],
+                      [x.dtype for x in jax.tree.leaves(state.grads)]))
+      return state, loss
+    return watched
+  monkeypatch.setattr(jzo.step, "make_micro_step", watched_make_micro_step)
   on_device, on_host = engines(stage=2, offload=0.5, compute_dtype=jnp.bfloat16)
   b = batches(1, size=64)[0]
-  first, rest, finish = on_host._step_fn(b)
-  state, _ = first(on_host.state, on_host._micro_batches(b)[0])
-  layouts = on_host.plan.leaves
-  for l, acc, grad in zip(layouts, jax.tree.leaves(state.acc), jax.tree.leaves(state.grads)):
-    assert acc.dtype == jnp.float32 and acc.shape == l.part_shape(l.on_device)
-    assert grad.dtype == jnp.bfloat16
-  on_host.state = state._replace(grads=None, acc=None)  # the donated state, as it was
   on_host.step(b)
   on_device.step(b)
+  assert len(between) == K
+  layouts = on_host.plan.leaves
+  for sums, grads in between:
+    assert len(sums) == len(grads) == len(layouts)
+    for l, (shape, dtype), grad_dtype in zip(layouts, sums, grads):
+      assert dtype == jnp.float32 and shape == l.part_shape(l.on_device)
+      assert grad_dtype == jnp.bfloat16
   assert on_host.state.acc is None and on_host.state.grads is None
   saved, reference = on_host.state_dict(), on_device.state_dict()
   assert saved.keys() == reference.keys()
@@ -133,7 +146,7 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
     free.step(b)
     ring.step(b)
   assert_close(ring.params, free.params, rtol=0, atol=0)
-  largest = max(ring.host_update._landing_bytes(i) for i in ring.host_update._host_leaves)
+  largest = max(map(ring.plan.landing_bytes, range(len(ring.plan.leaves))))
   assert ring.host_update.landing_peak == largest
 
 
@@ -164,7 +177,7 @@ def test_a_slow_host_holds_one_micro_batch_of_landing_buffers_as_planned():
   update.transfer.new_landing = tracked(update.transfer.new_landing)
   for b in batches(3, size=64):  # the new weights go up while the last sums run
     engine.step(b)
-  one_set = sum(update._landing_bytes(i) for i in update._host_leaves)
+  one_set = sum(map(engine.plan.landing_bytes, range(len(engine.plan.leaves))))
   assert one_set == engine.plan.host_bytes()["landing"]
   assert 0 < peak[0] <= one_set
   assert update.landing_peak == peak[0]

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jzo
-from jzo.cpu_adam import _xla_step, _xla_update
+from jzo.cpu_adam import xla_step, xla_update
 from jzo.kernels import adam_scalars
 
 SHAPES = {"scalar": (), "one": (1,), "seven": (7,), "fifteen": (15,), "seventeen": (17,),
@@ -122,7 +122,7 @@ def test_xla_path_matches_kernel_path():
   state = jzo.CpuAdamState(count=jnp.int32(6), mu=m, nu=v)
   # cpu_adamw's host path with grad_scale 1 on g * 0.5 == xla path with grad_scale 0.5 on g.
   u_host, st = tx.update((g.astype(jnp.float32) * 0.5), state, p)
-  u_xla, m_xla, v_xla = jax.jit(lambda *a: _xla_update(*a, nesterov=False))(g, m, v, p, s)
+  u_xla, m_xla, v_xla = jax.jit(lambda *a: xla_update(*a, nesterov=False))(g, m, v, p, s)
   np.testing.assert_allclose(u_host, u_xla, rtol=1e-6, atol=1e-9)
   np.testing.assert_allclose(st.mu, m_xla, rtol=1e-6, atol=1e-9)
   np.testing.assert_allclose(st.nu, v_xla, rtol=1e-6, atol=1e-12)
@@ -263,7 +263,7 @@ def test_adamw_step_xla_path_matches_kernel_path():
   tx = jzo.cpu_adamw(1e-3, b1=0.8, weight_decay=0.1, nesterov=True)
   s = adam_scalars(lr=1e-3, b1=0.8, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.1, count=7)
   p_host, st = jzo.adamw_step(tx, g, jzo.CpuAdamState(count=jnp.int32(6), mu=m, nu=v), p)
-  p_xla, m_xla, v_xla = jax.jit(lambda *a: _xla_step(*a, nesterov=True))(g, m, v, p, s)
+  p_xla, m_xla, v_xla = jax.jit(lambda *a: xla_step(*a, nesterov=True))(g, m, v, p, s)
   np.testing.assert_allclose(p_host, p_xla, rtol=1e-6, atol=1e-9)
   np.testing.assert_allclose(st.mu, m_xla, rtol=1e-6, atol=1e-9)
   np.testing.assert_allclose(st.nu, v_xla, rtol=1e-6, atol=1e-12)

@@ -71,7 +71,7 @@ def test_cudnn_attention_matches_xla_on_gpu():
   logits = {impl: jax.jit(functools.partial(
                 gpt.forward, dataclasses.replace(base, attention=impl)))(params, tokens)
             for impl in ("cudnn", "xla")}
-  assert gpt._attention_impl(base, jax.numpy.bfloat16) == "cudnn"
+  assert gpt.attention_implementation(base.attention, 64, jax.numpy.bfloat16) == "cudnn"
   np.testing.assert_allclose(np.asarray(logits["cudnn"], np.float32),
                              np.asarray(logits["xla"], np.float32), atol=0.05, rtol=0.05)
 

@@ -70,7 +70,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import jzo
-from jzo import _ext, kernels
+from jzo import kernels
 
 CHILD = os.environ.get("JZO_PROPERTY_CHILD") == "1"
 child_only = pytest.mark.skipif(
@@ -85,8 +85,7 @@ ARRAYS = ("param", "grad", "mu", "nu", "lowp_out")
 OUTPUTS = ("param", "mu", "nu", "lowp_out")  # what the kernel may write
 GUARD = 64  # canary bytes before and after every array
 
-SIMD_LEVELS = [lvl for lvl in ("avx512", "avx2", "scalar") if _ext.set_simd_level(lvl)]
-_ext.set_simd_level(SIMD_LEVELS[0])  # probing lowered it: back to the best
+SIMD_LEVELS = kernels.supported_simd_levels()
 
 # Hypothesis examples per test; each valid kernel example runs CASES_PER_EXAMPLE cases.
 VALID_EXAMPLES, CASES_PER_EXAMPLE = 30, 50

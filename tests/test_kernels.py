@@ -11,12 +11,10 @@ import optax
 import pytest
 
 import jzo
-from jzo import _ext, kernels
+from jzo import kernels, native
 
 BF16 = ml_dtypes.bfloat16
-X86_LEVELS = [lvl for lvl in ("avx512", "avx2", "scalar")
-              if lvl == "scalar" or _ext.set_simd_level(lvl)]
-_ext.set_simd_level(kernels.simd_level())  # probing above may have lowered it
+X86_LEVELS = list(kernels.supported_simd_levels())
 BEST = X86_LEVELS[0]
 
 
@@ -306,18 +304,18 @@ def test_bad_input_is_refused_before_any_write(build, error, message):
 def test_extension_refuses_read_only_and_converted_arrays():
   """The C++ boundary itself never takes a temporary copy of an output."""
   p, g, m, v = host_state(10)
-  scalars = np.zeros(_ext.NUM_ADAM_SCALARS, np.float32)
+  scalars = np.zeros(native.NUM_ADAM_SCALARS, np.float32)
   with pytest.raises(TypeError):  # read-only mu: no silent copy
-    _ext.adam_step(p, g, 0, readonly(m), 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p, g, 0, readonly(m), 0, v, 0, None, 1, scalars, False, 0)
   with pytest.raises(TypeError):  # float64 param would need a converted copy
-    _ext.adam_step(p.astype(np.float64), g, 0, m, 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p.astype(np.float64), g, 0, m, 0, v, 0, None, 1, scalars, False, 0)
   with pytest.raises(TypeError, match="storage"):  # f32 storage declared as bf16
-    _ext.adam_step(p, g, 1, m, 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p, g, 1, m, 0, v, 0, None, 1, scalars, False, 0)
   with pytest.raises(ValueError, match="scalars"):
-    _ext.adam_step(p, g, 0, m, 0, v, 0, None, 1, scalars[:3], False, 0)
+    native.adam_step(p, g, 0, m, 0, v, 0, None, 1, scalars[:3], False, 0)
 
 
-def ffi_case(target, aliases, n_scalars=_ext.NUM_ADAM_SCALARS):
+def ffi_case(target, aliases, n_scalars=native.NUM_ADAM_SCALARS):
   """Arguments and outputs of one call of `target` on 10 elements."""
   x = jnp.ones((10,), jnp.float32)
   scalars = jnp.zeros((n_scalars,), jnp.float32)

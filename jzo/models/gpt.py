@@ -101,11 +101,13 @@ PRESETS = {
 }
 
 
-def _attention_impl(config: GPTConfig, dtype) -> str:
-  """The dot_product_attention implementation for activations of `dtype`."""
-  if config.attention != "auto":
-    return config.attention
-  head_dim = config.d_model // config.n_head
+def attention_implementation(choice: str, head_dim: int, dtype) -> str:
+  """The `jax.nn.dot_product_attention` implementation a model's `attention`
+  setting (`choice`: "auto", "cudnn" or "xla") gives for heads of `head_dim`
+  and activations of `dtype`: "auto" is cuDNN's flash attention where it
+  runs (a GPU, 16-bit activations, heads a multiple of 8 up to 128), else XLA."""
+  if choice != "auto":
+    return choice
   cudnn_ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
               and head_dim % 8 == 0 and head_dim <= 128)
   return "cudnn" if cudnn_ok else "xla"
@@ -148,8 +150,8 @@ class Block(nnx.Module):
     H = self.config.n_head
     qkv = self.qkv(self.ln1(x)).reshape(B, T, 3, H, D // H)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, head size)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=_attention_impl(self.config, x.dtype))
+    impl = attention_implementation(self.config.attention, D // H, x.dtype)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     x = x + self.proj(att.reshape(B, T, D))
     return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 

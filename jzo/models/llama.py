@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import jzo
-from jzo.models.gpt import REMAT_POLICIES
+from jzo.models.gpt import REMAT_POLICIES, attention_implementation
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
 LAYERS = "layers"
@@ -304,15 +304,6 @@ PRESETS = {
 }
 
 
-def _attention_impl(config: LlamaConfig, dtype) -> str:
-  """The dot_product_attention implementation for activations of `dtype`."""
-  if config.attention != "auto":
-    return config.attention
-  cudnn_ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-              and config.head_dim % 8 == 0 and config.head_dim <= 128)
-  return "cudnn" if cudnn_ok else "xla"
-
-
 def _inv_freq(config: LlamaConfig) -> np.ndarray:
   """RoPE's angular frequencies, float32 (head_dim / 2,), after the
   config's scaling (Llama 3.1's: wavelengths above original / low_freq_factor
@@ -383,8 +374,8 @@ class Block(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     # K/V keep their K heads: dot_product_attention groups the H query heads over them.
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=_attention_impl(config, x.dtype))
+    impl = attention_implementation(config.attention, config.head_dim, x.dtype)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     x = x + self.o(att.reshape(B, T, H * hd))  # (B, T, D)
     gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)  # each (B, T, F)
     return x + self.down(jax.nn.silu(gate) * up)

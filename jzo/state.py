@@ -1,0 +1,175 @@
+"""The state a `ZeroEngine` trains, as one bundle, and the functions that
+build it.
+
+`ZeroState` holds the plan, the mesh, the optimizer the devices run, the
+device state (`EngineState`, donated to every step) and the host state
+(`HostAdam`, with offload). Its one step counter is the device state's:
+`step` (updates applied, the Adam count the host's kernel uses too) and
+`skipped` (steps whose gradients were not finite); `steps_run` is their sum.
+
+`empty_device_state` is the device state's first value, zeros: a plain
+function of the plan, so `jax.eval_shape` gives its shapes and dtypes
+without allocating (experiments/step_memory.py lowers the step on them).
+`build_state` allocates it, then fills it a leaf at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzo import step as step_lib
+from jzo.distributed import local_positions
+from jzo.offload import HostAdam
+from jzo.partition import is_layout
+from jzo.plan import Plan
+from jzo.precision import init_loss_scale
+from jzo.step import EngineState
+from jzo.transfer import copy_to_host
+
+
+@dataclasses.dataclass
+class ZeroState:
+  """Everything an engine trains.
+
+  Attributes:
+    plan: the layouts and placement.
+    mesh: the devices (of every process) over the plan's axis.
+    tx: the optimizer of the device parts, elementwise over flat shards
+      (with offload, the user's jzo.cpu_adamw with its mask resolved per leaf).
+    device: the state on the devices (global arrays); every step donates it.
+    host: the host parts' masters and moments (None without any).
+  """
+  plan: Plan
+  mesh: Mesh
+  tx: optax.GradientTransformation
+  device: EngineState
+  host: HostAdam | None = None
+
+  def __post_init__(self):
+    self._install = (step_lib.host_part_installer(self.plan, self.mesh)
+                     if self.host is not None else None)
+
+  @property
+  def steps_run(self) -> int:
+    """Steps run: updates applied and steps skipped (reads the devices'
+    counters, so it waits for the step that writes them)."""
+    step, skipped = jax.device_get((self.device.step, self.device.skipped))
+    return int(step) + int(skipped)
+
+  def install(self, i: int, uploaded: jax.Array, span: tuple[int, int] | None = None
+              ) -> jax.Array:
+    """Writes leaf i's new host parts (on the devices, flat
+    `part_shape(k - c)`, or a span of them: see `ShardTransfer.spans`) into
+    the params, in place; returns the new params leaf."""
+    leaves, treedef = jax.tree.flatten(self.device.params)
+    leaves[i] = self._install(i, leaves[i], uploaded, span)
+    self.device = self.device._replace(params=jax.tree.unflatten(treedef, leaves))
+    return leaves[i]
+
+
+def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
+                       ) -> EngineState:
+  """The device state before any weight is drawn: params, masters and
+  gradient buffers zero, tx's first state, the plan's first loss scale and
+  counters at zero, each placed by `step.state_specs`. Each buffer is its
+  own program's output, so all of them are allocated side by side, before
+  any draw."""
+  specs = step_lib.state_specs(plan, tx)
+  sharding = lambda spec: NamedSharding(mesh, spec)
+  zeros = lambda shape, dtype, spec: jax.jit(lambda: jnp.zeros(shape, dtype),
+                                             out_shardings=sharding(spec))()
+  on_layouts = lambda fn, specs: jax.tree.map(fn, plan.layouts, specs, is_leaf=is_layout)
+  lowp_shape = lambda l: l.flat_shape if plan.sharded_lowp else l.shape
+  lowp = on_layouts(lambda l, s: zeros(lowp_shape(l), plan.compute_dtype, s), specs.params)
+  master = opt_state = None
+  if plan.has_device_state:
+    master = on_layouts(lambda l, s: zeros(l.part_shape(l.on_device), jnp.float32, s),
+                        specs.master)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs.master,),
+                                      out_specs=specs.opt_state))(master)
+  grads = None  # offload: the step's outputs until they are downloaded
+  if not plan.cpu_adam:
+    grads = on_layouts(
+        lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
+        specs.grads)
+  scalar = lambda x: jax.jit(lambda: jnp.asarray(x), out_shardings=sharding(P()))()
+  return EngineState(lowp, master, opt_state, grads,
+                     jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
+                     scalar(jnp.int32(0)), scalar(jnp.int32(0)))
+
+
+def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
+                draw_leaf: Callable, host: HostAdam | None = None, *,
+                pinned: bool = False) -> ZeroState:
+  """The first state. Its device buffers are allocated first, side by side
+  (`empty_device_state`), then filled one leaf at a time, largest first,
+  from the leaf's float32 values drawn on this process's first device
+  (every process draws the same values and keeps its devices' parts): so at
+  most one leaf's float32 weights exist beside the state, and the draws'
+  memory, freed, leaves one free block for the step (the allocator could
+  not fit gpt2-10b's step into the holes of state allocated between draws).
+  Every buffer is new: the state is donated each step and must never alias
+  the caller's arrays.
+
+  Args:
+    draw_leaf: draw_leaf(i, fn) is fn(leaf i as float32, in its full
+      shape), computed on this process's first device.
+    host: the host parts' state to fill (its masters), with offload.
+    pinned: the host masters are filled through pinned host memory.
+  """
+  state = empty_device_state(plan, mesh, tx)
+  specs = step_lib.state_specs(plan, tx)
+  lowp, treedef = jax.tree.flatten(state.params)
+  master = jax.tree.leaves(state.master) if state.master is not None else None
+  host_masters = jax.tree.leaves(host.master) if host is not None else None
+  master_specs = jax.tree.leaves(specs.master)
+  positions = local_positions(mesh)
+  for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
+    layout = plan.leaves[i]
+    c, k = layout.on_device, layout.shard_size
+    flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
+    new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
+    lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
+    del new
+    # One device reads each part straight out of the draw; several need
+    # the parts as arrays of their own (copies) to spread them over the mesh.
+    part = lambda side: (lambda x: layout.split(x)[side])
+    if master is not None and c:
+      if mesh.devices.size == 1:
+        master[i] = _write_into(master[i], flat, part(0))
+      else:
+        master[i] = _write_into(master[i], _to_global(
+            jax.jit(part(0))(flat), NamedSharding(mesh, master_specs[i])))
+    if host is not None and c < k:
+      mine = slice(positions.start, positions.stop)
+      copy_to_host(flat, host_masters[i], lambda x: layout.split(x)[1][mine], pinned=pinned)
+    del flat
+  state = state._replace(params=jax.tree.unflatten(treedef, lowp))
+  if master is not None:
+    state = state._replace(master=jax.tree.unflatten(treedef, master))
+  return ZeroState(plan, mesh, tx, state, host)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _write_into(buffer: jax.Array, values: jax.Array, of=lambda x: x) -> jax.Array:
+  """of(values) written into `buffer` (donated: the result is buffer's
+  memory; `of`, a slice say, is computed in the same program, not apart)."""
+  return jax.lax.dynamic_update_slice(buffer, of(values).astype(buffer.dtype),
+                                      (0,) * buffer.ndim)
+
+
+def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """x, a value every process holds whole (here on its first device), as
+  an array placed by `sharding`, which may span other processes' devices:
+  each process then puts only its own devices' pieces."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

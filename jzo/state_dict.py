@@ -1,0 +1,465 @@
+"""A `ZeroEngine`'s state as a dict of host arrays, and back: what
+`engine.state_dict()` returns, `engine.load_state_dict()` takes and
+jzo.checkpoint writes and reads with orbax.
+
+The formats (`format_of` names the one an engine writes; `load_engine_state`
+reads each into the engines it suits). Every one holds the loss scale
+(`loss_scale`, `good_steps`) and the counters (`step`, `skipped`,
+`steps_run`).
+
+- ADAM: jzo.cpu_adam/cpu_adamw (offload on or off, any placement) and
+  optax.adam/adamw (a chain of one Adam state and step counts), in one
+  process. The float32 masters and both moments in the params' full shapes,
+  and the step count, whatever lives where. They load into any Adam engine
+  of the same model: any ZeRO stage, device count or placement, offload on
+  or off (the re-sharding is a reshape on the host). The moments carry over
+  as they are; learning rate and weight decay are the loading engine's. No
+  optimizer name is saved: optax's others that keep a ScaleByAdamState
+  (adamax, yogi, radam, lamb) save this format too, and would load into Adam.
+- ADAM_FLAT: the same optimizers over several processes. The masters and
+  moments are global arrays, flat and padded (`flat_shape`) over the data
+  axis, each process giving its own devices' shards (the host parts
+  included); they load into an Adam engine over any number of devices and
+  processes with the same rows (stage 3's per-layer leaves keep a row per
+  layer): the values sit at the start of each row, and the padding is cut
+  or padded to the loading engine's.
+- OPTIMIZER: any other optimizer. The flat padded masters and its optax
+  state as the devices keep them, which load into the same optimizer, stage
+  and device count. An Adam engine without offload also loads this format
+  (its checkpoints before the full-shape one).
+
+`outline` and `misfit` compare a saved tree with what an engine loads,
+naming the first entries that differ, before any array is read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax.experimental import multihost_utils
+
+from jzo import step as step_lib
+from jzo.cpu_adam import CpuAdamState
+from jzo.distributed import local_positions
+from jzo.partition import LeafLayout, is_layout
+from jzo.plan import Plan
+from jzo.precision import LossScaleState
+from jzo.state import ZeroState
+from jzo.step import EngineState
+from jzo.transfer import host_memory_kind
+
+# Differences between a saved state and an engine that a message lists at most.
+_MAX_DIFFERENCES = 4
+
+# The formats (see the module docstring).
+ADAM = "adam"  # masters and moments in the params' full shapes, and the count
+ADAM_FLAT = "adam, flat"  # the same as global arrays, flat and padded (several processes)
+OPTIMIZER = "optimizer"  # another optimizer's flat masters and state as the devices keep it
+
+
+def misfit(saved, mine) -> str:
+  """Where two outlines (see `outline`) differ, the first first; "" if they agree."""
+  found: list[str] = []
+  _compare(saved, mine, "", found)
+  return "; ".join(found[:_MAX_DIFFERENCES]) + ("; ..." if len(found) > _MAX_DIFFERENCES else "")
+
+
+def outline(tree):
+  """A tree as orbax stores it: dicts, lists, None for empty nodes (optax's
+  EmptyState) and 'dtype[shape]' strings for arrays."""
+  if isinstance(tree, dict):
+    return {str(k): outline(v) for k, v in tree.items()}
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple: stored as a dict
+    return {k: outline(v) for k, v in tree._asdict().items()} or None
+  if isinstance(tree, (list, tuple)):
+    return [outline(v) for v in tree]
+  if tree is None or isinstance(tree, str):  # an outline's already
+    return tree
+  return f"{np.dtype(tree.dtype)}{list(tree.shape)}"  # np arrays and orbax's ArrayMetadata
+
+
+def _compare(saved, mine, path: str, found: list[str]) -> None:
+  """Appends to `found` a line per difference between two outlines, in key order."""
+  here = path or "the state"
+  if isinstance(saved, dict) and isinstance(mine, dict):
+    for k in sorted(saved.keys() | mine.keys()):
+      entry = f"{path}[{k!r}]"
+      if k not in mine:
+        found.append(f"{entry} only in the checkpoint")
+      elif k not in saved:
+        found.append(f"{entry} only in this engine")
+      else:
+        _compare(saved[k], mine[k], entry, found)
+  elif isinstance(saved, list) and isinstance(mine, list):
+    if len(saved) != len(mine):
+      found.append(f"{here} has {len(saved)} entries in the checkpoint, {len(mine)} in this "
+                   "engine")
+    else:
+      for i, (s, m) in enumerate(zip(saved, mine)):
+        _compare(s, m, f"{path}[{i}]", found)
+  elif saved != mine:
+    found.append(f"{here} is {_brief(saved)} in the checkpoint, {_brief(mine)} "
+                 "in this engine")
+
+
+def _brief(outline) -> str:
+  """An outline in a few words: an array's 'dtype[shape]', else its kind."""
+  if isinstance(outline, str):
+    return outline
+  if not outline:
+    return "empty"
+  n = len(outline)
+  return f"a {'dict' if isinstance(outline, dict) else 'list'} of {n} entr{'y' if n == 1 else 'ies'}"
+
+
+# ------------------------------------------------- the state as host arrays
+def _parts(plan: Plan, device_tree, host_tree, dtype):
+  """Full-shape numpy leaves from each leaf's device part (global flat
+  arrays, or None when the devices hold no state) and host part
+  ((S, ..., k - c) numpy)."""
+  def one(layout, device, host):
+    if device is None:
+      device = np.zeros(layout.part_shape(0), dtype)
+    return np.asarray(layout.unflatten(layout.join(jax.device_get(device), host)))
+  if device_tree is None:
+    device_tree = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
+  return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
+
+
+def _full(plan: Plan, flat_tree):
+  """Full-shape numpy leaves from flat padded ones (global arrays, `flat_shape`)."""
+  return jax.tree.map(lambda l, x: np.asarray(l.unflatten(x)), plan.layouts,
+                      jax.device_get(flat_tree), is_leaf=is_layout)
+
+
+def _flat(plan: Plan, full_tree):
+  """Flat padded numpy leaves (`flat_shape`) from full-shape (or flat) ones."""
+  return jax.tree.map(lambda l, x: l.flatten(np.asarray(x)), plan.layouts, full_tree,
+                      is_leaf=is_layout)
+
+
+def _device_part(mesh: Mesh, layout: LeafLayout, pieces: list[np.ndarray], axis: str):
+  """The global device part (`part_shape(c)`) of a leaf from this
+  process's shards ((..., k) numpy each, in device order)."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+  arrays = [jax.device_put(np.ascontiguousarray(p[..., :layout.on_device]), d)
+            for p, d in zip(pieces, devices)]
+  return jax.make_array_from_single_device_arrays(
+      layout.part_shape(layout.on_device), NamedSharding(mesh, layout.spec(axis)), arrays)
+
+
+def _lowp(plan: Plan, mesh: Mesh, layout: LeafLayout, master, spec: P) -> jax.Array:
+  """The compute-dtype params of a leaf from its saved float32 master: numpy
+  (full or flat), or a global flat array of several processes, converted
+  on the devices a leaf at a time."""
+  to = NamedSharding(mesh, spec)
+  if not isinstance(master, jax.Array) or master.is_fully_addressable:
+    flat = layout.flatten(np.asarray(master))
+    return jax.device_put(step_lib.lowp_from_master(plan, layout, flat), to)
+  on_devices = jax.device_put(master, NamedSharding(mesh, layout.spec(plan.axis)))
+  return jax.jit(lambda m: step_lib.lowp_from_master(plan, layout, m), out_shardings=to)(
+      on_devices)
+
+
+def _several_processes() -> bool:
+  return jax.process_count() > 1
+
+
+def _scalar(x) -> np.ndarray:
+  """A replicated scalar (a global jax array, or numpy) as numpy, read locally."""
+  return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
+def _shard_sharding(plan: Plan, mesh: Mesh, layout: LeafLayout) -> NamedSharding:
+  """Where a flat padded leaf's shards wait for orbax: in host memory when
+  the devices have some (a GPU has no room for the offloaded state)."""
+  kind = host_memory_kind(mesh.devices.flat[0])
+  return NamedSharding(mesh, layout.spec(plan.axis), memory_kind=kind)
+
+
+def _joined_shards(plan: Plan, mesh: Mesh, device_tree, host_tree):
+  """Per leaf, the global flat padded array (`flat_shape`) whose shards are
+  this process's devices' parts (global arrays `part_shape(c)`, or None)
+  joined to its host parts ((n local, ..., k - c) numpy): each process
+  provides only its own shards."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+
+  def one(layout, device_part, host):
+    sharding = _shard_sharding(plan, mesh, layout)
+    on_device = {s.device: s.data for s in device_part.addressable_shards} \
+        if device_part is not None else {}
+    pieces = []
+    for j, device in enumerate(devices):
+      piece = host[j]
+      if device in on_device:
+        piece = np.concatenate([np.asarray(on_device[device]), piece], axis=-1)
+      pieces.append(jax.device_put(piece, jax.sharding.SingleDeviceSharding(
+          device, memory_kind=sharding.memory_kind)))
+    return jax.make_array_from_single_device_arrays(layout.flat_shape, sharding, pieces)
+  if device_tree is None:
+    device_tree = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
+  return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
+
+
+def _local_shards(plan: Plan, mesh: Mesh, tree):
+  """Per leaf, this process's shards ((..., k) numpy, in device order) of
+  saved leaves: global flat arrays (their addressable shards), or numpy in
+  full or flat shapes."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+
+  def one(layout, x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      by_device = {s.device: s.data for s in x.addressable_shards}
+      return [np.asarray(by_device[d]) for d in devices]
+    flat = layout.flatten(np.asarray(x))  # a flat leaf stays as it is
+    rows = flat.reshape(layout.flat_shape[:-1] + (layout.shards, layout.shard_size))
+    return [rows[..., d, :] for d in local_positions(mesh)]
+  return jax.tree.map(one, plan.layouts, tree, is_leaf=is_layout)
+
+
+def full_masters(trained: ZeroState):
+  """The float32 master weights in full shapes (numpy). With several
+  processes every process calls it: the shards are gathered from all."""
+  plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
+  if _several_processes():
+    flat = (_joined_shards(plan, mesh, state.master, host.master) if plan.cpu_adam
+            else state.master)
+    return _full(plan, multihost_utils.process_allgather(flat, tiled=True))
+  if not plan.cpu_adam:
+    return _full(plan, state.master)
+  return _parts(plan, state.master, host.master, np.float32)
+
+
+def _is_adam(node) -> bool:
+  return isinstance(node, (optax.ScaleByAdamState, CpuAdamState))
+
+
+def _is_count(path, x) -> bool:
+  """A step count: an integer scalar in a field named count (a schedule's)."""
+  return (bool(path) and getattr(path[-1], "name", None) == "count" and x.ndim == 0
+          and np.issubdtype(x.dtype, np.integer))
+
+
+def _device_adam(plan: Plan, state: EngineState):
+  """The Adam state (count, mu and nu over flat shards) of an engine without
+  offload whose optimizer keeps one Adam state beside step counts at most
+  (jzo.cpu_adam(w), optax.adam/adamw, with a schedule); else None: other
+  state (another optimizer's, injected hyperparameters) has no place in the
+  full-shape format."""
+  if plan.cpu_adam:
+    return None
+  leaves = jax.tree_util.tree_leaves_with_path(state.opt_state, is_leaf=_is_adam)
+  adams = [x for _, x in leaves if _is_adam(x)]
+  if len(adams) == 1 and all(_is_adam(x) or _is_count(path, x) for path, x in leaves):
+    return adams[0]
+  return None
+
+
+def _with_adam(opt_state, count: int, mu, nu):
+  """`opt_state` (see `_device_adam`) as numpy, its Adam state's moments
+  replaced and every count set to `count` (a chain's counts advance together:
+  a skipped step keeps the whole state)."""
+  def one(path, x):
+    if _is_adam(x):
+      return x._replace(count=np.asarray(count, x.count.dtype), mu=mu, nu=nu)
+    return np.asarray(count, x.dtype)
+  return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=_is_adam)
+
+
+def format_of(trained: ZeroState) -> str:
+  """The format `engine_state_dict` writes for this engine: ADAM, ADAM_FLAT
+  or OPTIMIZER (see the module docstring)."""
+  if not trained.plan.cpu_adam and _device_adam(trained.plan, trained.device) is None:
+    return OPTIMIZER
+  return ADAM_FLAT if _several_processes() else ADAM
+
+
+def engine_state_dict(trained: ZeroState) -> dict:
+  """Host numpy arrays of everything needed to continue exactly, in the
+  engine's format (`format_of`): masters, optimizer state, loss scale and
+  counters; in ADAM_FLAT and with several processes, global arrays of each
+  process's shards.
+
+  The counters all come from the engine's one: `step` (Adam's `count` is
+  the same number) and `skipped` (`steps_run` is their sum)."""
+  state = trained.device
+  common = {"loss_scale": state.loss_scale.scale, "good_steps": state.loss_scale.good_steps,
+            "step": state.step, "skipped": state.skipped}
+  common = {k: _scalar(v) for k, v in common.items()}
+  common["steps_run"] = np.asarray(int(common["step"]) + int(common["skipped"]), np.int64)
+  form = format_of(trained)
+  if form == OPTIMIZER:
+    saved = {**common, "master": state.master, "opt_state": state.opt_state}
+    return saved if _several_processes() else jax.device_get(saved)
+  adam = _adam_flat(trained) if form == ADAM_FLAT else _adam_full(trained)
+  return {**common, **adam, "count": np.asarray(common["step"], np.int64)}
+
+
+def _adam_full(trained: ZeroState) -> dict:
+  """ADAM's masters and moments: numpy arrays in the params' full shapes."""
+  plan, state, host = trained.plan, trained.device, trained.host
+  if plan.cpu_adam:
+    opt = state.opt_state
+    return {"master": _parts(plan, state.master, host.master, np.float32),
+            "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
+            "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype)}
+  adam = _device_adam(plan, state)
+  return {"master": _full(plan, state.master), "mu": _full(plan, adam.mu),
+          "nu": _full(plan, adam.nu)}
+
+
+def _adam_flat(trained: ZeroState) -> dict:
+  """ADAM_FLAT's masters and moments: global arrays, flat and padded, whose
+  shards each process gives from its own."""
+  plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
+  if plan.cpu_adam:
+    opt = state.opt_state
+    adam = {name: _joined_shards(plan, mesh, getattr(opt, name) if opt else None,
+                                 getattr(host, name)) for name in ("mu", "nu")}
+    adam["master"] = _joined_shards(plan, mesh, state.master, host.master)
+    return adam
+  adam = _device_adam(plan, state)
+  return {"master": state.master, "mu": adam.mu, "nu": adam.nu}
+
+
+def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
+  """(target, accepted): the shapes and dtypes (jax.ShapeDtypeStructs) of
+  the saved tree this engine loads, fetching nothing, and the outline (see
+  `outline`) of a checkpoint that loads into it.
+
+  The target is the format the engine saves, or for an Adam engine without
+  offload the flat one of its older checkpoints if `saved` (a state dict or
+  its outline) has "opt_state". Masters and moments come in full shapes, or
+  flat as several processes wrote them where `saved` has them so; with
+  several processes, global arrays are read shard by shard. A flat leaf
+  padded for another device count is read into this engine's flat shape
+  (orbax pads or cuts its padding): in `accepted` it keeps the saved shape.
+  """
+  plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
+  scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
+             "skipped": np.int32, "steps_run": np.int64}
+  tree = {k: jax.ShapeDtypeStruct((), v) for k, v in scalars.items()}
+  device_adam = _device_adam(plan, state)
+  several = _several_processes()
+  saved_outline = outline(saved)
+  if not plan.cpu_adam and (device_adam is None or "opt_state" in saved):
+    flat = {"master": state.master, "opt_state": state.opt_state}
+    target = {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if several else None), flat)}
+    return target, outline(target)
+
+  def entry(name, like):
+    """(target, accepted outline) of one of master, mu and nu."""
+    saved_leaves = jax.tree.leaves(saved_outline.get(name),
+                                   is_leaf=lambda x: isinstance(x, str))
+    # Flat leaves are Adam's only when saved in its format (with its count);
+    # another optimizer's flat masters are refused, naming the shapes.
+    if "count" not in saved_outline or len(saved_leaves) != len(plan.leaves):
+      saved_leaves = [None] * len(plan.leaves)
+
+    def one(layout, x, saved_leaf):
+      # Sharded as the engine's leaf, also in one process: orbax would take
+      # the sharding it was saved with, over devices that may not be here.
+      flat = jax.ShapeDtypeStruct(layout.flat_shape, x.dtype,
+                                  sharding=_shard_sharding(plan, mesh, layout))
+      written_flat = saved_leaf == outline(flat)
+      if written_flat and (several or layout.flat_shape != layout.shape):
+        return flat, saved_leaf
+      if _padded_otherwise(saved_leaf, layout, x.dtype):
+        return flat, saved_leaf
+      full = jax.ShapeDtypeStruct(layout.shape, x.dtype)
+      return full, outline(full)
+    pairs = [one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)]
+    structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+    return (jax.tree.unflatten(structure, [t for t, _ in pairs]),
+            jax.tree.unflatten(structure, [a for _, a in pairs]))
+  # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
+  masters, adam = (host.master, host) if plan.cpu_adam else (state.master, device_adam)
+  entries = {"master": entry("master", masters), "mu": entry("mu", adam.mu),
+             "nu": entry("nu", adam.nu)}
+  target = {**tree, **{k: t for k, (t, _) in entries.items()},
+            "count": jax.ShapeDtypeStruct((), np.int64)}
+  accepted = {**outline(target), **{k: a for k, (_, a) in entries.items()}}
+  return target, accepted
+
+
+def _padded_otherwise(saved_leaf: str | None, layout: LeafLayout, dtype) -> bool:
+  """Whether a saved leaf (its outline) is this leaf flat and padded for
+  another device count: rows as this layout's (one per layer, or one), each
+  at least the leaf's (or layer's) size. The values are at the start of
+  each row, so reading it cut or padded to this engine's rows gives them."""
+  if saved_leaf is None:
+    return False
+  found = re.fullmatch(r"(\w+)\[([\d, ]*)\]", saved_leaf)
+  if not found or found[1] != np.dtype(dtype).name:
+    return False
+  shape = tuple(int(n) for n in found[2].split(",") if n.strip())
+  lead = layout.flat_shape[:-1]
+  return (len(shape) == len(layout.flat_shape) and shape[:-1] == lead
+          and shape[-1] >= math.prod(layout.inner_shape))
+
+
+def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
+  """The device state from `engine_state_dict` output (of one process or
+  several); the host arrays are written in place. The saved `step` sets
+  the engine's counter (Adam's counts are the same number).
+
+  Raises:
+    ValueError: the saved tree does not fit this engine, naming the first
+      entries that differ.
+  """
+  plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
+  differences = misfit(outline(saved), outline(expected(trained, saved)[0]))
+  if differences:
+    raise ValueError(f"checkpoint does not fit this engine: {differences}")
+  specs = step_lib.state_specs(plan, trained.tx)
+  # Numpy is every process's whole value; a global array (several processes'
+  # checkpoint) moves shard by shard into the devices' memory.
+  put = lambda x, spec: jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x),
+                                       NamedSharding(mesh, spec))
+  if plan.cpu_adam:
+    masters = saved["master"]
+    master = opt_state = None
+    device_parts = {}
+    for name in ("master", "mu", "nu"):
+      shards = _local_shards(plan, mesh, saved[name])
+      if plan.has_device_state:
+        device_parts[name] = jax.tree.map(
+            lambda l, pieces: _device_part(mesh, l, pieces, plan.axis), plan.layouts, shards,
+            is_leaf=is_layout)
+      if host is not None:  # this process's host parts
+        jax.tree.map(lambda l, dst, pieces: [np.copyto(d, p[..., l.on_device:])
+                                             for d, p in zip(dst, pieces)],
+                     plan.layouts, getattr(host, name), shards, is_leaf=is_layout)
+    count = int(saved["count"])
+    if plan.has_device_state:
+      master = device_parts["master"]
+      opt_state = state.opt_state._replace(count=put(np.int32(count), P()),
+                                           mu=device_parts["mu"], nu=device_parts["nu"])
+  else:
+    if "opt_state" in saved:
+      masters, opt_state = saved["master"], saved["opt_state"]
+    elif _several_processes():  # flat global arrays, sharded as the engine's
+      masters = saved["master"]
+      opt_state = _with_adam(state.opt_state, int(saved["count"]), saved["mu"], saved["nu"])
+    else:  # Adam in full shapes: into this engine's flat shards
+      masters = _flat(plan, saved["master"])
+      opt_state = _with_adam(state.opt_state, int(saved["count"]), _flat(plan, saved["mu"]),
+                             _flat(plan, saved["nu"]))
+    master = jax.tree.map(put, masters, specs.master)
+    opt_state = jax.tree.map(put, opt_state, specs.opt_state)
+  lowp = jax.tree.map(lambda l, m, spec: _lowp(plan, mesh, l, m, spec), plan.layouts,
+                      masters, specs.params, is_leaf=is_layout)
+  scalar = lambda x: put(x, P())
+  new = state._replace(
+      params=lowp, master=master, opt_state=opt_state,
+      loss_scale=LossScaleState(scalar(np.float32(saved["loss_scale"])),
+                                scalar(np.int32(saved["good_steps"]))),
+      step=scalar(np.int32(saved["step"])), skipped=scalar(np.int32(saved["skipped"])))
+  return new
