@@ -53,9 +53,15 @@ class PeerWatch:
     threading.Thread(target=self._listen, name="jzo-peer-watch", daemon=True).start()
 
   @classmethod
-  def start(cls) -> PeerWatch | None:
+  def start(cls, connect_s: float = _CONNECT_S) -> PeerWatch | None:
     """Connects this process to the others (None with one process). Call it
-    in every process, after jax.distributed.initialize."""
+    in every process, after jax.distributed.initialize.
+
+    Raises:
+      ConnectionError: within connect_s seconds, some process did not
+        connect to process 0 (naming them), or process 0 could not be
+        reached (naming its address).
+    """
     if jax.process_count() == 1:
       return None
     client = _distributed_client()
@@ -64,17 +70,31 @@ class PeerWatch:
       listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True) \
           if socket.has_dualstack_ipv6() else socket.create_server(("", 0))
       client.key_value_set(_PORT_KEY, str(listener.getsockname()[1]))
-      listener.settimeout(_CONNECT_S)
       sockets = {}
-      while len(sockets) < count - 1:
-        conn, _ = listener.accept()
-        conn.settimeout(_CONNECT_S)
-        sockets[int(_read_line(conn).split()[1])] = conn
-      listener.close()
+      deadline = time.monotonic() + connect_s
+      try:
+        while len(sockets) < count - 1:
+          listener.settimeout(max(deadline - time.monotonic(), 0.001))
+          conn, _ = listener.accept()
+          conn.settimeout(connect_s)
+          sockets[int(_read_line(conn).split()[1])] = conn
+      except (TimeoutError, OSError) as e:
+        missing = sorted(set(range(1, count)) - set(sockets))
+        raise ConnectionError(
+            f"peer watch: process{'es' if len(missing) > 1 else ''} "
+            f"{', '.join(map(str, missing))} did not connect to process 0 within "
+            f"{connect_s:g} s ({type(e).__name__}: {e})") from e
+      finally:
+        listener.close()
     else:
-      port = int(client.blocking_key_value_get(_PORT_KEY, _CONNECT_S * 1000))
-      hub = socket.create_connection((_coordinator_host(), port), timeout=_CONNECT_S)
-      hub.sendall(f"hello {me}\n".encode())
+      port = int(client.blocking_key_value_get(_PORT_KEY, int(connect_s * 1000)))
+      host = _coordinator_host()
+      try:
+        hub = socket.create_connection((host, port), timeout=connect_s)
+        hub.sendall(f"hello {me}\n".encode())
+      except OSError as e:
+        raise ConnectionError(f"peer watch: process {me} could not connect to process 0 at "
+                              f"{host}:{port} ({type(e).__name__}: {e})") from e
       sockets = {0: hub}
     for conn in sockets.values():
       conn.settimeout(None)

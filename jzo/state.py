@@ -61,7 +61,9 @@ class ZeroState:
   def steps_run(self) -> int:
     """Steps run: updates applied and steps skipped (reads the devices'
     counters, so it waits for the step that writes them)."""
-    step, skipped = jax.device_get((self.device.step, self.device.skipped))
+    # This process's copy of each (replicated) counter: nothing crosses processes.
+    step, skipped = jax.device_get([x.addressable_data(0)
+                                    for x in (self.device.step, self.device.skipped)])
     return int(step) + int(skipped)
 
   def install(self, i: int, uploaded: jax.Array, span: tuple[int, int] | None = None

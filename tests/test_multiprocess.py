@@ -178,3 +178,30 @@ def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
   assert all(np.isfinite(line["loss"]) for line in lines)
   assert (run / "checkpoints" / "4").is_dir()
   assert "step 4: loss" in outputs[0] and "step 4: loss" not in outputs[1]
+
+
+# Process 0 of a pair starts the peer watch, whose other process never connects.
+_LONE_WATCH = """
+import os, time
+from jzo import distributed
+from jzo.peer_watch import PeerWatch
+distributed.initialize_from_environment()
+if distributed.is_primary():
+  try:
+    PeerWatch.start(connect_s=2)
+  except ConnectionError as e:
+    print("refused:", e, flush=True)
+  time.sleep(4)  # the other goes first: its JAX client aborts once this one's service is gone
+else:
+  time.sleep(3)
+os._exit(0)  # past JAX's shutdown barrier, which would wait for the other
+"""
+
+
+def test_a_process_that_never_joins_the_peer_watch_is_named(tmp_path):
+  env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
+  command = [sys.executable, "-c", _LONE_WATCH]
+  first, _ = run_processes([command, command],
+                           [{**env, "JAX_PROCESS_ID": str(i)} for i in range(2)], tmp_path, "watch",
+                           devices=1)
+  assert "refused: peer watch: process 1 did not connect to process 0 within 2 s" in first, first
