@@ -374,12 +374,17 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--systems", choices=("all", "optax"), default="all",
                       help="all, or optax: the kernel and the XLA rows only (the optax drop-in, "
                            "adamw_step and optax.adamw)")
+  parser.add_argument("--simd", choices=("avx512", "avx2", "scalar"),
+                      help="cap jzo's instruction set (default: the best this CPU has), e.g. to "
+                           "see an AVX2 host's kernel on an AVX-512 one")
   parser.add_argument("--json", metavar="PATH", help="also write the results here")
   return parser.parse_args()
 
 
 def main() -> None:
   args = parse_args()
+  if args.simd:
+    kernels.set_simd_level(args.simd)
   use_threads(args.threads)
   info = machine_info(args.threads)
   print_machine(info)
