@@ -23,6 +23,7 @@ def test_known_sizes():
   assert round(gpt.PRESETS["gpt2-1.5b"].n_params / 1e9, 2) == 1.56
   assert round(gpt.PRESETS["gpt2-4b"].n_params / 1e9, 2) == 4.24
   assert round(gpt.PRESETS["gpt2-10b"].n_params / 1e9, 1) == 10.3
+  assert round(gpt.PRESETS["gpt2-20b"].n_params / 1e9, 2) == 20.25
 
 
 def test_forward_is_causal_and_sampling_stays_in_vocab():

@@ -98,6 +98,7 @@ PRESETS = {
     "gpt2-4b": GPTConfig(n_layer=36, n_head=24, d_model=3072),
     "gpt2-10b": GPTConfig(n_layer=50, n_head=32, d_model=4096),
     "gpt2-13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
+    "gpt2-20b": GPTConfig(n_layer=44, n_head=48, d_model=6144),  # GPT-NeoX-20B's width and depth
 }
 
 
