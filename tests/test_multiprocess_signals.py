@@ -29,6 +29,7 @@ import pytest
 
 from jzo import checkpoint
 from test_multiprocess import free_port
+from test_resilience import env  # noqa: F401  (the recipe's environment, a fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WAIT = 120  # seconds any wait may take before the test fails
@@ -110,15 +111,6 @@ def pairs():
   yield start
   for pair in started:
     pair.kill()
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  cache = tmp_path_factory.mktemp("jax-cache")
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
-          "JAX_COMPILATION_CACHE_DIR": str(cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")
