@@ -78,7 +78,7 @@ import numpy as np
 import optax
 
 import jzo
-from jzo import kernels
+from jzo import kernels, quant8
 
 try:
   import torch
@@ -89,13 +89,18 @@ BYTES_PER_PARAM = 28
 WARMUP = 3
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 JZO_FP32 = "jzo fp32"  # the reference row
+# The offload engine's pass: bf16 gradients in, bf16 weights out, by moment dtype.
+JZO_ENGINE = {m: f"jzo bf16 grad + bf16 out, {m} moments" for m in ("fp32", "bf16", "int8")}
+TORCH_FUSED = "torch AdamW fused"
 DROP_IN, DROP_IN_DONATED = "jzo cpu_adamw", "jzo cpu_adamw donated"
 OPTAX, OPTAX_DONATED = "optax.adamw", "optax.adamw donated"
 ADAMW_STEP_DONATED = "jzo adamw_step donated"
 # (system, against, target) of issue 12; None: reported, no target.
 RATIOS = [(DROP_IN_DONATED, OPTAX_DONATED, 1.0), (DROP_IN_DONATED, JZO_FP32, 0.65),
           (DROP_IN, OPTAX, 0.9), (ADAMW_STEP_DONATED, JZO_FP32, None),
-          (ADAMW_STEP_DONATED, OPTAX_DONATED, None), (DROP_IN + " eager", OPTAX + " eager", None)]
+          (ADAMW_STEP_DONATED, OPTAX_DONATED, None), (DROP_IN + " eager", OPTAX + " eager", None),
+          (JZO_FP32, TORCH_FUSED, 1.0),  # issue 26
+          (JZO_ENGINE["int8"], JZO_ENGINE["fp32"], 1.2), (JZO_ENGINE["bf16"], JZO_ENGINE["fp32"], None)]
 
 
 @dataclasses.dataclass
@@ -144,15 +149,26 @@ def random_state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   return uniform(-1, 1), uniform(-1e-2, 1e-2), uniform(-1e-3, 1e-3), uniform(1e-8, 1e-6)
 
 
-def jzo_system(n: int, *, bf16_grads: bool) -> System:
+def jzo_system(n: int, *, engine_moments: str | None = None) -> System:
+  """jzo's kernel on fp32 gradients (engine_moments None), or as the offload
+  engine runs it: bf16 gradients, the new weights written out in bf16, and
+  moments of the given dtype ("fp32", "bf16" or "int8", made from the
+  same random values)."""
   param, grad, mu, nu = random_state(n, seed=0)
   lowp_out = None
-  if bf16_grads:
+  bytes_moved = BYTES_PER_PARAM * n
+  if engine_moments is not None:
     grad_bf16 = kernels.aligned_empty(n, ml_dtypes.bfloat16)
     grad_bf16[...] = grad
     grad = grad_bf16
     lowp_out = kernels.aligned_empty(n, ml_dtypes.bfloat16)
     lowp_out.fill(1)  # touch every page before timing
+    if engine_moments == "bf16":
+      mu, nu = mu.astype(ml_dtypes.bfloat16), nu.astype(ml_dtypes.bfloat16)
+      bytes_moved -= 8 * n
+    elif engine_moments == "int8":
+      mu, nu = quant8.quantize(mu, signed=True), quant8.quantize(nu, signed=False)
+      bytes_moved = 16 * n + 2 * 2 * mu.scales.nbytes  # the codes 1 + 1 read and written
   steps = itertools.count(1)
 
   def step():
@@ -160,8 +176,7 @@ def jzo_system(n: int, *, bf16_grads: bool) -> System:
                        b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
                        lowp_out=lowp_out)
 
-  name = "jzo bf16 grad + bf16 out" if bf16_grads else JZO_FP32
-  return System(name, step, BYTES_PER_PARAM * n)
+  return System(JZO_ENGINE[engine_moments] if engine_moments else JZO_FP32, step, bytes_moved)
 
 
 def torch_system(n: int, *, impl: str) -> System:
@@ -171,7 +186,7 @@ def torch_system(n: int, *, impl: str) -> System:
   param.grad = torch.from_numpy(grad_np)
   opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                           **{impl: True})
-  return System(f"torch AdamW {impl}", opt.step, BYTES_PER_PARAM * n)
+  return System(TORCH_FUSED if impl == "fused" else f"torch AdamW {impl}", opt.step, BYTES_PER_PARAM * n)
 
 
 def optax_contract_step(tx, params, state, grads):
@@ -341,12 +356,14 @@ def print_table(results: list[Result], copy: Result) -> list[dict]:
 
 
 def print_ratios(results: list[Result]) -> list[dict]:
-  """Prints the ratios of issue 12 (Gparam/s over Gparam/s) per size; returns them."""
+  """Prints the ratios of issues 12 and 26 (Gparam/s over Gparam/s) per size; returns them."""
   rate = {(r.system, r.n): r.gparams for r in results}
   print(f"\n{'ratio':<52} {'N':>5} {'value':>6} {'target':>7}")
   rows = []
   for n in sorted({r.n for r in results}):
     for system, against, target in RATIOS:
+      if (system, n) not in rate or (against, n) not in rate:
+        continue  # a system left out (--systems, torch missing)
       value = rate[system, n] / rate[against, n]
       rows.append({"system": system, "against": against, "n": n, "ratio": value,
                    "target": target, "met": None if target is None else value >= target})
@@ -371,7 +388,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
   parser.add_argument("--copy-gib", type=float, default=2.0,
                       help="size of the buffer copied for the bandwidth ceiling")
-  parser.add_argument("--systems", choices=("all", "optax"), default="all",
+  parser.add_argument("--systems", choices=("all", "optax", "kernel"), default="all",
                       help="all, or optax: the kernel and the XLA rows only (the optax drop-in, "
                            "adamw_step and optax.adamw)")
   parser.add_argument("--simd", choices=("avx512", "avx2", "scalar"),
@@ -399,12 +416,16 @@ def main() -> None:
   for log2_n in args.sizes:
     n = 2**log2_n
     print(f"\nN = 2^{log2_n} ({n * 4 / 2**30:.3g} GiB per fp32 array)", flush=True)
-    systems = [jzo_system(n, bf16_grads=False)]
-    if args.systems == "all":
-      systems.append(jzo_system(n, bf16_grads=True))
+    systems = [jzo_system(n)]
+    if args.systems in ("all", "kernel"):
+      systems += [jzo_system(n, engine_moments=m) for m in JZO_ENGINE]
       if torch is not None:
-        systems += [torch_system(n, impl="fused"), torch_system(n, impl="foreach")]
-    systems += xla_systems(n)
+        systems += [torch_system(n, impl="fused")]
+    if args.systems == "all":
+      if torch is not None:
+        systems += [torch_system(n, impl="foreach")]
+    if args.systems != "kernel":
+      systems += xla_systems(n)
     if deepspeed_adam is not None:
       systems.append(deepspeed_system(n, deepspeed_adam))
     results += measure(systems, n, args.rounds, args.steps)

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 struct V {
@@ -52,6 +53,34 @@ struct V {
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  // The larger magnitude lane by lane, compared as bit patterns: NaN > inf > finite.
+  static F max_magnitude(F acc, F x) {
+    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+    return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), mag));
+  }
+  // 8-bit moments (quant8.h), as the scalar version.
+  static F dequant8(const uint8_t* p, const float* code) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_i32gather_ps(code, idx, 4);
+  }
+  static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i top = _mm256_min_epu32(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(0x3F80));
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), top, 4);
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(mag, low16), _mm256_and_si256(e, low16));
+    __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up is -1 where true
+    if (is_signed)
+      k = _mm256_or_si256(k, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
+    // Codes fit a byte, so the saturating packs are exact; each 128-bit
+    // lane then holds its four codes in its lowest 32 bits.
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(k, k), k);
+    const uint64_t lo = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 0));
+    const uint64_t hi = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
+    const uint64_t out = lo | hi << 32;
+    std::memcpy(p, &out, 8);
+  }
 };
 }  // namespace
 

@@ -50,6 +50,30 @@ struct V {
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // The larger magnitude lane by lane, compared as bit patterns: NaN > inf > finite.
+  static F max_magnitude(F acc, F x) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), mag));
+  }
+  // 8-bit moments (quant8.h), as the scalar version.
+  static F dequant8(const uint8_t* p, const float* code) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_i32gather_ps(idx, code, 4);
+  }
+  static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __m512i top = _mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80));
+    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(index), 4);
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low16),
+                                                 _mm512_and_si512(e, low16));
+    __m512i k = _mm512_srli_epi32(e, 16);
+    k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
+    if (is_signed)
+      k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
+  }
 };
 }  // namespace
 

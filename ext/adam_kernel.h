@@ -22,7 +22,9 @@
 namespace jzo {
 
 // Storage types of the arrays, by the codes Python passes (jzo.native.DTYPE_CODES).
-#define JZO_DTYPES(X) X(kF32, 0, "float32") X(kBF16, 1, "bfloat16") X(kF16, 2, "float16")
+// kQ8: 8-bit codes with a float32 scale per block (quant8.h), moments only.
+#define JZO_DTYPES(X) \
+  X(kF32, 0, "float32") X(kBF16, 1, "bfloat16") X(kF16, 2, "float16") X(kQ8, 3, "int8")
 
 enum class DType : int {
 #define JZO_DTYPE_ENUM(name, code, text) name = code,
@@ -68,9 +70,13 @@ struct AdamBuffers {
   const void* grad = nullptr;        // read
   DType grad_dtype = DType::kF32;    // f32, bf16 or f16
   void* mu = nullptr;                // read and written
-  DType mu_dtype = DType::kF32;      // f32 or bf16
+  DType mu_dtype = DType::kF32;      // f32, bf16 or q8 (then nu is q8 too)
   void* nu = nullptr;                // read and written
-  DType nu_dtype = DType::kF32;      // f32 or bf16
+  DType nu_dtype = DType::kF32;      // f32, bf16 or q8 (then mu is q8 too)
+  float* mu_scale = nullptr;         // q8: quant_blocks(n) scales of mu, read and written
+  float* nu_scale = nullptr;         // q8: the same for nu
+  int64_t row = 0;                   // q8: elements per row (the last axis); blocks restart
+                                     // at each row, quant_blocks(row) scales a row
   float* param = nullptr;            // f32; read for weight decay, written if update_param
   bool update_param = false;         // param += update in place
   float* update_out = nullptr;       // f32 update, when not applied in place
@@ -80,7 +86,8 @@ struct AdamBuffers {
 };
 
 // Runs elements [begin, end) with the SIMD level chosen at run time.
-// Results do not depend on how [0, n) is split into ranges.
+// Results do not depend on how [0, n) is split into ranges; with q8 moments
+// the ranges must hold whole blocks (begin at a block's start).
 void adam_range(const AdamBuffers& b, const AdamScalars& s, int64_t begin,
                 int64_t end);
 

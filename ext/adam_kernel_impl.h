@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "adam_kernel.h"
+#include "quant8.h"
 
 namespace {
 
@@ -87,15 +88,10 @@ struct Consts {
 // kNoLowp marks "no low-precision copy"; otherwise L is the copy's dtype.
 constexpr int kNoLowp = -1;
 
-template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
-inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
-  const F g = V::mul(load<G>(b.grad, i), c.grad_scale);
-  const F m = V::fmadd(c.b1, load<M>(b.mu, i), V::mul(c.omb1, g));
-  const F v = V::fmadd(c.b2, load<N>(b.nu, i), V::mul(c.omb2, V::mul(g, g)));
-  store<M>(b.mu, i, m);
-  store<N>(b.nu, i, v);
-  if (b.moments_only) return;
-
+// The update from the new moments (float32) and the gradient g (unscaled
+// already), stored as the buffers ask: update_out, or param (and lowp_out).
+template <int L>
+inline void apply(const jzo::AdamBuffers& b, const Consts& c, int64_t i, F g, F m, F v) {
   const F m_hat = c.nesterov ? V::fmadd(c.b1, V::mul(m, c.inv_bc1_next),
                                         V::mul(c.omb1, V::mul(g, c.inv_bc1)))
                              : V::mul(m, c.inv_bc1);
@@ -111,6 +107,21 @@ inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   const F p = V::add(V::load_f32(b.param + i), u);
   V::store_f32(b.param + i, p);
   if constexpr (L != kNoLowp) store_lowp<static_cast<jzo::DType>(L)>(b.lowp_out, i, p, c.stream_lowp);
+}
+
+template <jzo::DType G>
+inline F scaled_grad(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
+  return V::mul(load<G>(b.grad, i), c.grad_scale);
+}
+
+template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
+inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
+  const F g = scaled_grad<G>(b, c, i);
+  const F m = V::fmadd(c.b1, load<M>(b.mu, i), V::mul(c.omb1, g));
+  const F v = V::fmadd(c.b2, load<N>(b.nu, i), V::mul(c.omb2, V::mul(g, g)));
+  store<M>(b.mu, i, m);
+  store<N>(b.nu, i, v);
+  if (!b.moments_only) apply<L>(b, c, i, g, m, v);
 }
 
 inline size_t elem_size(jzo::DType d) { return d == jzo::DType::kF32 ? 4 : 2; }
@@ -175,7 +186,128 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
   if (i < end) tail<G, M, N, L>(b, c, i, end - i);
 }
 
-// Turns the run-time dtypes into one of the 36 compiled instantiations.
+
+// 8-bit moments (quant8.h), one block of kQuantBlock elements from `lo`:
+// the new moments go to float32 scratch while the block's absmax is found,
+// then each is quantized with the new scale and the update is formed from
+// the unrounded moments. A block holding a non-finite moment gets a NaN
+// scale (its codes are then meaningless), as a float32 moment would be NaN.
+constexpr int kB = jzo::kQuantBlock;
+static_assert(kB % kW == 0, "a block is whole vectors");
+
+struct Q8Maps {
+  const jzo::Quant8Map& mu = jzo::quant8_signed();
+  const jzo::Quant8Map& nu = jzo::quant8_unsigned();
+};
+
+// The scale of a block from its lanes' largest magnitudes (V::max_magnitude),
+// and the factor that maps the block into [-1, 1].
+inline void block_scale(F absmax, float* scale, float* inv) {
+  alignas(64) uint32_t lanes[kW];
+  V::store_f32(reinterpret_cast<float*>(lanes), absmax);
+  uint32_t top = 0;
+  for (int k = 0; k < kW; ++k) top = lanes[k] > top ? lanes[k] : top;
+  if (top >= 0x7f800000u) {  // inf or NaN
+    *scale = __builtin_nanf("");
+    *inv = 0.0f;
+    return;
+  }
+  std::memcpy(scale, &top, 4);
+  *inv = top ? 1.0f / *scale : 0.0f;
+}
+
+template <jzo::DType G, int L>
+inline void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
+                     int64_t block) {
+  alignas(64) float m_new[kB], v_new[kB];
+  auto* mu = static_cast<uint8_t*>(b.mu);
+  auto* nu = static_cast<uint8_t*>(b.nu);
+  const F mu_scale = V::set1(b.mu_scale[block]), nu_scale = V::set1(b.nu_scale[block]);
+  const F zero = V::set1(0.0f);
+  F m_max = zero, v_max = zero;
+  for (int j = 0; j < kB; j += kW) {
+    const F g = scaled_grad<G>(b, c, lo + j);
+    const F m0 = V::mul(V::dequant8(mu + lo + j, maps.mu.code), mu_scale);
+    const F v0 = V::mul(V::dequant8(nu + lo + j, maps.nu.code), nu_scale);
+    const F m = V::fmadd(c.b1, m0, V::mul(c.omb1, g));
+    const F v = V::fmadd(c.b2, v0, V::mul(c.omb2, V::mul(g, g)));
+    V::store_f32(m_new + j, m);
+    V::store_f32(v_new + j, v);
+    m_max = V::max_magnitude(m_max, m);
+    v_max = V::max_magnitude(v_max, v);
+  }
+  float m_inv, v_inv;
+  block_scale(m_max, &b.mu_scale[block], &m_inv);
+  block_scale(v_max, &b.nu_scale[block], &v_inv);
+  const F m_to_code = V::set1(m_inv), v_to_code = V::set1(v_inv);
+  for (int j = 0; j < kB; j += kW) {
+    const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
+    V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu.index, true);
+    V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu.index, false);
+    if (!b.moments_only) apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
+  }
+}
+
+// A last block shorter than kB, run on zero-padded copies (zeros leave the
+// absmax as it is).
+template <jzo::DType G, int L>
+inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, int64_t lo,
+                       int64_t k, int64_t block) {
+  c.stream_lowp = false;
+  alignas(64) float grad[kB] = {}, param[kB] = {}, update[kB] = {}, lowp[kB] = {};
+  alignas(64) uint8_t mu[kB] = {}, nu[kB] = {};
+  float mu_scale = b.mu_scale[block], nu_scale = b.nu_scale[block];
+  jzo::AdamBuffers t = b;
+  t.grad = grad;
+  t.mu = mu;
+  t.nu = nu;
+  t.mu_scale = &mu_scale;
+  t.nu_scale = &nu_scale;
+  t.param = b.param ? param : nullptr;
+  t.update_out = b.update_out ? update : nullptr;
+  t.lowp_out = b.lowp_out ? lowp : nullptr;
+  const size_t gsize = elem_size(b.grad_dtype);
+  std::memcpy(grad, static_cast<const char*>(b.grad) + lo * gsize, k * gsize);
+  std::memcpy(mu, static_cast<const uint8_t*>(b.mu) + lo, k);
+  std::memcpy(nu, static_cast<const uint8_t*>(b.nu) + lo, k);
+  if (b.param) std::memcpy(param, b.param + lo, k * 4);
+  q8_block<G, L>(t, c, maps, 0, 0);
+  std::memcpy(static_cast<uint8_t*>(b.mu) + lo, mu, k);
+  std::memcpy(static_cast<uint8_t*>(b.nu) + lo, nu, k);
+  b.mu_scale[block] = mu_scale;
+  b.nu_scale[block] = nu_scale;
+  if (b.moments_only) return;
+  if (!b.update_param) return (void)std::memcpy(b.update_out + lo, update, k * 4);
+  std::memcpy(b.param + lo, param, k * 4);
+  if (b.lowp_out) std::memcpy(static_cast<uint16_t*>(b.lowp_out) + lo, lowp, k * 2);
+}
+
+template <jzo::DType G, int L>
+void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin, int64_t end) {
+  Consts c(s, b.param != nullptr);
+  const Q8Maps maps;
+  if constexpr (L != kNoLowp) {
+    c.stream_lowp = V::kStreams && b.lowp_out != b.grad && b.row % kW == 0 &&
+                    (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;
+  }
+  // Blocks run along each row (the last axis): a row's last block may be short.
+  const int64_t per_row = jzo::quant_blocks(b.row);
+  for (int64_t lo = begin; lo < end;) {
+    const int64_t r = lo / b.row, offset = lo - r * b.row;
+    const int64_t block = r * per_row + offset / kB;
+    int64_t k = (r + 1) * b.row - lo < end - lo ? (r + 1) * b.row - lo : end - lo;
+    k = k < kB ? k : kB;
+    if (k == kB) {
+      q8_block<G, L>(b, c, maps, lo, block);
+    } else {
+      q8_partial<G, L>(b, c, maps, lo, k, block);
+    }
+    lo += k;
+  }
+  if (c.stream_lowp) V::stream_fence();
+}
+
+// Turns the run-time dtypes into one of the compiled instantiations (36 with float moments, 9 with q8).
 template <jzo::DType G, jzo::DType M, jzo::DType N>
 void pick_lowp(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
   if (!b.lowp_out || !b.update_param) return run<G, M, N, kNoLowp>(b, s, lo, hi);
@@ -192,6 +324,12 @@ void pick_nu(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, i
 
 template <jzo::DType G>
 void pick_mu(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
+  if (b.mu_dtype == jzo::DType::kQ8) {  // nu is q8 too (checked at the boundary)
+    if (!b.lowp_out || !b.update_param) return run_q8<G, kNoLowp>(b, s, lo, hi);
+    if (b.lowp_dtype == jzo::DType::kBF16)
+      return run_q8<G, static_cast<int>(jzo::DType::kBF16)>(b, s, lo, hi);
+    return run_q8<G, static_cast<int>(jzo::DType::kF16)>(b, s, lo, hi);
+  }
   if (b.mu_dtype == jzo::DType::kBF16) return pick_nu<G, jzo::DType::kBF16>(b, s, lo, hi);
   return pick_nu<G, jzo::DType::kF32>(b, s, lo, hi);
 }

@@ -47,6 +47,29 @@ struct V {
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return __builtin_sqrtf(a); }
   static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  // The larger magnitude, compared as bit patterns: NaN > inf > finite.
+  static F max_magnitude(F acc, F x) {
+    uint32_t a, b;
+    std::memcpy(&a, &acc, 4);
+    std::memcpy(&b, &x, 4);
+    b &= 0x7fffffffu;
+    const uint32_t top = a > b ? a : b;
+    F out;
+    std::memcpy(&out, &top, 4);
+    return out;
+  }
+  // 8-bit moments (quant8.h): a code's value, and the nearest code of y.
+  static F dequant8(const uint8_t* p, const float* code) { return code[*p]; }
+  static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
+    uint32_t bits;
+    std::memcpy(&bits, &y, 4);
+    const uint32_t mag = bits & 0x7fffffffu;
+    const uint32_t top = (mag >> 16) < 0x3F80u ? mag >> 16 : 0x3F80u;  // |y| <= 1 but for rounding, NaN
+    const uint32_t e = index[top];
+    uint32_t k = (e >> 16) + ((mag & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
+    if (is_signed) k |= (bits >> 24) & 0x80u;
+    *p = static_cast<uint8_t>(k);
+  }
 };
 }  // namespace
 

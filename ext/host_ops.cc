@@ -9,6 +9,7 @@
 #include <emmintrin.h>  // SSE2, part of every x86-64: no run-time check needed
 #endif
 
+#include "quant8.h"
 #include "thread_pool.h"
 
 namespace jzo {
@@ -42,6 +43,20 @@ void stream_copy(char* dst, const char* src, size_t bytes) {
 }  // namespace
 
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) {
+  if (b.mu_dtype == DType::kQ8) {
+    // Tasks of whole blocks, kAdamChunk elements' worth: a block's scale
+    // comes from all of it.
+    const int64_t per_row = quant_blocks(b.row), rows = b.row ? b.n / b.row : 0;
+    const int64_t blocks = rows * per_row, per_task = kAdamChunk / kQuantBlock;
+    auto start = [&](int64_t block) {  // element where a block starts (b.n past the last)
+      return block >= blocks ? b.n : block / per_row * b.row + block % per_row * kQuantBlock;
+    };
+    parallel_for(
+        (blocks + per_task - 1) / per_task,
+        [&](int64_t t) { adam_range(b, s, start(t * per_task), start((t + 1) * per_task)); },
+        max_threads);
+    return;
+  }
   const int64_t n_tasks = (b.n + kAdamChunk - 1) / kAdamChunk;
   if (n_tasks <= 1) return adam_range(b, s, 0, b.n);
   parallel_for(

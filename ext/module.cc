@@ -7,6 +7,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 
 #include "ffi_adam.h"
 #include "host_ops.h"
+#include "quant8.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -35,11 +37,12 @@ jzo::DType to_dtype(int code, const char* name) {
 }
 
 // Checks that the array's storage matches the dtype code: float32 for f32,
-// uint16 views for bf16/f16.
+// uint16 views for bf16/f16, uint8 codes for q8.
 template <typename Array>
 void check_storage(const Array& a, jzo::DType d, const char* name) {
-  const bool ok = d == jzo::DType::kF32 ? a.dtype() == nb::dtype<float>()
-                                        : a.dtype() == nb::dtype<uint16_t>();
+  const bool ok = d == jzo::DType::kF32  ? a.dtype() == nb::dtype<float>()
+                  : d == jzo::DType::kQ8 ? a.dtype() == nb::dtype<uint8_t>()
+                                         : a.dtype() == nb::dtype<uint16_t>();
   if (!ok)
     throw nb::type_error((std::string(name) + ": storage does not match its dtype").c_str());
 }
@@ -69,7 +72,9 @@ Span span_of(const char* name, const Array& a) {
 }
 
 void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, int mu_dtype,
-               WriteArray nu, int nu_dtype, std::optional<WriteArray> lowp_out, int lowp_dtype,
+               WriteArray nu, int nu_dtype, std::optional<F32Array> mu_scale,
+               std::optional<F32Array> nu_scale, int64_t row, std::optional<WriteArray> lowp_out,
+               int lowp_dtype,
                nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> scalars,
                bool nesterov, int num_threads) {
   jzo::AdamBuffers b;
@@ -78,7 +83,14 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   b.mu_dtype = to_dtype(mu_dtype, "mu");
   b.nu_dtype = to_dtype(nu_dtype, "nu");
   if (b.mu_dtype == jzo::DType::kF16 || b.nu_dtype == jzo::DType::kF16)
-    throw nb::type_error("mu and nu must be float32 or bfloat16");
+    throw nb::type_error("mu and nu must be float32, bfloat16 or int8");
+  if (b.grad_dtype == jzo::DType::kQ8) throw nb::type_error("grad cannot be int8");
+  const bool q8 = b.mu_dtype == jzo::DType::kQ8;
+  if (q8 != (b.nu_dtype == jzo::DType::kQ8))
+    throw nb::type_error("int8 moments come in pairs: mu and nu both int8 or neither");
+  if (q8 != (mu_scale.has_value() && nu_scale.has_value()) || mu_scale.has_value() != nu_scale.has_value())
+    throw std::invalid_argument(q8 ? "int8 moments need mu_scale and nu_scale"
+                                   : "mu_scale and nu_scale go with int8 moments only");
   check_storage(grad, b.grad_dtype, "grad");
   check_storage(mu, b.mu_dtype, "mu");
   check_storage(nu, b.nu_dtype, "nu");
@@ -97,16 +109,34 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   // is read before its new weight is stored), which saves a staging buffer.
   std::vector<Span> spans = {span_of("grad", grad), span_of("param", param), span_of("mu", mu),
                              span_of("nu", nu)};
+  if (q8) {
+    if (row < 1 || b.n % row != 0)
+      throw std::invalid_argument("row must divide the " + std::to_string(b.n) +
+                                  " elements, got " + std::to_string(row));
+    b.row = row;
+    const int64_t blocks = b.n / row * jzo::quant_blocks(row);
+    for (const auto& [scale, name] : {std::pair{&*mu_scale, "mu_scale"}, std::pair{&*nu_scale, "nu_scale"}}) {
+      if (static_cast<int64_t>(scale->size()) != blocks)
+        throw std::invalid_argument(std::string(name) + " has " + std::to_string(scale->size()) +
+                                    " scales, " + std::to_string(b.n) + " elements need " +
+                                    std::to_string(blocks));
+      spans.push_back(span_of(name, *scale));
+    }
+    b.mu_scale = mu_scale->data();
+    b.nu_scale = nu_scale->data();
+  }
+  size_t lowp_index = SIZE_MAX;  // the one array that may be grad's memory
   if (lowp_out) {
     b.lowp_dtype = to_dtype(lowp_dtype, "lowp_out");
-    if (b.lowp_dtype == jzo::DType::kF32)
+    if (b.lowp_dtype == jzo::DType::kF32 || b.lowp_dtype == jzo::DType::kQ8)
       throw nb::type_error("lowp_out must be bfloat16 or float16");
     check_storage(*lowp_out, b.lowp_dtype, "lowp_out");
     same_size(lowp_out->size(), "lowp_out");
+    lowp_index = spans.size();
     spans.push_back(span_of("lowp_out", *lowp_out));
     b.lowp_out = lowp_out->data();
   }
-  check_disjoint(spans, /*in_place=*/4);
+  check_disjoint(spans, /*in_place=*/lowp_index);
   if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0");
 
   b.grad = grad.data();
@@ -128,6 +158,7 @@ std::pair<double, bool> accumulate(std::optional<F32Array> acc, ReadArray grad, 
   jzo::AccumBuffers b;
   b.n = static_cast<int64_t>(grad.size());
   b.grad_dtype = to_dtype(grad_dtype, "grad");
+  if (b.grad_dtype == jzo::DType::kQ8) throw nb::type_error("grad cannot be int8");
   check_storage(grad, b.grad_dtype, "grad");
   if (add && !acc) throw std::invalid_argument("add needs acc");
   if (!acc && !lowp_out) throw std::invalid_argument("nothing to write: give acc or lowp_out");
@@ -144,7 +175,7 @@ std::pair<double, bool> accumulate(std::optional<F32Array> acc, ReadArray grad, 
   }
   if (lowp_out) {
     b.lowp_dtype = to_dtype(lowp_dtype, "lowp_out");
-    if (b.lowp_dtype == jzo::DType::kF32)
+    if (b.lowp_dtype == jzo::DType::kF32 || b.lowp_dtype == jzo::DType::kQ8)
       throw nb::type_error("lowp_out must be bfloat16 or float16");
     check_storage(*lowp_out, b.lowp_dtype, "lowp_out");
     same_size(lowp_out->size(), "lowp_out");
@@ -179,7 +210,9 @@ NB_MODULE(native, m) {
   m.doc() = "jzo's C++ host kernels, their arguments checked and nothing more (jzo.kernels wraps them)";
   m.def("adam_step", &adam_step, nb::arg("param").noconvert(), nb::arg("grad").noconvert(),
         nb::arg("grad_dtype"), nb::arg("mu").noconvert(), nb::arg("mu_dtype"),
-        nb::arg("nu").noconvert(), nb::arg("nu_dtype"), nb::arg("lowp_out").noconvert().none(),
+        nb::arg("nu").noconvert(), nb::arg("nu_dtype"), nb::arg("mu_scale").noconvert().none(),
+        nb::arg("nu_scale").noconvert().none(), nb::arg("row"),
+        nb::arg("lowp_out").noconvert().none(),
         nb::arg("lowp_dtype"), nb::arg("scalars").noconvert(), nb::arg("nesterov"),
         nb::arg("num_threads"),
         "Fused in-place Adam(W) step over host arrays; releases the GIL.");
@@ -198,6 +231,14 @@ NB_MODULE(native, m) {
   m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
   m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
   m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });
+  m.def("quant8_map", [](bool is_signed) {
+    const jzo::Quant8Map& map = is_signed ? jzo::quant8_signed() : jzo::quant8_unsigned();
+    return std::pair{std::vector<float>(map.code, map.code + 256),
+                     std::vector<float>(map.mid, map.mid + map.num_mid)};
+  }, nb::arg("is_signed"),
+        "The int8 moments' map, signed (mu) or unsigned (nu): (the 256 codes' values, the "
+        "midpoints between consecutive magnitudes).");
+  m.attr("QUANT_BLOCK") = jzo::kQuantBlock;
   m.attr("NUM_ADAM_SCALARS") = jzo::kNumAdamScalars;
   nb::list scalar_names;
 #define JZO_SCALAR_NAME(name) scalar_names.append(#name);

@@ -17,8 +17,9 @@ and apply in one kernel pass (28 bytes a parameter).
 Differences from optax, all deliberate:
   * Gradients are upcast to float32 before any arithmetic (optax forms
     `(1 - b1) * g` in the gradient's dtype).
-  * Moments are float32 unless `mu_dtype`/`nu_dtype` ask for bfloat16 (optax
-    keeps them in the params' dtype).
+  * Moments are float32 unless `mu_dtype`/`nu_dtype` ask for bfloat16 or
+    int8 (block-wise quantized, `jzo.quant8`); optax keeps them in the
+    params' dtype.
   * Updates are float32 whatever the params' dtype.
   * Bias corrections are multiplied as reciprocals (one division per element
     instead of three); the result differs from optax by float32 rounding.
@@ -34,10 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzo import kernels
+from jzo import kernels, quant8
 
+# The moment dtypes by the names the recipe and the planner take (--moments).
+MOMENT_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
+                 "int8": jnp.dtype(jnp.int8)}
 _SUPPORTED_GRADS = tuple(jnp.dtype(d) for d in kernels.GRAD_DTYPES)
-_SUPPORTED_MOMENTS = tuple(jnp.dtype(d) for d in kernels.MOMENT_DTYPES)
+_SUPPORTED_MOMENTS = tuple(MOMENT_DTYPES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,7 @@ class CpuAdamState(NamedTuple):
 def _moment_dtype(name: str, dtype) -> jnp.dtype:
   dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
   if dtype not in _SUPPORTED_MOMENTS:
-    raise TypeError(f"{name} must be float32 or bfloat16, got {dtype}")
+    raise TypeError(f"{name} must be float32, bfloat16 or int8, got {dtype}")
   return dtype
 
 
@@ -110,14 +114,21 @@ def xla_update(g, m, v, p, scalars, *, nesterov: bool):
   traced for an accelerator, and the reference the kernel is tested against.
 
   Args:
-    g, m, v: a leaf's gradient and moments (any shape; dtypes as the kernel's).
+    g, m, v: a leaf's gradient and moments (any shape; dtypes as the kernel's,
+      or both `jzo.quant8.Int8Moment`s).
     p: its params (float32), or None for no weight decay.
     scalars: `jzo.kernels.adam_scalars(...)`.
     nesterov: Nesterov momentum.
 
   Returns:
-    (float32 update, new mu, new nu), the moments in their own dtypes.
+    (float32 update, new mu, new nu), the moments in their own dtypes (or
+    Int8Moments, as they came).
   """
+  if isinstance(m, quant8.Int8Moment):
+    m_new, v_new = _xla_moments(g, quant8.dequantize(m, signed=True),
+                                quant8.dequantize(v, signed=False), scalars)
+    u = _xla_update_from_moments(g, m_new, v_new, p, scalars, nesterov=nesterov)
+    return u, quant8.quantize(m_new, signed=True), quant8.quantize(v_new, signed=False)
   m_new, v_new = _xla_moments(g, m, v, scalars)
   u = _xla_update_from_moments(g, m_new, v_new, p, scalars, nesterov=nesterov)
   return u, m_new.astype(m.dtype), v_new.astype(v.dtype)
@@ -179,10 +190,19 @@ def _check_leaf(path, g, m, v, p) -> None:
     raise TypeError(f"gradient {where} has dtype {g.dtype}; cpu_adam takes float32, "
                     "bfloat16 or float16 gradients")
   for name, t in (("mu", m), ("nu", v)) + ((("params", p),) if p is not None else ()):
+    if isinstance(t, quant8.Int8Moment):
+      if t.scales.shape != quant8.scale_shape(g.shape):
+        raise ValueError(f"gradient {where} has shape {g.shape} but {name}.scales has "
+                         f"{t.scales.shape}, not {quant8.scale_shape(g.shape)}")
+      t = t.codes
     if t.shape != g.shape:
       raise ValueError(f"gradient {where} has shape {g.shape} but {name} has {t.shape}")
   if p is not None and not jnp.issubdtype(p.dtype, jnp.floating):
     raise TypeError(f"params {where} has non-float dtype {p.dtype}")
+
+
+def _is_int8(x) -> bool:
+  return isinstance(x, quant8.Int8Moment)
 
 
 def decay_flags(mask, tree):
@@ -216,15 +236,17 @@ def _apply_leaves(hyper: AdamHyperparams, leaf_fn, grads, state, params):
   no_decay = _no_decay(hyper.weight_decay)
   if not no_decay and params is None:
     raise ValueError("cpu_adamw with weight decay needs params: call update(grads, state, params)")
-  if jax.tree.structure(grads) != jax.tree.structure(state.mu):
+  structure = lambda tree: jax.tree.structure(tree, is_leaf=_is_int8)
+  if jax.tree.structure(grads) != structure(state.mu):
     raise ValueError("gradients and optimizer state have different tree structures: "
-                     f"{jax.tree.structure(grads)} vs {jax.tree.structure(state.mu)}")
+                     f"{jax.tree.structure(grads)} vs {structure(state.mu)}")
   if params is not None and jax.tree.structure(params) != jax.tree.structure(grads):
     raise ValueError("params and gradients have different tree structures")
   for name, tree, want in (("mu", state.mu, hyper.mu_dtype), ("nu", state.nu, hyper.nu_dtype)):
-    for leaf in jax.tree.leaves(tree):
-      if jnp.dtype(leaf.dtype) != want:
-        raise TypeError(f"state.{name} holds {leaf.dtype}, this transform keeps {want}")
+    for leaf in quant8.leaves(tree):
+      held = jnp.dtype(jnp.int8) if _is_int8(leaf) else jnp.dtype(leaf.dtype)
+      if held != want:
+        raise TypeError(f"state.{name} holds {held} moments, this transform keeps {want}")
 
   def at_count(value):
     return value(state.count) if callable(value) else value
@@ -280,14 +302,19 @@ def cpu_adamw(
     learning_rate: a float or an optax schedule of the step count.
     b1, b2: decay rates of the first and second moments, in [0, 1).
     eps, eps_root: added outside and inside the square root.
-    mu_dtype: dtype of the first moment: float32 (None, default) or bfloat16.
+    mu_dtype: dtype of the first moment: float32 (None, default), bfloat16 or
+      int8 (with nu_dtype int8 too).
     weight_decay: decoupled weight decay rate, a float or a schedule.
     mask: a tree of booleans (or a prefix of one, or a callable of the params
       returning one); weight decay applies where True.
     nesterov: Nesterov momentum, as in optax.
-    nu_dtype: dtype of the second moment: float32 (None, default) or bfloat16.
-      bfloat16 moments halve the optimizer memory; they are rounded to nearest
-      even after each update.
+    nu_dtype: dtype of the second moment: float32 (None, default), bfloat16 or
+      int8. bfloat16 moments halve the optimizer memory; they are rounded to
+      nearest even after each update. int8 moments (both) quarter it: each
+      moment is a `jzo.quant8.Int8Moment`, one byte a value and a float32
+      scale per block of 256 along the last axis, quantized block-wise and
+      dynamically (Dettmers et al. 2022; see jzo.quant8). The update comes
+      from the moments before quantization.
 
   Returns:
     An optax GradientTransformation (a `CpuAdamTransform`, which keeps these
@@ -308,20 +335,31 @@ def cpu_adamw(
                                      eps_root=eps_root, weight_decay=weight_decay)
   mu_dtype = _moment_dtype("mu_dtype", mu_dtype)
   nu_dtype = _moment_dtype("nu_dtype", nu_dtype)
+  if quant8.is_int8(mu_dtype) != quant8.is_int8(nu_dtype):
+    raise TypeError(f"int8 moments come in pairs: mu_dtype is {mu_dtype}, nu_dtype {nu_dtype}")
   hyper = AdamHyperparams(learning_rate, b1, b2, eps, eps_root,
                           0.0 if _no_decay(weight_decay) else weight_decay, mask, nesterov,
                           mu_dtype, nu_dtype)
 
   def init_fn(params):
     def zeros(dtype):
-      return lambda p: jnp.zeros(jnp.shape(p), dtype, device=getattr(p, "sharding", None))
+      def leaf(p):
+        device = getattr(p, "sharding", None)
+        if quant8.is_int8(dtype):
+          return quant8.zeros(jnp.shape(p), jnp, device=device)
+        return jnp.zeros(jnp.shape(p), dtype, device=device)
+      return leaf
     return CpuAdamState(count=jnp.zeros([], jnp.int32),
                         mu=jax.tree.map(zeros(mu_dtype), params),
                         nu=jax.tree.map(zeros(nu_dtype), params))
 
+  # int8 moments run as XLA operations everywhere (the kernel's FFI calls take
+  # float moments); the offload engine runs them through the kernel.
+  host_update = xla_update if quant8.is_int8(mu_dtype) else _host_update
+
   def update_fn(updates, state, params=None):
     def leaf(g, m, v, p, scalars, decay):
-      return _on_platform(_host_update, xla_update, g, m, v, p if decay else None, scalars,
+      return _on_platform(host_update, xla_update, g, m, v, p if decay else None, scalars,
                           nesterov)
     return _apply_leaves(hyper, leaf, updates, state, params)
 
@@ -396,9 +434,11 @@ def adamw_step(tx: optax.GradientTransformation, grads, state: CpuAdamState, par
       raise TypeError(f"params {jax.tree_util.keystr(path) or '<root>'} has dtype {p.dtype}; "
                       "adamw_step updates float32 params")
 
+  host_step = xla_step if quant8.is_int8(tx.hyperparams.mu_dtype) else _host_step
+
   def leaf(g, m, v, p, scalars, decay):
     del decay  # scalars carry weight decay 0 where the mask is False
-    return _on_platform(_host_step, xla_step, g, m, v, p, scalars, tx.hyperparams.nesterov)
+    return _on_platform(host_step, xla_step, g, m, v, p, scalars, tx.hyperparams.nesterov)
   return _apply_leaves(tx.hyperparams, leaf, grads, state, params)
 
 

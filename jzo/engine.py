@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import distributed, plan as plan_lib, state as state_lib, state_dict, step as step_lib
+from jzo import distributed, plan as plan_lib, quant8, state as state_lib, state_dict, step as step_lib
 from jzo.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
 from jzo.offload import HostAdam, HostUpdate
 from jzo.options import EngineOptions
@@ -66,7 +66,8 @@ class ZeroEngine:
       of layers (leading axis = layer), which the model's scan gathers one
       layer at a time with `jzo.gather_layer`. Default: gather all at once.
     offload: where the optimizer state (float32 masters and Adam moments) of
-      each device's shard lives (stages 1-3, tx jzo.cpu_adam or cpu_adamw):
+      each device's shard lives (stages 1-3, tx jzo.cpu_adam or cpu_adamw;
+      with int8 moments the host, "auto" included):
       False: device memory; True: host RAM (ZeRO-Offload), updated by the C++
       kernel; a fraction f in [0, 1]: about f of every shard on the host, the
       rest updated on the device inside the step; "auto": as much on the
@@ -124,6 +125,9 @@ class ZeroEngine:
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None):
+    int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
+    if int8 and offload == "auto":
+      offload = True  # int8 moments live on the host (see below)
     options = EngineOptions(
         stage=stage, compute_dtype=compute_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
         max_grad_norm=max_grad_norm, layers=layers, offload=offload,
@@ -156,6 +160,12 @@ class ZeroEngine:
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions))
+    if int8 and self.plan.has_device_state:
+      # The engine's device state is flat shards of float moments; int8
+      # moments are for host RAM, where the C++ kernel runs them.
+      raise ValueError("int8 moments are kept in host memory by the C++ kernel: use "
+                       "offload=True (or 'auto'); this plan keeps optimizer state on the "
+                       f"devices (offload={offload!r})")
     self.loss_fn, self.mesh, self.options = loss_fn, mesh, options
     self.tx = tx
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jzo import native
+from jzo import native, quant8
 
 # XLA FFI targets of the CPU backend (ext/ffi_adam.cc): the update for
 # optax's contract, the moments alone, and the in-place step.
@@ -31,8 +31,11 @@ for _target, _handler in ((ADAM_UPDATE_TARGET, native.adam_update_ffi),
                           (ADAM_STEP_TARGET, native.adam_step_ffi)):
   jax.ffi.register_ffi_target(_target, _handler(), platform="cpu")
 
-# The C++ side's dtype codes (DType in ext/adam_kernel.h), by numpy dtype.
-_DTYPE_CODES = {np.dtype(jnp.dtype(name)): code for name, code in native.DTYPE_CODES.items()}
+# The C++ side's dtype codes (DType in ext/adam_kernel.h), by numpy dtype;
+# 8-bit moments (Int8Moment) have their own.
+_DTYPE_CODES = {np.dtype(jnp.dtype(name)): code for name, code in native.DTYPE_CODES.items()
+                if name != quant8.INT8}
+_INT8_CODE = native.DTYPE_CODES[quant8.INT8]
 GRAD_DTYPES = tuple(_DTYPE_CODES)
 # One Adam step's float32 scalars by name, in the order the kernel reads
 # them (JZO_ADAM_SCALARS in ext/adam_kernel.h): `adam_scalars` lays them out,
@@ -163,7 +166,8 @@ def _payload(a: np.ndarray) -> np.ndarray:
   return a if a.dtype == np.float32 else a.view(np.uint16)
 
 
-def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
+def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray | quant8.Int8Moment,
+               nu: np.ndarray | quant8.Int8Moment, *,
                learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 0.0,
                nesterov: bool = False, grad_scale: float = 1.0,
@@ -178,8 +182,9 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
   Args:
     param: float32 master weights, any shape; updated in place.
     grad: gradients of param's size, float32, bfloat16 or float16.
-    mu, nu: first and second moments of param's size, float32 or bfloat16;
-      updated in place.
+    mu, nu: first and second moments of param's shape, float32 or bfloat16
+      arrays, or both `jzo.quant8.Int8Moment`s of numpy arrays (8-bit codes
+      and their blocks' scales along the last axis); updated in place.
     learning_rate, b1, b2, eps, eps_root, weight_decay, nesterov: as optax.adamw.
     count: 1-based index of this step (for the bias corrections), at most
       2**31 - 1 (int32, as optax counts).
@@ -199,16 +204,30 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
   """
   _require_host_array("param", param, writable=True)
   _require_host_array("grad", grad, writable=False)
-  _require_host_array("mu", mu, writable=True)
-  _require_host_array("nu", nu, writable=True)
   if param.dtype != np.float32:
     raise TypeError(f"param must be float32 master weights, got {param.dtype}")
   if grad.dtype not in GRAD_DTYPES:
     raise TypeError(f"grad must be float32, bfloat16 or float16, got {grad.dtype}")
-  for name, a in (("mu", mu), ("nu", nu)):
-    if a.dtype not in MOMENT_DTYPES:
-      raise TypeError(f"{name} must be float32 or bfloat16, got {a.dtype}")
-  for name, a in (("grad", grad), ("mu", mu), ("nu", nu)):
+  int8 = [isinstance(x, quant8.Int8Moment) for x in (mu, nu)]
+  if any(int8) and not all(int8):
+    raise TypeError("int8 moments come in pairs: mu and nu must both be Int8Moments or neither")
+  codes = lambda x: x.codes if isinstance(x, quant8.Int8Moment) else x
+  if all(int8):
+    for name, q in (("mu", mu), ("nu", nu)):
+      _require_host_array(f"{name}.codes", q.codes, writable=True)
+      _require_host_array(f"{name}.scales", q.scales, writable=True)
+      if q.codes.dtype != np.uint8 or q.scales.dtype != np.float32:
+        raise TypeError(f"{name} must hold uint8 codes and float32 scales, got "
+                        f"{q.codes.dtype} and {q.scales.dtype}")
+      if q.scales.shape != quant8.scale_shape(param.shape):
+        raise ValueError(f"{name}.scales has shape {q.scales.shape}, param of shape "
+                         f"{param.shape} needs {quant8.scale_shape(param.shape)}")
+  else:
+    for name, a in (("mu", mu), ("nu", nu)):
+      _require_host_array(name, a, writable=True)
+      if a.dtype not in MOMENT_DTYPES:
+        raise TypeError(f"{name} must be float32 or bfloat16 (or an Int8Moment), got {a.dtype}")
+  for name, a in (("grad", grad), ("mu", codes(mu)), ("nu", codes(nu))):
     if a.shape != param.shape:
       raise ValueError(f"{name} has shape {a.shape}, param has shape {param.shape}")
   if lowp_out is not None:
@@ -232,9 +251,14 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
 
   scalars = _host_scalars(float(learning_rate), float(b1), float(b2), float(eps),
                           float(eps_root), float(weight_decay), int(count), float(grad_scale))
+  if all(int8):
+    moments = (mu.codes, _INT8_CODE, nu.codes, _INT8_CODE, mu.scales, nu.scales,
+               param.shape[-1] if param.ndim else 1)
+  else:
+    moments = (_payload(mu), _DTYPE_CODES[mu.dtype], _payload(nu), _DTYPE_CODES[nu.dtype],
+               None, None, 1)
   native.adam_step(
-      param, _payload(grad), _DTYPE_CODES[grad.dtype], _payload(mu), _DTYPE_CODES[mu.dtype],
-      _payload(nu), _DTYPE_CODES[nu.dtype],
+      param, _payload(grad), _DTYPE_CODES[grad.dtype], *moments,
       None if lowp_out is None else _payload(lowp_out),
       _DTYPE_CODES[lowp_out.dtype] if lowp_out is not None else 1,
       scalars, bool(nesterov), int(num_threads or 0))

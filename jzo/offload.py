@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import jax
 import numpy as np
 
-from jzo import kernels
+from jzo import kernels, quant8
 from jzo.cpu_adam import AdamHyperparams
 from jzo.partition import is_layout
 from jzo.plan import STREAM_SPANS, Plan
@@ -90,7 +90,13 @@ class HostAdam:
     shape = lambda l: (len(shards),) + l.host_shape[1:]
 
     def zeros(l, dtype):
-      out = kernels.aligned_empty(shape(l), dtype)
+      if quant8.is_int8(dtype):  # codes and scales, both zero: a moment of zeros
+        return quant8.Int8Moment(zeros_like(shape(l), np.uint8),
+                                 zeros_like(quant8.scale_shape(shape(l)), np.float32))
+      return zeros_like(shape(l), dtype)
+
+    def zeros_like(array_shape, dtype):
+      out = kernels.aligned_empty(array_shape, dtype)
       out.fill(0)
       return out
     on = lambda f: jax.tree.map(f, plan.layouts, is_leaf=is_layout)
@@ -103,7 +109,8 @@ class HostAdam:
                 if plan.host_accumulation else None)
 
   def arrays(self) -> list:
-    """Every host array this owns (masters, moments, accumulators)."""
+    """Every host array this owns (masters, moments (an int8 one's codes and
+    scales), accumulators)."""
     trees = (self.master, self.mu, self.nu) + ((self.acc,) if self.acc is not None else ())
     return [x for t in trees for x in jax.tree.leaves(t)]
 
@@ -171,18 +178,39 @@ class HostAdam:
     count and lowp as in `update_leaves`."""
     h, (lr, wd) = self.hyper, scalars
     part = (lambda a: a) if span is None else (lambda a: a[span[0]:span[1]])
-    master, mu, nu = (jax.tree.leaves(t)[i] for t in (self.master, self.mu, self.nu))
+    master = jax.tree.leaves(self.master)[i]
+    mu, nu = (quant8.leaves(t)[i] for t in (self.mu, self.nu))
     for d, grad in enumerate(grads):
       if lowp and grad.dtype != self._lowp_dtype:
         raise TypeError(f"leaf {i}: gradients land in {grad.dtype}, the weights go back "
                         f"in {self._lowp_dtype}; the landing buffer must carry both")
       in_place = grad if lowp and self._lowp_dtype != np.float32 else None
-      kernels.adam_step_(part(master[d]), grad, part(mu[d]), part(nu[d]), learning_rate=lr,
+      kernels.adam_step_(part(master[d]), grad, _moment_part(mu, d, span),
+                         _moment_part(nu, d, span), learning_rate=lr,
                          count=count, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
                          weight_decay=wd if self._decay[i] else 0.0, nesterov=h.nesterov,
                          grad_scale=grad_scale, lowp_out=in_place)
       if lowp and in_place is None:  # float32 compute: the masters themselves go up
         kernels.parallel_copy(grad, part(master[d]))
+
+
+def _moment_part(moment, d: int, span: tuple[int, int] | None):
+  """Device d's part of a host moment (an array or an Int8Moment, leading
+  axis over devices), or its elements [lo, hi) along the part's first axis.
+  An int8 moment's scales run along the last axis: a flat part's span must
+  start on a block (`ShardTransfer.spans` cuts them so)."""
+  if not isinstance(moment, quant8.Int8Moment):
+    return moment[d] if span is None else moment[d][span[0]:span[1]]
+  codes, scales = moment.codes[d], moment.scales[d]
+  if span is None:
+    return quant8.Int8Moment(codes, scales)
+  lo, hi = span
+  if codes.ndim > 1:  # rows: each has its own blocks
+    return quant8.Int8Moment(codes[lo:hi], scales[lo:hi])
+  if lo % quant8.QUANT_BLOCK:
+    raise ValueError(f"a span of an int8 moment starts at {lo}, inside a block of "
+                     f"{quant8.QUANT_BLOCK}")
+  return quant8.Int8Moment(codes[lo:hi], scales[lo // quant8.QUANT_BLOCK:quant8.blocks(hi)])
 
 
 class HostUpdate:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzo import plan as plan_lib
+from jzo.cpu_adam import MOMENT_DTYPES
 from jzo.plan import GiB, Plan, PlacementError
 from jzo.options import EngineOptions
 
@@ -68,7 +69,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     devices: size of the data axis.
     stage, grad_accum, delayed_update, layers, accumulation: as for `ZeroEngine`.
     offload: as for `ZeroEngine` (False, True, a fraction or "auto").
-    moments: "fp32" or "bf16" Adam moments (jzo.cpu_adamw's mu/nu_dtype).
+    moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
+      int8 ones are kept on the host, so offload "auto" means True).
     precision: "bf16" or "fp16" compute (or "fp32").
     device_memory: bytes of one device (default: this machine's accelerator,
       else DEFAULT_DEVICE_GIB).
@@ -78,8 +80,14 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     An Estimate; print it for the table.
   """
   shapes = jax.eval_shape(params) if callable(params) else params
-  if moments not in ("fp32", "bf16"):
-    raise ValueError(f"moments must be fp32 or bf16, got {moments!r}")
+  if moments not in MOMENT_DTYPES:
+    raise ValueError(f"moments must be one of {', '.join(MOMENT_DTYPES)}, got {moments!r}")
+  if moments == "int8":  # kept on the host, as ZeroEngine keeps them
+    if offload == "auto":
+      offload = True
+    if offload is not True and offload != 1:
+      raise ValueError(f"int8 moments are kept in host memory: offload must be True or "
+                       f"'auto', got {offload!r}")
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
   if precision not in dtypes:
     raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
@@ -90,7 +98,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
   if host_memory is None:
     host_memory = plan_lib.available_host_memory()
-  moment_dtype = np.dtype(jnp.bfloat16 if moments == "bf16" else np.float32)
+  moment_dtype = np.dtype(MOMENT_DTYPES[moments])
   kw = dict(n_devices=devices, activations=activations)
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,

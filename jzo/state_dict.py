@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax.experimental import multihost_utils
 
-from jzo import step as step_lib
+from jzo import quant8, step as step_lib
 from jzo.cpu_adam import CpuAdamState
 from jzo.distributed import local_positions
 from jzo.partition import LeafLayout, is_layout
@@ -130,6 +130,31 @@ def _parts(plan: Plan, device_tree, host_tree, dtype):
   if device_tree is None:
     device_tree = jax.tree.map(lambda _: None, plan.layouts, is_leaf=is_layout)
   return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
+
+
+def _host_moment(host, name: str):
+  """The host's moment `name` ("mu" or "nu") as arrays: int8 moments
+  dequantized to float32, which is how checkpoints keep them (quantizing
+  them again on the same layout gives back the same codes and scales)."""
+  return jax.tree.map(lambda x: quant8.dequantize(x, signed=name == "mu")
+                      if isinstance(x, quant8.Int8Moment) else x,
+                      getattr(host, name), is_leaf=quant8.is_moment)
+
+
+def _saved_moment_dtype(host, name: str) -> np.dtype:
+  dtype = getattr(host.hyper, f"{name}_dtype")
+  return np.dtype(np.float32) if quant8.is_int8(dtype) else np.dtype(dtype)
+
+
+def _write_host_part(dst, d: int, values: np.ndarray, name: str) -> None:
+  """Writes device d's host part of master or moment `name` (dst: the
+  host's array, or Int8Moment, over this process's devices) from values."""
+  if not isinstance(dst, quant8.Int8Moment):
+    np.copyto(dst[d], values)
+    return
+  q = quant8.quantize(np.asarray(values, np.float32), signed=name == "mu")
+  np.copyto(dst.codes[d], q.codes)
+  np.copyto(dst.scales[d], q.scales)
 
 
 def _full(plan: Plan, flat_tree):
@@ -306,9 +331,10 @@ def _adam_full(trained: ZeroState) -> dict:
   plan, state, host = trained.plan, trained.device, trained.host
   if plan.cpu_adam:
     opt = state.opt_state
-    return {"master": _parts(plan, state.master, host.master, np.float32),
-            "mu": _parts(plan, opt.mu if opt else None, host.mu, host.hyper.mu_dtype),
-            "nu": _parts(plan, opt.nu if opt else None, host.nu, host.hyper.nu_dtype)}
+    moments = {name: _parts(plan, getattr(opt, name) if opt else None,
+                            _host_moment(host, name), _saved_moment_dtype(host, name))
+               for name in ("mu", "nu")}
+    return {"master": _parts(plan, state.master, host.master, np.float32), **moments}
   adam = _device_adam(plan, state)
   return {"master": _full(plan, state.master), "mu": _full(plan, adam.mu),
           "nu": _full(plan, adam.nu)}
@@ -321,7 +347,7 @@ def _adam_flat(trained: ZeroState) -> dict:
   if plan.cpu_adam:
     opt = state.opt_state
     adam = {name: _joined_shards(plan, mesh, getattr(opt, name) if opt else None,
-                                 getattr(host, name)) for name in ("mu", "nu")}
+                                 _host_moment(host, name)) for name in ("mu", "nu")}
     adam["master"] = _joined_shards(plan, mesh, state.master, host.master)
     return adam
   adam = _device_adam(plan, state)
@@ -380,9 +406,15 @@ def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
     return (jax.tree.unflatten(structure, [t for t, _ in pairs]),
             jax.tree.unflatten(structure, [a for _, a in pairs]))
   # Arrays of the masters' and moments' dtypes, one a leaf (a host part may be empty).
-  masters, adam = (host.master, host) if plan.cpu_adam else (state.master, device_adam)
-  entries = {"master": entry("master", masters), "mu": entry("mu", adam.mu),
-             "nu": entry("nu", adam.nu)}
+  if plan.cpu_adam:
+    masters = host.master
+    moments = {name: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        quant8.shape_of(x), _saved_moment_dtype(host, name)), getattr(host, name),
+        is_leaf=quant8.is_moment) for name in ("mu", "nu")}
+  else:
+    masters, moments = state.master, {"mu": device_adam.mu, "nu": device_adam.nu}
+  entries = {"master": entry("master", masters),
+             **{name: entry(name, like) for name, like in moments.items()}}
   target = {**tree, **{k: t for k, (t, _) in entries.items()},
             "count": jax.ShapeDtypeStruct((), np.int64)}
   accepted = {**outline(target), **{k: a for k, (_, a) in entries.items()}}
@@ -434,8 +466,8 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
             lambda l, pieces: _device_part(mesh, l, pieces, plan.axis), plan.layouts, shards,
             is_leaf=is_layout)
       if host is not None:  # this process's host parts
-        jax.tree.map(lambda l, dst, pieces: [np.copyto(d, p[..., l.on_device:])
-                                             for d, p in zip(dst, pieces)],
+        jax.tree.map(lambda l, dst, pieces: [_write_host_part(dst, d, p[..., l.on_device:], name)
+                                             for d, p in enumerate(pieces)],
                      plan.layouts, getattr(host, name), shards, is_leaf=is_layout)
     count = int(saved["count"])
     if plan.has_device_state:

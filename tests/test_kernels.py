@@ -306,13 +306,13 @@ def test_extension_refuses_read_only_and_converted_arrays():
   p, g, m, v = host_state(10)
   scalars = np.zeros(native.NUM_ADAM_SCALARS, np.float32)
   with pytest.raises(TypeError):  # read-only mu: no silent copy
-    native.adam_step(p, g, 0, readonly(m), 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p, g, 0, readonly(m), 0, v, 0, None, None, 1, None, 1, scalars, False, 0)
   with pytest.raises(TypeError):  # float64 param would need a converted copy
-    native.adam_step(p.astype(np.float64), g, 0, m, 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p.astype(np.float64), g, 0, m, 0, v, 0, None, None, 1, None, 1, scalars, False, 0)
   with pytest.raises(TypeError, match="storage"):  # f32 storage declared as bf16
-    native.adam_step(p, g, 1, m, 0, v, 0, None, 1, scalars, False, 0)
+    native.adam_step(p, g, 1, m, 0, v, 0, None, None, 1, None, 1, scalars, False, 0)
   with pytest.raises(ValueError, match="scalars"):
-    native.adam_step(p, g, 0, m, 0, v, 0, None, 1, scalars[:3], False, 0)
+    native.adam_step(p, g, 0, m, 0, v, 0, None, None, 1, None, 1, scalars[:3], False, 0)
 
 
 def ffi_case(target, aliases, n_scalars=native.NUM_ADAM_SCALARS):

@@ -82,8 +82,8 @@ class EstimateConfig:
   """ZeRO stage"""
   offload: str = "auto"
   """auto, true, false, or the fraction of the state on the host"""
-  moments: Literal["fp32", "bf16"] = "fp32"
-  """dtype of the Adam moments"""
+  moments: Literal["fp32", "bf16", "int8"] = "fp32"
+  """dtype of the Adam moments (int8: on the host, so offload auto means true)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   grad_accum: int = 1

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 import jzo
 from jzo import checkpoint, distributed
+from jzo.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (TrainConfig, UserError, check, check_for_model, lr_schedule)
@@ -136,7 +137,7 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
     # A function, not arrays: the engine checks its plan fits from the shapes,
     # then draws the float32 weights one leaf at a time.
     params = functools.partial(model.init_params, jax.random.PRNGKey(cfg.seed))
-  moments = jnp.bfloat16 if cfg.moments == "bf16" else None
+  moments = MOMENT_DTYPES[cfg.moments]
   tx = jzo.cpu_adamw(lr_schedule(cfg, model), b2=0.95, weight_decay=cfg.weight_decay,
                      mask=model.decay_mask, mu_dtype=moments, nu_dtype=moments)
   return jzo.ZeroEngine(

@@ -53,8 +53,8 @@ class TrainConfig:
   """with --offload, the host's share of the optimizer state: auto (what does not fit) or 0 to 1"""
   device_memory_gb: float = 0.0
   """GiB of one device's memory the placement may plan for (0: what its allocator reports)"""
-  moments: Literal["fp32", "bf16"] = "fp32"
-  """dtype of the Adam moments (bf16: half the memory)"""
+  moments: Literal["fp32", "bf16", "int8"] = "fp32"
+  """dtype of the Adam moments (bf16: half the memory; int8: a quarter, block-wise quantized, on the host)"""
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
   precision: Literal["bf16", "fp16"] = "bf16"
@@ -138,6 +138,9 @@ def check(cfg: TrainConfig) -> None:
                     "state; or add --no-offload)")
   if cfg.delayed_update and not cfg.offload:
     raise UserError("--delayed-update delays the host's update: it needs --offload")
+  if cfg.moments == "int8" and not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
+    raise UserError("--moments int8 keeps the moments in host memory: it needs --offload with "
+                    f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 
