@@ -38,6 +38,10 @@
 #                  the device and on the host
 #   accum-10b      gpt2-10b, bf16 moments: 8, then 4 x 8 summed on the host
 #   host-sums      the host accumulation's passes alone on the host CPU
+#   kernel-moments the C++ kernel by moment dtype (fp32, bf16, int8) and against torch's
+#                  fused AdamW, 2^16 .. 2^28 parameters, on the host CPU
+#   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
+#                  int8 moments side by side (three processes at once), all on the host
 # Parts on two GPUs (nvidia-h200-x2):
 #   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
 #                  and 2 GPUs (zero_stages_bench.py)
@@ -116,6 +120,22 @@ for part in "$@"; do
       JAX_PLATFORMS=cuda,cpu pytests cpu-adam-xla 240 tests/test_cpu_adam.py  # the XLA path
       JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --sizes 24 28 \
         --json "$OUT/cpu-adam.json" 2>&1 | tee "$OUT/cpu-adam.log" ;;
+    kernel-moments)
+      JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
+        --sizes 16 18 20 22 24 26 28 --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
+      echo "$part: exit $?"; grep -A12 "^ratio" "$OUT/$part.log" ;;
+    moments-quality)
+      for moments in fp32 bf16 int8; do
+        (XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 560 python3 -m jzo.train --model gpt2-124m \
+           --seq-len 256 --batch-size 16 --steps "${STEPS:-2000}" --moments $moments \
+           --offload-fraction 1 --eval-every 100 --eval-batches 16 --log-every 100 \
+           --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$part-$moments" \
+           >"$OUT/$part-$moments.log" 2>&1
+         echo "$part $moments: exit $?"
+         cp "/tmp/run-$part-$moments/metrics.jsonl" "$OUT/$part-$moments.jsonl") &
+      done
+      wait
+      grep -h "eval" "$OUT"/$part-*.log | tail -6 ;;
     offload-steps)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
