@@ -133,6 +133,14 @@ def test_a_short_run_through_the_real_entry_point(short_run):
   assert sorted(p.name for p in where.iterdir()) == ["2"]
 
 
+def test_int8_moments_through_the_real_entry_point(tmp_path):
+  """--moments int8: the moments train on the host as 8-bit codes."""
+  done = run_module("jzo.train", *SHORT, "--moments", "int8", "--out", str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
+
+
 def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:
   """Every path under `folder`, with a file's bytes (None: a folder)."""
   return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
@@ -279,6 +287,10 @@ TRAIN_MISTAKES = [
     ("offload_fraction", ["--offload-fraction", "most"], "auto or a number in [0, 1]"),
     ("device_memory_gb", ["--device-memory-gb", "-1"], "--device-memory-gb must be a number >= 0"),
     ("moments", ["--moments", "fp8"], "invalid choice 'fp8' for argument '--moments'"),
+    ("moments", ["--moments", "int8", "--no-offload"], "--moments int8 keeps the moments in "
+     "host memory: it needs --offload with --offload-fraction auto or 1 (got --no-offload)"),
+    ("moments", ["--moments", "int8", "--offload-fraction", "0.5"],
+     "(got --offload-fraction 0.5)"),
     ("delayed_update", ["--no-offload", "--delayed-update"], "it needs --offload"),
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
@@ -316,6 +328,8 @@ ESTIMATE_MISTAKES = [
     ("offload", ["--model", "tiny", "--offload", "1.5"], "fraction must be in [0, 1], got 1.5"),
     ("offload", ["--model", "tiny", "--offload", "most"], "--offload takes auto, true, false"),
     ("moments", ["--model", "tiny", "--moments", "fp8"], "invalid choice 'fp8' for argument"),
+    ("moments", ["--model", "tiny", "--moments", "int8", "--offload", "false"],
+     "int8 moments are kept in host memory: offload must be True or 'auto', got False"),
     ("precision", ["--model", "tiny", "--precision", "fp8"], "invalid choice 'fp8' for argument"),
     ("grad_accum", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
     ("delayed_update", ["--model", "tiny", "--delayed-update", "--offload", "false"],

@@ -1,0 +1,299 @@
+"""int8 Adam moments (jzo.quant8): the maps, the kernel against the array
+reference, determinism, the optax drop-in, the offload engine, checkpoints
+and bad input."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jzo
+from jzo import kernels, native, quant8
+from jzo.cpu_adam import xla_update
+from test_engine import batches, init_params, loss_fn, mesh_of
+
+INT8 = jnp.int8
+HYPER = dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
+
+
+@contextlib.contextmanager
+def simd(level):
+  best = kernels.supported_simd_levels()[0]
+  kernels.set_simd_level(level)
+  try:
+    yield
+  finally:
+    kernels.set_simd_level(best)
+
+
+def codes_of(signed):
+  return native.quant8_map(signed)[0]
+
+
+def test_the_maps_are_dynamic_trees():
+  """Signed: sign and 128 magnitudes, 0 to 1; unsigned: 256 values, 0 to 1;
+  each decade below 1 holds twice the values of the one below it."""
+  signed = np.asarray(codes_of(True), np.float64)
+  magnitudes = signed[:128]
+  np.testing.assert_array_equal(signed[128:], -magnitudes)
+  assert magnitudes[0] == 0 and magnitudes[-1] == 1 and np.all(np.diff(magnitudes) > 0)
+  unsigned = np.asarray(codes_of(False), np.float64)
+  assert unsigned[0] == 0 and unsigned[-1] == 1 and np.all(np.diff(unsigned) > 0)
+  # Decades [10^-e, 10^(1-e)) for e = 6 .. 1 (1 itself is the last value).
+  for values, first, top in ((magnitudes, 1, 63), (unsigned, 2, 128)):
+    per_decade = [int(np.sum((values >= 10.0**-e) & (values < 10.0**(1 - e))))
+                  for e in range(6, 0, -1)]
+    assert per_decade == [first << k for k in range(1, 6)] + [top]
+    assert 1e-7 < values[1] < 1e-6  # seven decades of range
+
+
+def random_moments(shape, seed=0):
+  """Float moments spanning many orders of magnitude, as Adam's do."""
+  rng = np.random.default_rng(seed)
+  m = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-8, 0, shape)).astype(np.float32)
+  v = (10.0 ** rng.uniform(-14, 0, shape)).astype(np.float32)
+  return m, v
+
+
+@pytest.mark.parametrize("shape", [(5,), (256,), (3, 700), (2, 3, 1000)], ids=str)
+def test_quantize_picks_the_nearest_code_per_block(shape):
+  m, v = random_moments(shape)
+  for x, signed in ((m, True), (v, False)):
+    q = quant8.quantize(x, signed=signed)
+    assert q.codes.dtype == np.uint8 and q.scales.shape == quant8.scale_shape(shape)
+    blocks = quant8._blocked(x.reshape(shape), np)
+    np.testing.assert_array_equal(q.scales, np.abs(blocks).max(-1))
+    # The nearest code: no code of the map lies closer to x / scale.
+    y = (blocks / q.scales[..., None]).reshape(shape[:-1] + (-1,))[..., :shape[-1]]
+    codes = np.asarray(codes_of(signed), np.float64)
+    got = np.abs(codes[q.codes] - y)
+    best = np.abs(codes[None, :] - y.reshape(-1, 1)).min(-1).reshape(shape)
+    np.testing.assert_allclose(got, best, rtol=0, atol=1e-7)
+    # The same through jax.numpy.
+    qj = quant8.quantize(jnp.asarray(x), signed=signed)
+    np.testing.assert_array_equal(np.asarray(qj.codes), q.codes)
+    np.testing.assert_array_equal(quant8.dequantize(q, signed=signed),
+                                  np.asarray(quant8.dequantize(qj, signed=signed)))
+
+
+def test_zeros_and_non_finite_blocks():
+  x = np.zeros((2, 300), np.float32)
+  x[1, 260] = np.nan
+  q = quant8.quantize(x, signed=True)
+  np.testing.assert_array_equal(q.scales, [[0, 0], [0, np.nan]])
+  back = quant8.dequantize(q, signed=True)
+  assert np.all(back[0] == 0) and np.all(back[1, :256] == 0) and np.all(np.isnan(back[1, 256:]))
+
+
+def kernel_steps(p, g, m, v, steps, **kw):
+  """`steps` kernel steps from moments quantized from m and v, on copies;
+  returns (param, mu, nu)."""
+  p = p.copy()
+  mu, nu = quant8.quantize(m, signed=True), quant8.quantize(v, signed=False)
+  for t in range(1, steps + 1):
+    kernels.adam_step_(p, g, mu, nu, count=t, **HYPER, **kw)
+  return p, mu, nu
+
+
+def reference_steps(p, g, m, v, steps):
+  """The same steps as array operations (xla_update: dequantize, Adam in
+  float32, quantize)."""
+  p = jnp.asarray(p)
+  mu = jax.tree.map(jnp.asarray, quant8.quantize(m, signed=True))
+  nu = jax.tree.map(jnp.asarray, quant8.quantize(v, signed=False))
+  for t in range(1, steps + 1):
+    scalars = kernels.adam_scalars(lr=HYPER["learning_rate"], b1=HYPER["b1"], b2=HYPER["b2"],
+                                   eps=HYPER["eps"], eps_root=0.0,
+                                   weight_decay=HYPER["weight_decay"], count=t)
+    u, mu, nu = xla_update(jnp.asarray(g, jnp.float32), mu, nu, p, scalars, nesterov=False)
+    p = p + u
+  return np.asarray(p), jax.tree.map(np.asarray, mu), jax.tree.map(np.asarray, nu)
+
+
+def assert_moments_close(got, want, signed):
+  """Codes equal but where float32 rounding put a value on the other side
+  of a midpoint (fused multiply-adds in the kernel); values within a code."""
+  assert np.mean(got.codes == want.codes) > 0.999
+  np.testing.assert_allclose(got.scales, want.scales, rtol=1e-6)
+  a, b = quant8.dequantize(got, signed=signed), quant8.dequantize(want, signed=signed)
+  np.testing.assert_allclose(a, b, rtol=0.1, atol=1e-6 * np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("shape", [(1,), (300,), (4, 700), (2, 1024)], ids=str)
+@pytest.mark.parametrize("grad_dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_kernel_matches_the_array_reference(shape, grad_dtype):
+  rng = np.random.default_rng(1)
+  p = rng.standard_normal(shape, dtype=np.float32)
+  g = (rng.standard_normal(shape, dtype=np.float32) * 1e-2).astype(grad_dtype)
+  m, v = random_moments(shape)
+  got = kernel_steps(p, g, m, v, 3)
+  want = reference_steps(p, g, m, v, 3)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+  assert_moments_close(got[1], want[1], signed=True)
+  assert_moments_close(got[2], want[2], signed=False)
+
+
+def test_the_update_comes_from_the_unrounded_moments():
+  """With bf16 weights written out too: the weights equal the float32
+  moments' update, not the dequantized codes'."""
+  rng = np.random.default_rng(2)
+  p = rng.standard_normal(5000, dtype=np.float32)
+  g = rng.standard_normal(5000, dtype=np.float32).astype(ml_dtypes.bfloat16)
+  lowp = np.zeros(5000, ml_dtypes.bfloat16)
+  zero = np.zeros(5000, np.float32)
+  got, _, _ = kernel_steps(p, g, zero, zero, 1, lowp_out=lowp)
+  want = p.copy()
+  kernels.adam_step_(want, g, zero.copy(), zero.copy(), count=1, **HYPER)
+  np.testing.assert_array_equal(got, want)  # step 1 from zero moments: the same arithmetic
+  np.testing.assert_array_equal(lowp, got.astype(ml_dtypes.bfloat16))
+
+
+def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
+  """Rows of 100,000 (short last blocks) over several tasks, and one long
+  row: every ISA and thread count writes the same bits."""
+  for shape in [(3, 100_000), (300_001,)]:
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal(shape, dtype=np.float32)
+    g = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    m, v = random_moments(shape)
+    results = []
+    for level in kernels.supported_simd_levels():
+      for threads in (1, 2, 3):
+        with simd(level):
+          p1, mu, nu = kernel_steps(p, g, m, v, 2, num_threads=threads)
+        results.append((level, threads, p1, mu, nu))
+    first = results[0]
+    for level, threads, *arrays in results[1:]:
+      for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(first[2:])):
+        np.testing.assert_array_equal(a, b, err_msg=f"{level} on {threads} threads")
+
+
+def bad_int8_inputs():
+  p = np.zeros((2, 300), np.float32)
+  g = np.zeros_like(p)
+  q = lambda: quant8.zeros(p.shape)
+  bf16 = np.zeros(p.shape, ml_dtypes.bfloat16)
+  read_only = quant8.zeros(p.shape)
+  read_only.codes.setflags(write=False)
+  return [
+      ("int8 mu, bf16 nu", dict(mu=q(), nu=bf16), TypeError, "pairs"),
+      ("int8 codes", dict(mu=quant8.Int8Moment(np.zeros(p.shape, np.int8),
+                                               np.zeros((2, 2), np.float32)), nu=q()),
+       TypeError, "uint8 codes"),
+      ("flat scales", dict(mu=quant8.Int8Moment(np.zeros(p.shape, np.uint8),
+                                                np.zeros(4, np.float32)), nu=q()),
+       ValueError, r"mu.scales has shape \(4,\).*needs \(2, 2\)"),
+      ("codes shape", dict(mu=quant8.zeros((600,)), nu=q()), ValueError, "mu"),
+      ("read-only codes", dict(mu=read_only, nu=q()), ValueError, "read-only"),
+  ], p, g
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_bad_int8_input_is_refused_before_any_write(case):
+  cases, p, g = bad_int8_inputs()
+  _, moments, error, message = cases[case]
+  with pytest.raises(error, match=message):
+    kernels.adam_step_(p, g, count=1, **moments, **HYPER)
+
+
+def test_the_extension_checks_int8_arguments_itself():
+  p, g = np.zeros(300, np.float32), np.zeros(300, np.float32)
+  q = quant8.zeros((300,))
+  scalars = np.zeros(native.NUM_ADAM_SCALARS, np.float32)
+  int8 = native.DTYPE_CODES["int8"]
+  with pytest.raises(TypeError, match="pairs"):
+    native.adam_step(p, g, 0, q.codes, int8, p.copy(), 0, q.scales, q.scales.copy(), 300,
+                     None, 1, scalars, False, 0)
+  with pytest.raises(ValueError, match="mu_scale has 1 scales"):
+    native.adam_step(p, g, 0, q.codes, int8, q.codes.copy(), int8, q.scales[:1],
+                     q.scales.copy(), 300, None, 1, scalars, False, 0)
+  with pytest.raises(ValueError, match="row must divide"):
+    native.adam_step(p, g, 0, q.codes, int8, q.codes.copy(), int8, q.scales, q.scales.copy(),
+                     7, None, 1, scalars, False, 0)
+  with pytest.raises(ValueError, match="overlap"):
+    native.adam_step(p, g, 0, q.codes, int8, q.codes, int8, q.scales, q.scales.copy(), 300,
+                     None, 1, scalars, False, 0)
+  with pytest.raises(TypeError, match="grad cannot be int8"):
+    native.adam_step(p, q.codes.copy(), int8, q.codes, int8, q.codes.copy(), int8, q.scales,
+                     q.scales.copy(), 300, None, 1, scalars, False, 0)
+
+
+def test_the_optax_drop_in_keeps_int8_moments():
+  """cpu_adamw(mu_dtype=int8, nu_dtype=int8): Int8Moment state, the
+  reference's update eagerly and under jit, close to float32 moments'
+  training; refused unpaired."""
+  params = {"w": jnp.ones((3, 300)), "b": jnp.zeros((5,))}
+  tx = jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8, weight_decay=0.1)
+  state = tx.init(params)
+  assert isinstance(state.mu["w"], quant8.Int8Moment)
+  assert state.mu["w"].codes.dtype == jnp.uint8 and state.nu["b"].scales.shape == (1,)
+  fp32 = jzo.cpu_adamw(1e-2, weight_decay=0.1)
+  p8, p32, state32 = params, params, fp32.init(params)
+  rng = np.random.default_rng(0)
+  update = jax.jit(tx.update)
+  for _ in range(10):
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), params)
+    u, state = update(g, state, p8)
+    p8 = optax.apply_updates(p8, u)
+    u, state32 = fp32.update(g, state32, p32)
+    p32 = optax.apply_updates(p32, u)
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p32, params)
+  apart = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), p8, p32)
+  assert all(apart[k] < 0.05 * moved[k] for k in params)
+  with pytest.raises(TypeError, match="pairs"):
+    jzo.cpu_adamw(1e-3, mu_dtype=INT8)
+  with pytest.raises(TypeError, match="holds float32 moments"):
+    tx.update(g, fp32.init(params), params)
+
+
+def test_the_engine_trains_with_int8_moments_and_resumes_exactly():
+  """Offload with int8 host moments: training close to float32 moments'; a
+  checkpoint loads into a new engine giving back the same codes and scales,
+  and both continue alike. Device state is refused."""
+  tx = lambda moments: jzo.cpu_adamw(1e-2, weight_decay=0.1, mu_dtype=moments,
+                                     nu_dtype=moments)
+  make = lambda moments, **kw: jzo.ZeroEngine(loss_fn, init_params(), tx(moments),
+                                              mesh=mesh_of(8), stage=2, **kw)
+  int8, fp32 = make(INT8, offload="auto"), make(None, offload=True)
+  assert isinstance(int8.host.mu["embed"], quant8.Int8Moment)
+  data = batches(8)
+  losses = [(float(int8.step(b).loss), float(fp32.step(b).loss)) for b in data[:6]]
+  np.testing.assert_allclose(*zip(*losses), rtol=0.05)
+  again = make(INT8, offload=True)
+  again.load_state_dict(int8.state_dict())
+  for a, b in zip(int8.host.arrays(), again.host.arrays()):
+    np.testing.assert_array_equal(a, b)
+  for b in data[6:]:
+    assert float(int8.step(b).loss) == float(again.step(b).loss)
+  with pytest.raises(ValueError, match="int8 moments are kept in host memory"):
+    make(INT8, offload=0.5)
+
+
+def test_a_streamed_update_of_int8_moments_equals_the_whole_one():
+  """Spans of at least one block of scales (ShardTransfer.spans) give the
+  same weights and moments as one set of landing buffers."""
+  make = lambda limit: jzo.ZeroEngine(
+      loss_fn, init_params(), jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8),
+      mesh=mesh_of(2), stage=2, offload=True, landing_limit=limit)
+  whole, streamed = make(None), make(1024)
+  assert streamed.plan.streamed
+  for b in batches(3):
+    assert float(whole.step(b).loss) == float(streamed.step(b).loss)
+  for a, b in zip(whole.host.arrays(), streamed.host.arrays()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_planner_counts_two_bytes_of_int8_moments():
+  shapes = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  kw = dict(device_memory=2**34, host_memory=2**34)
+  int8 = jzo.estimate(shapes, moments="int8", **kw)
+  fp32 = jzo.estimate(shapes, moments="fp32", offload=True, **kw)
+  assert int8.plan.cpu_adam and not int8.plan.has_device_state
+  assert int8.plan.host_bytes()["moments"] == 2 * 1024 * 1024
+  assert fp32.plan.host_bytes()["moments"] == 8 * 1024 * 1024
+  with pytest.raises(ValueError, match="int8 moments are kept in host memory"):
+    jzo.estimate(shapes, moments="int8", offload=False, **kw)
