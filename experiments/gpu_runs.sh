@@ -38,6 +38,8 @@
 #                  the device and on the host
 #   accum-10b      gpt2-10b, bf16 moments: 8, then 4 x 8 summed on the host
 #   host-sums      the host accumulation's passes alone on the host CPU
+#   int8-tests     --help of each command; the int8 moments' and the kernel's tests, and
+#                  the optax drop-in's with the GPU as default backend (its XLA path)
 #   kernel-moments the C++ kernel by moment dtype (fp32, bf16, int8) and against torch's
 #                  fused AdamW, 2^16 .. 2^28 parameters, on the host CPU
 #   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
@@ -110,7 +112,7 @@ for part in "$@"; do
       done
       JAX_PLATFORMS=cuda,cpu pytests tests-gpu 240 tests/test_offload_gpu.py
       for t in test_transfer test_streaming test_offload test_accumulation test_placement \
-               test_finetune test_engine test_cpu_adam; do
+               test_finetune test_engine test_cpu_adam test_quant8; do
         pytests "$t" 300 "tests/$t.py"
       done ;;
     multiprocess)
@@ -120,6 +122,13 @@ for part in "$@"; do
       JAX_PLATFORMS=cuda,cpu pytests cpu-adam-xla 240 tests/test_cpu_adam.py  # the XLA path
       JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --sizes 24 28 \
         --json "$OUT/cpu-adam.json" 2>&1 | tee "$OUT/cpu-adam.log" ;;
+    int8-tests)
+      for m in jzo.train jzo.estimate jzo.export; do
+        python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
+      done
+      pytests int8-kernels 300 tests/test_quant8.py tests/test_kernels.py
+      JAX_PLATFORMS=cuda,cpu pytests int8-xla 300 tests/test_cpu_adam.py \
+        tests/test_quant8.py -k "not engine and not streamed" ;;
     kernel-moments)
       JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
         --sizes 16 18 20 22 24 26 28 --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1

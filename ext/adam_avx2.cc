@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant8.h"
+
 namespace {
 struct V {
   static constexpr int kWidth = 8;
@@ -59,15 +61,34 @@ struct V {
     return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
-  static F dequant8(const uint8_t* p, const float* code) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_i32gather_ps(code, idx, 4);
+  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i i = map.is_signed ? _mm256_and_si256(c, _mm256_set1_epi32(127)) : c;
+    const __m256i bits = _mm256_castps_si256(
+        _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(i, 1), _mm256_set1_epi32(1))));
+    // The decade from the exponent's low 3 bits (permutevar8x32 reads those).
+    const F decade = _mm256_permutevar8x32_ps(_mm256_loadu_ps(map.decade), _mm256_srli_epi32(bits, 23));
+    const F in_decade = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
+    F value = _mm256_mul_ps(decade, _mm256_fmadd_ps(_mm256_set1_ps(0.9f), in_decade,
+                                                    _mm256_set1_ps(-0.8f)));
+    const __m256i zero = _mm256_setzero_si256();
+    value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(i, zero)), value);
+    const __m256i top = _mm256_cmpeq_epi32(i, _mm256_set1_epi32(map.is_signed ? 127 : 255));
+    value = _mm256_blendv_ps(value, _mm256_set1_ps(1.0f), _mm256_castsi256_ps(top));
+    if (map.is_signed)
+      value = _mm256_xor_ps(value, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                       _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
+    return value;
   }
   static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-    const __m256i top = _mm256_min_epu32(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(0x3F80));
+    const __m256i top = _mm256_sub_epi32(
+        _mm256_max_epu32(_mm256_min_epu32(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(0x3F80)),
+                         _mm256_set1_epi32(jzo::kQuantIndexBase)),
+        _mm256_set1_epi32(jzo::kQuantIndexBase));
     const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), top, 4);
     const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(mag, low16), _mm256_and_si256(e, low16));
     __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up is -1 where true

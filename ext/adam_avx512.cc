@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "quant8.h"
+
 namespace {
 struct V {
   static constexpr int kWidth = 16;
@@ -56,15 +58,33 @@ struct V {
     return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
-  static F dequant8(const uint8_t* p, const float* code) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_i32gather_ps(idx, code, 4);
+  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i i = map.is_signed ? _mm512_and_si512(c, _mm512_set1_epi32(127)) : c;
+    const __m512i bits = _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(i, 1), _mm512_set1_epi32(1))));
+    // The decade from the exponent's low 4 bits: 15 (a zero entry) for i = 0.
+    const F decade = _mm512_permutexvar_ps(_mm512_srli_epi32(bits, 23), _mm512_loadu_ps(map.decade));
+    const F in_decade = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x3f800000)));
+    F value = _mm512_mul_ps(decade, _mm512_fmadd_ps(_mm512_set1_ps(0.9f), in_decade,
+                                                    _mm512_set1_ps(-0.8f)));
+    const __mmask16 top = _mm512_cmpeq_epi32_mask(i, _mm512_set1_epi32(map.is_signed ? 127 : 255));
+    value = _mm512_mask_mov_ps(value, top, _mm512_set1_ps(1.0f));
+    if (map.is_signed)
+      value = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(value),
+          _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
+    return value;
   }
   static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
     const __m512i low16 = _mm512_set1_epi32(0xFFFF);
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512i top = _mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80));
+    const __m512i top = _mm512_sub_epi32(
+        _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
+                         _mm512_set1_epi32(jzo::kQuantIndexBase)),
+        _mm512_set1_epi32(jzo::kQuantIndexBase));
     const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(index), 4);
     const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low16),
                                                  _mm512_and_si512(e, low16));

@@ -227,8 +227,8 @@ inline void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& m
   F m_max = zero, v_max = zero;
   for (int j = 0; j < kB; j += kW) {
     const F g = scaled_grad<G>(b, c, lo + j);
-    const F m0 = V::mul(V::dequant8(mu + lo + j, maps.mu.code), mu_scale);
-    const F v0 = V::mul(V::dequant8(nu + lo + j, maps.nu.code), nu_scale);
+    const F m0 = V::mul(V::dequant8(mu + lo + j, maps.mu), mu_scale);
+    const F v0 = V::mul(V::dequant8(nu + lo + j, maps.nu), nu_scale);
     const F m = V::fmadd(c.b1, m0, V::mul(c.omb1, g));
     const F v = V::fmadd(c.b2, v0, V::mul(c.omb2, V::mul(g, g)));
     V::store_f32(m_new + j, m);

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant8.h"
+
 namespace {
 struct V {
   static constexpr int kWidth = 1;
@@ -58,13 +60,29 @@ struct V {
     std::memcpy(&out, &top, 4);
     return out;
   }
-  // 8-bit moments (quant8.h): a code's value, and the nearest code of y.
-  static F dequant8(const uint8_t* p, const float* code) { return code[*p]; }
+  // 8-bit moments (quant8.h): a code's value, by the map's arithmetic, and
+  // the nearest code of y.
+  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+    const uint32_t c = *p, i = map.is_signed ? c & 127u : c;
+    const uint32_t top = map.is_signed ? 127u : 255u;
+    float r = static_cast<float>(2 * i + 1);
+    uint32_t bits;
+    std::memcpy(&bits, &r, 4);
+    const uint32_t exponent = bits >> 23;  // 127 for i = 0, else 128 + decade
+    bits = (bits & 0x7fffffu) | 0x3f800000u;
+    std::memcpy(&r, &bits, 4);
+    F value = i == 0 ? 0.0f : map.decade[exponent & 15] * __builtin_fmaf(0.9f, r, -0.8f);
+    if (i == top) value = 1.0f;
+    if (map.is_signed && (c & 128u)) value = -value;
+    return value;
+  }
   static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
     uint32_t bits;
     std::memcpy(&bits, &y, 4);
     const uint32_t mag = bits & 0x7fffffffu;
-    const uint32_t top = (mag >> 16) < 0x3F80u ? mag >> 16 : 0x3F80u;  // |y| <= 1 but for rounding, NaN
+    // |y| <= 1 but for rounding (or NaN); all below the index's base is code 0.
+    uint32_t top = (mag >> 16) < 0x3F80u ? mag >> 16 : 0x3F80u;
+    top = top > jzo::kQuantIndexBase ? top - jzo::kQuantIndexBase : 0u;
     const uint32_t e = index[top];
     uint32_t k = (e >> 16) + ((mag & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
     if (is_signed) k |= (bits >> 24) & 0x80u;

@@ -7,19 +7,22 @@
 namespace jzo {
 namespace {
 
-// The `count` magnitudes of a dynamic tree map, ascending: 0, then for each
-// decade 10^(e - 6), e = 0 .. 5, `first << e` values at the middles of
-// equal steps over [0.1, 1], and the rest in the decade 10^0, the largest of
-// them replaced by 1.
-std::vector<double> magnitudes(int first, int count) {
-  std::vector<double> out = {0.0};
-  for (int e = 0; e <= 6; ++e) {
-    const int n = e < 6 ? first << e : count - static_cast<int>(out.size());
-    double decade = 1.0;
-    for (int k = e; k < 6; ++k) decade /= 10.0;
-    for (int k = 0; k < n; ++k) out.push_back(decade * (0.1 + 0.9 * (k + 0.5) / n));
+// The magnitudes of a dynamic tree map with `decades` decades, ascending:
+// 0, then magnitude i in 1 .. 2^decades - 1 is the middle of step i - 2^e of
+// 2^e equal steps over [0.1, 1] in the decade 10^(e + 1 - decades), e the
+// position of i's top bit; the largest is replaced by 1. They are computed
+// as dequant8 computes them (float32, one fused multiply-add), so the table
+// and the arithmetic agree to the bit.
+std::vector<float> magnitudes(int decades, const float* decade) {
+  std::vector<float> out = {0.0f};
+  for (int i = 1; i < (1 << decades); ++i) {
+    const float r = static_cast<float>(2 * i + 1);  // (i + 0.5) * 2, exact
+    int e = 0;
+    while ((2 << e) <= i) ++e;
+    const float in_decade = r / static_cast<float>(2 << e);  // (i + 0.5) / 2^e, in [1, 2)
+    out.push_back(decade[e] * __builtin_fmaf(0.9f, in_decade, -0.8f));
   }
-  out.back() = 1.0;
+  out.back() = 1.0f;
   return out;
 }
 
@@ -30,24 +33,31 @@ uint32_t bits_of(float x) {
 }
 
 Quant8Map build(bool is_signed) {
-  const std::vector<double> mag = is_signed ? magnitudes(1, 128) : magnitudes(2, 256);
-  const int n = static_cast<int>(mag.size());  // 128 signed, 256 unsigned
   Quant8Map map{};
   map.is_signed = is_signed;
+  map.decades = is_signed ? 7 : 8;
+  for (int e = 0; e < map.decades; ++e) {
+    double d = 1.0;
+    for (int k = e + 1; k < map.decades; ++k) d /= 10.0;
+    map.decade[e] = static_cast<float>(d);
+  }
+  const std::vector<float> mag = magnitudes(map.decades, map.decade);
+  const int n = static_cast<int>(mag.size());  // 128 signed, 256 unsigned
   for (int c = 0; c < 256; ++c) {
-    const int k = is_signed ? c & 127 : c;
-    const float value = static_cast<float>(mag[k]);
+    const float value = mag[is_signed ? c & 127 : c];
     map.code[c] = is_signed && c >= 128 ? -value : value;
   }
   std::vector<uint32_t> mid_bits(n - 1);
   map.num_mid = n - 1;
   for (int k = 0; k + 1 < n; ++k) {
-    map.mid[k] = static_cast<float>((mag[k] + mag[k + 1]) / 2);
+    map.mid[k] = static_cast<float>((double{mag[k]} + mag[k + 1]) / 2);
     mid_bits[k] = bits_of(map.mid[k]);
   }
   // For positive floats the bit patterns order as the values do.
   int below = 0;  // midpoints below the current range's start
-  for (uint32_t top = 0; top < kQuantIndexSize; ++top) {
+  if (mid_bits[0] < kQuantIndexBase << 16)
+    throw std::logic_error("quant8: the index starts above the first midpoint");
+  for (uint32_t top = kQuantIndexBase; top < kQuantIndexBase + kQuantIndexSize; ++top) {
     const uint32_t start = top << 16, end = start + 0x10000;
     while (below < n - 1 && mid_bits[below] < start) ++below;
     uint32_t entry = static_cast<uint32_t>(below) << 16 | 0xFFFF;
@@ -56,7 +66,7 @@ Quant8Map build(bool is_signed) {
         throw std::logic_error("quant8: two midpoints in one bfloat16 range");
       entry = static_cast<uint32_t>(below) << 16 | (mid_bits[below] & 0xFFFF);
     }
-    map.index[top] = entry;
+    map.index[top - kQuantIndexBase] = entry;
   }
   return map;
 }

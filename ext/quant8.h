@@ -5,20 +5,22 @@
 // scale per block of kQuantBlock values: the block's largest magnitude
 // (absmax). A value is scale * map.code[c].
 //
-// The maps are dynamic tree maps: a decade exponent (10^-6 .. 10^0) and a
-// linear fraction in [0.1, 1] whose bits grow with the exponent, so small
-// values keep their relative precision and large ones get the most steps.
-//   signed (mu):   code = sign << 7 | magnitude, 128 magnitudes:
-//                  0, then 1, 2, 4, ..., 64 fractions in the decades
-//                  10^-6 .. 10^0; the largest is 1 (the absmax itself).
-//   unsigned (nu): 256 values: 0, then 2, 4, ..., 64 fractions in the
-//                  decades 10^-6 .. 10^-1 and 129 in 10^0; the largest is 1.
+// The maps are dynamic tree maps: a decade exponent and a linear fraction in
+// [0.1, 1] whose bits grow with the exponent, so small values keep their
+// relative precision and large ones get the most steps. Magnitude i >= 1
+// lies in decade e = (position of i's top bit): value
+// decade[e] * (0.9 * (i + 0.5) / 2^e - 0.8), the middle of step i - 2^e of
+// 2^e equal steps over [0.1, 1]; magnitude 0 is 0 and the largest is 1 (the
+// absmax itself). So a code decodes in a few vector operations, no lookup.
+//   signed (mu):   code = sign << 7 | magnitude, 128 magnitudes in the
+//                  7 decades 10^-6 .. 10^0 (1, 2, 4, ..., 64 values).
+//   unsigned (nu): 256 magnitudes in the 8 decades 10^-7 .. 10^0.
 //
 // Quantizing x >= 0 (a magnitude divided by the scale, at most 1) picks the
 // nearest value: c = the number of midpoints between consecutive values that
 // are < x (a tie goes to the lower value). It takes one table lookup: within
 // the range of one bfloat16 pattern (the top 16 bits of x) lies at most one
-// midpoint, so `index[top 16 bits]` holds the code at the range's start and
+// midpoint, so `index[top 16 bits - base]` holds the code at the range's start and
 // the low 16 bits of that midpoint (0xFFFF: none), and x's low 16 bits
 // decide. Every instruction set computes the same bits.
 #pragma once
@@ -30,14 +32,20 @@ namespace jzo {
 // Values a scale covers; a thread's chunk (kAdamChunk) holds whole blocks.
 constexpr int kQuantBlock = 256;
 
-// Top-16-bit patterns of the floats in [0, 1]: 0x0000 .. 0x3F80 (1.0f).
-constexpr int kQuantIndexSize = 0x3F81;
+// Top-16-bit patterns the index covers: 0x3200 (2^-27, below half the
+// smallest value, so everything under it is code 0) .. 0x3F80 (1.0f): 14 KB,
+// which stays in the L1 cache beside the streamed arrays.
+constexpr uint32_t kQuantIndexBase = 0x3200;
+constexpr int kQuantIndexSize = 0x3F81 - kQuantIndexBase;
 
 struct Quant8Map {
   float code[256];                   // dequantized value of each code
-  uint32_t index[kQuantIndexSize];   // code << 16 | low 16 bits of the midpoint in range
+  uint32_t index[kQuantIndexSize];   // by top 16 bits - kQuantIndexBase:
+                                     // code << 16 | low 16 bits of the midpoint in range
   float mid[255];                    // midpoints between consecutive magnitudes, ascending
   int num_mid;                       // 127 signed, 255 unsigned
+  float decade[16];                  // decade[e] = 10^(e + 1 - decades); 0 past the last
+  int decades;                       // 7 signed, 8 unsigned
   bool is_signed;
 };
 

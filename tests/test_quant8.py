@@ -35,20 +35,21 @@ def codes_of(signed):
 
 
 def test_the_maps_are_dynamic_trees():
-  """Signed: sign and 128 magnitudes, 0 to 1; unsigned: 256 values, 0 to 1;
-  each decade below 1 holds twice the values of the one below it."""
+  """Signed: sign and 128 magnitudes over 7 decades, 0 to 1; unsigned: 256
+  over 8 decades; each decade holds twice the values of the one below it,
+  at the middles of equal steps."""
   signed = np.asarray(codes_of(True), np.float64)
   magnitudes = signed[:128]
   np.testing.assert_array_equal(signed[128:], -magnitudes)
-  assert magnitudes[0] == 0 and magnitudes[-1] == 1 and np.all(np.diff(magnitudes) > 0)
   unsigned = np.asarray(codes_of(False), np.float64)
-  assert unsigned[0] == 0 and unsigned[-1] == 1 and np.all(np.diff(unsigned) > 0)
-  # Decades [10^-e, 10^(1-e)) for e = 6 .. 1 (1 itself is the last value).
-  for values, first, top in ((magnitudes, 1, 63), (unsigned, 2, 128)):
+  for values, decades in ((magnitudes, 7), (unsigned, 8)):
+    assert values[0] == 0 and values[-1] == 1 and np.all(np.diff(values) > 0)
+    # Decades [10^-e, 10^(1-e)), e = decades .. 1 (1 itself is the last value).
     per_decade = [int(np.sum((values >= 10.0**-e) & (values < 10.0**(1 - e))))
-                  for e in range(6, 0, -1)]
-    assert per_decade == [first << k for k in range(1, 6)] + [top]
-    assert 1e-7 < values[1] < 1e-6  # seven decades of range
+                  for e in range(decades, 0, -1)]
+    assert per_decade == [1 << k for k in range(decades - 1)] + [(1 << (decades - 1)) - 1]
+    top = values[len(values) // 2:-1]  # the top decade but 1
+    np.testing.assert_allclose(np.diff(top), 0.9 / (len(values) // 2), rtol=1e-5)
 
 
 def random_moments(shape, seed=0):
