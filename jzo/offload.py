@@ -254,6 +254,8 @@ class HostUpdate:
     # going up.
     self._streamed = adam.acc is None and bool(landing_limit)
     self._span_bytes = max(1, self._landing_limit // STREAM_SPANS)
+    # int8 moments' scales cover blocks of a flat part: a span holds whole ones.
+    self._span_block = quant8.QUANT_BLOCK if quant8.is_int8(adam.hyper.mu_dtype) else 1
     self._landing_held = 0  # bytes of landing buffers the accumulation holds now
     self._landing_freed = threading.Condition()
     self._sums: list = []  # futures of this step's accumulation: (leaf, sq, bad)
@@ -349,7 +351,7 @@ class HostUpdate:
       held -= nbytes
 
     for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
-      for span in self.transfer.spans(i, self._span_bytes):
+      for span in self.transfer.spans(i, self._span_bytes, self._span_block):
         nbytes = self.transfer.span_bytes(i, span)
         while in_flight and held + nbytes > self._landing_limit:
           upload_oldest()

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jzo import quant8
 from jzo.distributed import local_positions
 from jzo.partition import LeafLayout, is_layout
 
@@ -127,22 +126,22 @@ class ShardTransfer:
     part = grad if whole and not layout.on_device else self._host_part_fns[key](grad)
     return HostLanding([np.array(shard.data) for shard in self._by_position(i, part)])
 
-  def spans(self, i: int, max_bytes: int) -> list[tuple[int, int]]:
+  def spans(self, i: int, max_bytes: int, block: int = 1) -> list[tuple[int, int]]:
     """Leaf i's host part cut into spans [lo, hi) along the first axis of
     each device's host part (elements of a flat shard, layers of a
     per-layer one), of at most max_bytes of this process's landing buffer
-    each, but at least one layer (or 256 elements, a block of int8
-    moments' scales): a streamed update moves one at a time."""
+    each, but at least one layer, or `block` elements of a flat shard
+    (whose spans then start at multiples of it: int8 moments' blocks of
+    scales): a streamed update moves one at a time."""
     layout = self.layouts[i]
     row = layout.on_host if layout.per_layer else 1  # elements per unit of the axis
     unit = len(self._positions) * row * self.dtype.itemsize
     size = self._span_axis_size(i)
     step = max(1, max_bytes // unit)
     if not layout.per_layer:
-      # Whole rows of 64 Ki elements (aligned spans), or at least whole
-      # blocks of int8 moments' scales (jzo.quant8).
-      row_of = _ROW if step > _ROW else quant8.QUANT_BLOCK
-      step = max(step - step % row_of, quant8.QUANT_BLOCK)
+      # Whole rows of 64 Ki elements (aligned spans), else whole blocks.
+      row_of = _ROW if step > _ROW else block
+      step = max(step - step % row_of, block)
     return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
 
   def span_bytes(self, i: int, span: tuple[int, int]) -> int:

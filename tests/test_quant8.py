@@ -275,14 +275,22 @@ def test_the_engine_trains_with_int8_moments_and_resumes_exactly():
 
 
 def test_a_streamed_update_of_int8_moments_equals_the_whole_one():
-  """Spans of at least one block of scales (ShardTransfer.spans) give the
-  same weights and moments as one set of landing buffers."""
+  """Spans of whole blocks of scales (ShardTransfer.spans with the block),
+  many to a leaf, give the same weights and moments as one set of landing
+  buffers."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((64, 300)) * 0.1, jnp.float32)}
+  data = [{"x": jnp.asarray(rng.standard_normal((8, 64)), jnp.float32),
+           "y": jnp.asarray(rng.standard_normal((8, 300)), jnp.float32)} for _ in range(3)]
+  loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   make = lambda limit: jzo.ZeroEngine(
-      loss_fn, init_params(), jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8),
-      mesh=mesh_of(2), stage=2, offload=True, landing_limit=limit)
+      loss, params, jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8), mesh=mesh_of(2),
+      stage=2, offload=True, landing_limit=limit)
   whole, streamed = make(None), make(1024)
   assert streamed.plan.streamed
-  for b in batches(3):
+  spans = streamed.host_update.transfer.spans(0, 256, quant8.QUANT_BLOCK)
+  assert len(spans) > 10 and all(lo % quant8.QUANT_BLOCK == 0 for lo, _ in spans)
+  for b in data:
     assert float(whole.step(b).loss) == float(streamed.step(b).loss)
   for a, b in zip(whole.host.arrays(), streamed.host.arrays()):
     np.testing.assert_array_equal(a, b)
