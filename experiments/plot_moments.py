@@ -2,7 +2,7 @@
 training loss of gpt2-124m trained with fp32, bf16 and int8 moments, side by
 side, from the metrics.jsonl files of `experiments/gpu_runs.sh moments-quality`.
 
-  python experiments/plot_moments.py --results experiments/results/session12 \\
+  python experiments/plot_moments.py --results experiments/results/session12/run2-60e4e3f \\
       [--out experiments/figures/fig_moments_quality.png]
 
 Reads moments-quality-{fp32,bf16,int8}.jsonl; prints the held-out loss at
@@ -40,7 +40,7 @@ def smooth(values: list[float], window: int = 50) -> list[float]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--results", default=os.path.join(HERE, "results", "session12"))
+  parser.add_argument("--results", default=os.path.join(HERE, "results", "session12", "run2-60e4e3f"))
   parser.add_argument("--out", default=os.path.join(HERE, "figures", "fig_moments_quality.png"))
   args = parser.parse_args()
   runs = {m: read(os.path.join(args.results, f"moments-quality-{m}.jsonl")) for m in MOMENTS}
