@@ -4,8 +4,10 @@ For N fp32 parameters, each system performs one AdamW step per call
 (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01) in host memory:
 
   * jzo fp32:       jzo.kernels.adam_step_ on numpy arrays, fp32 gradients;
-  * jzo bf16:       the same with bf16 gradients and a bf16 copy of the new
-                    weights written out (lowp_out);
+  * jzo bf16 grad + bf16 out, M moments: as the offload engine runs it, bf16
+                    gradients in and a bf16 copy of the new weights out (lowp_out),
+                    with fp32, bf16 or int8 (jzo.quant8) moments: 28, 20 and 16
+                    bytes a parameter;
   * torch fused:    torch.optim.AdamW(fused=True) on CPU tensors;
   * torch foreach:  torch.optim.AdamW(foreach=True);
   * DeepSpeed:      DeepSpeedCPUAdam(adamw_mode=True), skipped if unavailable;
@@ -33,7 +35,9 @@ and writes mu, nu: 20; XLA reads param, mu, nu and writes param in
 apply_updates' loop: 16); optax.adamw 40 (mu, nu and the update in three XLA
 loops). Without donation XLA also writes every output to a fresh buffer, and
 copies the moments the kernel updates in place first. The ratios the issue
-names (12) are printed after the table.
+names (12, and 26: jzo fp32 against torch's fused AdamW, int8 moments against
+fp32 ones) are printed after the table. `--systems kernel` runs jzo's rows and
+torch's fused AdamW only.
 
 Each is the median of `--rounds` x `--steps` timed steps after WARMUP untimed
 ones. All systems of one size are set up together and take turns, round after
