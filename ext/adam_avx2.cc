@@ -81,7 +81,7 @@ struct V {
                                        _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
     return value;
   }
-  static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
+  static void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
@@ -89,10 +89,10 @@ struct V {
         _mm256_max_epu32(_mm256_min_epu32(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(0x3F80)),
                          _mm256_set1_epi32(jzo::kQuantIndexBase)),
         _mm256_set1_epi32(jzo::kQuantIndexBase));
-    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), top, 4);
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.index), top, 4);
     const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(mag, low16), _mm256_and_si256(e, low16));
     __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up is -1 where true
-    if (is_signed)
+    if (map.is_signed)
       k = _mm256_or_si256(k, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
     // Codes fit a byte, so the saturating packs are exact; each 128-bit
     // lane then holds its four codes in its lowest 32 bits.

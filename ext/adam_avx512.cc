@@ -77,7 +77,7 @@ struct V {
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
     return value;
   }
-  static void quant8(uint8_t* p, F y, const uint32_t* index, bool is_signed) {
+  static void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m512i low16 = _mm512_set1_epi32(0xFFFF);
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
@@ -85,12 +85,12 @@ struct V {
         _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
                          _mm512_set1_epi32(jzo::kQuantIndexBase)),
         _mm512_set1_epi32(jzo::kQuantIndexBase));
-    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(index), 4);
+    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
     const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low16),
                                                  _mm512_and_si512(e, low16));
     __m512i k = _mm512_srli_epi32(e, 16);
     k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
-    if (is_signed)
+    if (map.is_signed)
       k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
   }

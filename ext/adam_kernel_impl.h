@@ -242,8 +242,8 @@ inline void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& m
   const F m_to_code = V::set1(m_inv), v_to_code = V::set1(v_inv);
   for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
-    V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu.index, true);
-    V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu.index, false);
+    V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu);
+    V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu);
     if (!b.moments_only) apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
   }
 }

@@ -88,7 +88,7 @@ void adam_step(F32Array param, ReadArray grad, int grad_dtype, WriteArray mu, in
   const bool q8 = b.mu_dtype == jzo::DType::kQ8;
   if (q8 != (b.nu_dtype == jzo::DType::kQ8))
     throw nb::type_error("int8 moments come in pairs: mu and nu both int8 or neither");
-  if (q8 != (mu_scale.has_value() && nu_scale.has_value()) || mu_scale.has_value() != nu_scale.has_value())
+  if (mu_scale.has_value() != q8 || nu_scale.has_value() != q8)
     throw std::invalid_argument(q8 ? "int8 moments need mu_scale and nu_scale"
                                    : "mu_scale and nu_scale go with int8 moments only");
   check_storage(grad, b.grad_dtype, "grad");

@@ -2,8 +2,6 @@
 reference, determinism, the optax drop-in, the offload engine, checkpoints
 and bad input."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,19 +13,9 @@ import jzo
 from jzo import kernels, native, quant8
 from jzo.cpu_adam import xla_update
 from test_engine import batches, init_params, loss_fn, mesh_of
+from test_kernels import HYPER, simd
 
 INT8 = jnp.int8
-HYPER = dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.05)
-
-
-@contextlib.contextmanager
-def simd(level):
-  best = kernels.supported_simd_levels()[0]
-  kernels.set_simd_level(level)
-  try:
-    yield
-  finally:
-    kernels.set_simd_level(best)
 
 
 def codes_of(signed):
@@ -66,7 +54,9 @@ def test_quantize_picks_the_nearest_code_per_block(shape):
   for x, signed in ((m, True), (v, False)):
     q = quant8.quantize(x, signed=signed)
     assert q.codes.dtype == np.uint8 and q.scales.shape == quant8.scale_shape(shape)
-    blocks = quant8._blocked(x.reshape(shape), np)
+    width = quant8.blocks(shape[-1]) * quant8.QUANT_BLOCK
+    padded = np.pad(x, [(0, 0)] * (len(shape) - 1) + [(0, width - shape[-1])])
+    blocks = padded.reshape(shape[:-1] + (-1, quant8.QUANT_BLOCK))
     np.testing.assert_array_equal(q.scales, np.abs(blocks).max(-1))
     # The nearest code: no code of the map lies closer to x / scale.
     y = (blocks / q.scales[..., None]).reshape(shape[:-1] + (-1,))[..., :shape[-1]]
