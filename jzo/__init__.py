@@ -7,6 +7,7 @@ Public API:
   estimate: the memory planner: what lives where, and whether it fits.
   pick_micro_batch: the largest micro-batch that fits a global batch.
   gather_layer: the hook a scan over layers calls for per-layer stage-3 gathers.
+  scan_layers: the scan over stacked layers (whose gradients may replace the weights).
   LossScale: dynamic loss-scaling settings for float16.
   cpu_adam, cpu_adamw: optax transforms computed by the C++ host kernel.
   adamw_step: their update and apply_updates as one in-place pass.
@@ -23,10 +24,11 @@ from jzo.options import EngineOptions
 from jzo.planner import estimate, pick_micro_batch
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
+from jzo.layer_scan import scan_layers
 from jzo.partition import gather_layer
 from jzo.precision import LossScale
 
 __all__ = ["CpuAdamState", "CpuAdamTransform", "EngineOptions", "EngineState", "HostLeaf",
            "LossScale", "PlacementError", "Plan", "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
-           "estimate", "gather_layer", "kernels", "pick_micro_batch"]
+           "estimate", "gather_layer", "kernels", "pick_micro_batch", "scan_layers"]
 __version__ = "0.1.0"

@@ -124,7 +124,7 @@ class ZeroEngine:
                dpu_warmup: int = 10, host_memory: int | None = None,
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
-               landing_limit: int | None = None):
+               landing_limit: int | None = None, grads_in_params: bool = False):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -132,7 +132,8 @@ class ZeroEngine:
         stage=stage, compute_dtype=compute_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
         max_grad_norm=max_grad_norm, layers=layers, offload=offload,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
-        landing_limit=landing_limit, host_transfer=host_transfer)
+        landing_limit=landing_limit, host_transfer=host_transfer,
+        grads_in_params=grads_in_params)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
@@ -216,7 +217,7 @@ class ZeroEngine:
     if self.plan.host_accumulation:
       return self._accumulated_step(batch)
     delayed = self._delayed() if self.host_update is not None else False
-    metrics, grad_scale = self.run_device_step(batch)
+    metrics, grad_scale = self._device_step(batch)
     if self.host_update is not None:
       grads = jax.tree.leaves(self.state.grads)
       self._set_device(grads=None)  # each freed once it is down
@@ -286,9 +287,20 @@ class ZeroEngine:
     `state.grads` (under host accumulation they are dropped, each
     micro-batch's as the next one starts); returns (metrics, the host's
     grad scale). `step` calls it, then the host side; called alone (to
-    time the device), the host parts' weights are not updated."""
+    time the device), the host parts' weights are not updated (with
+    grads_in_params they are remade from the masters, which this waits for)."""
     if self.plan.host_accumulation:
       return self._micro_calls(batch, None)
+    out = self._device_step(batch)
+    if self.plan.grads_in_params:
+      self._set_device(grads=None)
+      self.host_update.restore_weights()
+    return out
+
+  def _device_step(self, batch) -> tuple[StepMetrics, jax.Array]:
+    """run_device_step without host accumulation; with grads_in_params the
+    params' layers then hold the step's gradients (the same arrays as
+    `state.grads`' leaves) until the host side writes the weights back."""
     if self._closed:
       raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
@@ -298,6 +310,9 @@ class ZeroEngine:
       # before the step allocates its own: gpt2-10b has no room for two sets.
       self._set_device(grads=None)
     self.trained.device, metrics, grad_scale = fn(self.state, batch)
+    if self.plan.grads_in_params:  # the layers' params are in their gradients' memory
+      self._set_device(params=jax.tree.map(lambda p, g: g if p is None else p, self.state.params,
+                                           self.state.grads, is_leaf=lambda x: x is None))
     return metrics, grad_scale
 
   def wait(self) -> None:

@@ -127,15 +127,17 @@ class HostAdam:
       sq[d], bad[d] = total, not finite
     return sq, bad
 
-  def lowp_weights(self, i: int, out: list) -> None:
+  def lowp_weights(self, i: int, out: list, span: tuple[int, int] | None = None) -> None:
     """Writes leaf i's host parts' weights in the compute dtype into out[d]
-    (this process's devices' pieces of a landing buffer), from the masters."""
+    (this process's devices' pieces of a landing buffer), from the masters,
+    or their elements [lo, hi) along the first axis (span)."""
     master = jax.tree.leaves(self.master)[i]
     for d, piece in enumerate(out):
+      source = master[d] if span is None else master[d][span[0]:span[1]]
       if self._lowp_dtype == np.float32:
-        kernels.parallel_copy(piece, master[d])
+        kernels.parallel_copy(piece, source)
       else:
-        kernels.cast_(piece, master[d])
+        kernels.cast_(piece, source)
 
   def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float, count: int,
                     lowp: bool = True) -> Iterator[int]:
@@ -244,6 +246,9 @@ class HostUpdate:
     if adam.acc is not None:
       self.timings.update(accumulate=0.0, wait_micro=0.0)
     self._host_leaves = [i for i, l in enumerate(plan.leaves) if l.on_host]
+    # grads_in_params: leaves whose gradients come down from the params'
+    # memory, which the new weights then take back.
+    self._in_params = [i for i, l in enumerate(plan.leaves) if plan.grads_over_weights(l)]
     self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
@@ -301,6 +306,7 @@ class HostUpdate:
     skip = bool(skipped)
     landing = self._finish(None if skip else grads)
     if skip:
+      self.restore_weights()
       return
     count = int(self.state.device.step)  # this update's number (the step counted it)
     if self._streamed:
@@ -347,7 +353,10 @@ class HostUpdate:
       nonlocal held
       i, span, handed, future, nbytes = in_flight.popleft()
       future.result()
-      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, handed.pop()), span))
+      weights = self.state.install(i, self.transfer.upload(i, handed.pop()), span)
+      if grads[i] is not None and i in self._in_params:
+        grads[i] = weights  # the install took the gradient's array: its other spans are here
+      jax.block_until_ready(weights)
       held -= nbytes
 
     for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
@@ -366,6 +375,18 @@ class HostUpdate:
       upload_oldest()
     self.timings["update"] = kernel["seconds"]
     self.timings["upload"] = time.perf_counter() - kernel["done"]
+
+  def restore_weights(self) -> None:
+    """grads_in_params, after a step whose update does not run (skipped, or
+    the device step run alone): the layers' weights, overwritten by its
+    gradients, are made again from the masters and go up a span at a time."""
+    with self._guard():
+      for i in self._in_params:
+        for span in self.transfer.spans(i, self._span_bytes, self._span_block):
+          weights = self.transfer.new_landing(i, span)
+          self.adam.lowp_weights(i, self.transfer.views(i, weights), span)
+          jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights), span))
+          del weights
 
   def accumulate(self, grads: list, *, first: bool) -> None:
     """Host accumulation of one micro-batch: its host parts go down leaf by

@@ -38,6 +38,7 @@ class EngineOptions:
   accumulation: str = "auto"
   landing_limit: int | None = None
   host_transfer: str = "auto"
+  grads_in_params: bool = False
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -66,6 +67,8 @@ class EngineOptions:
                                            or self.landing_limit < 0):
       raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
                        f"{self.landing_limit!r}")
+    if self.grads_in_params:
+      _check_grads_in_params(self)
     if self.host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got "
                        f"{self.host_transfer!r}")
@@ -83,6 +86,26 @@ class EngineOptions:
     if self.grad_accum > 1 and not self.offloading:
       return np.dtype(np.float32)
     return self.compute_dtype
+
+
+def _check_grads_in_params(options: EngineOptions) -> None:
+  """grads_in_params writes the layers' gradients over their weights, which
+  only the host's masters can then restore: every leaf's state on the host,
+  one backward pass a step, nothing that reads the weights after it."""
+  if options.grads_in_params is not True:
+    raise ValueError(f"grads_in_params must be True or False, got {options.grads_in_params!r}")
+  if options.stage != 3 or options.layers is None:
+    raise ValueError("grads_in_params needs stage=3 and layers= (the stacked layers whose "
+                     "gradients take their weights' place)")
+  if options.offload is not True:
+    raise ValueError(f"grads_in_params needs offload=True (the host's masters remake the "
+                     f"weights), got offload={options.offload!r}")
+  if options.grad_accum != 1:
+    raise ValueError(f"grads_in_params takes one micro-batch a step (the next would need the "
+                     f"weights the gradients overwrote), got grad_accum={options.grad_accum}")
+  if options.delayed_update:
+    raise ValueError("grads_in_params cannot delay the update: the next step needs the "
+                     "weights the update writes back")
 
 
 def _whole(value) -> bool:

@@ -139,11 +139,19 @@ class Plan:
   # host part's gradient). Under host accumulation they carry micro-batches
   # to the sums; otherwise a limit streams the update in spans (jzo.offload).
   landing_limit: int = 0
+  # Stage 3 with layers: each layer's gradient is written over its weights
+  # in the backward pass (jzo.scan_layers); the host update writes them back.
+  grads_in_params: bool = False
 
   # ------------------------------------------------------------ structure
   @property
   def leaves(self) -> list[LeafLayout]:
     return jax.tree.leaves(self.layouts, is_leaf=is_layout)
+
+  def grads_over_weights(self, layout: LeafLayout) -> bool:
+    """The leaf's gradient takes its weights' memory (grads_in_params: the
+    stacked layers' leaves)."""
+    return self.grads_in_params and layout.per_layer
 
   @property
   def sharded_lowp(self) -> bool:
@@ -209,6 +217,8 @@ class Plan:
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
+    # The layers' gradients in their weights' memory.
+    grads -= lowp * sum(_rows(l) * l.shard_size for l in self.leaves if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
       grads += 4 * self.device_elements
     elif self.grad_accum > 1:
@@ -218,7 +228,8 @@ class Plan:
       return {**self.device_bytes(), **step}
     itemsize = self.grad_dtype.itemsize
     host_leaves = [l for l in self.leaves if l.on_host]
-    kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves)
+    kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves
+                          if not self.grads_over_weights(l))
     # Leaf by leaf, its new weights come up (then go into the params in
     # place) and its next gradient goes down: a whole leaf's gradient goes
     # as it is, the split leaf's host part is first sliced into a copy.
@@ -551,7 +562,8 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         max_grad_norm=options.max_grad_norm, layers=layers, cpu_adam=options.offloading,
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
-        host_accumulation=host_accumulation, landing_limit=landing_limit)
+        host_accumulation=host_accumulation, landing_limit=landing_limit,
+        grads_in_params=options.grads_in_params)
   if auto:
     plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
   else:

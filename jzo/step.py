@@ -34,6 +34,7 @@ the state and calls these.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import partition
+from jzo import layer_scan, partition
 from jzo.partition import LeafLayout, is_layout
 from jzo.plan import Plan
 from jzo.precision import LossScaleState, update_loss_scale
@@ -248,9 +249,10 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   # check_vma=False: the replicated outputs (all-gathered params, psum'd
   # metrics) are equal on every device by construction; the spelling of the
   # invariant all-gather that would prove it differs across JAX versions.
+  out_state = specs._replace(params=kept_params(plan, specs.params))
   fn = shard_map_without_empty(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
                                in_specs=(in_state, batch_specs),
-                               out_specs=(specs, StepMetrics(P(), P(), P(), P()), P()),
+                               out_specs=(out_state, StepMetrics(P(), P(), P(), P()), P()),
                                check_vma=False)
   return jax.jit(fn, donate_argnums=0)
 
@@ -341,7 +343,8 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
                   step=state.step + finite.astype(jnp.int32),
                   skipped=state.skipped + (~finite).astype(jnp.int32))
   if not plan.has_device_state:
-    return EngineState(state.params, None, None, buffer, **counters), metrics, factor
+    return (EngineState(kept_params(plan, state.params), None, None, buffer, **counters),
+            metrics, factor)
 
   # A select rather than lax.cond: XLA then fuses unscaling, the update, the
   # skip and the low-precision copy into one pass over each leaf (a cond
@@ -356,6 +359,16 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
       lambda l, p, m: write_part(plan, l, p, m.astype(plan.compute_dtype), 0),
       layouts, state.params, master, is_leaf=is_layout)
   return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
+
+
+def kept_params(plan: Plan, params):
+  """The params (or their specs) a step hands back: with grads_in_params,
+  the stacked layers' leaves are None, their memory holding their gradients
+  (the step's `grads`), until the host update writes the weights back."""
+  if not plan.grads_in_params:
+    return params
+  return jax.tree.map(lambda l, p: None if plan.grads_over_weights(l) else p, plan.layouts,
+                      params, is_leaf=is_layout)
 
 
 def make_micro_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
@@ -435,11 +448,13 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
 
   params = jax.tree.map(lambda l, x: full_params(plan, l, x), plan.layouts, lowp_params,
                         is_leaf=is_layout)
+  scanned: list = []  # non-empty once jzo.scan_layers has written gradients over the layers
   try:
-    if layer_layouts is not None:
-      with partition.layer_gathering(gather_one_layer):
-        loss = loss_fn(params, batch)
-    else:
+    with contextlib.ExitStack() as context:
+      if layer_layouts is not None:
+        context.enter_context(partition.layer_gathering(gather_one_layer))
+      if plan.grads_in_params:
+        scanned = context.enter_context(layer_scan.writing_grads_over_layers())
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""
@@ -457,6 +472,9 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
   if layer_layouts is not None and not gathered[0]:
     raise ValueError("stage 3 with layers= needs the model to call jzo.gather_layer on each "
                      "layer's params inside its scan")
+  if plan.grads_in_params and not scanned:
+    raise ValueError("grads_in_params needs the model to run its layers with "
+                     "jzo.scan_layers (where it would call lax.scan)")
   loss = loss.astype(jnp.float32)
   return loss * scale / (plan.n_devices * plan.grad_accum), loss
 

@@ -104,7 +104,7 @@ class ShardTransfer:
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
     # (leaf index, span or None) -> its compiled slice
     self._host_part_fns: dict[tuple, object] = {}
-    self._zeros_fns: dict[int, object] = {}  # leaf index -> its new landing buffer
+    self._zeros_fns: dict[tuple, object] = {}  # (leaf index, span or None) -> a new landing buffer
 
   def download(self, i: int, grad: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
@@ -166,19 +166,21 @@ class ShardTransfer:
       pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
       jax.jit(lambda: jnp.zeros(nbytes, jnp.uint8), out_shardings=pinned)().delete()
 
-  def new_landing(self, i: int):
-    """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), for
-    weights made on the host: in pinned host memory, or on the portable
-    path a `HostLanding`."""
+  def new_landing(self, i: int, span: tuple[int, int] | None = None):
+    """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), or of a
+    span of it (see `spans`), for weights made on the host: in pinned host
+    memory, or on the portable path a `HostLanding`."""
     layout = self.layouts[i]
+    piece = layout.host_shape[1:]  # one device's
+    if span is not None:
+      piece = (span[1] - span[0],) + piece[1:]
     if not self.pinned:
-      shape = layout.host_shape[1:]
-      return HostLanding([np.zeros(shape, self.dtype) for _ in self._positions])
-    if i not in self._zeros_fns:
-      shape = layout.part_shape(layout.on_host)
-      self._zeros_fns[i] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
-                                   out_shardings=self._pinned[i])
-    return self._zeros_fns[i]()
+      return HostLanding([np.zeros(piece, self.dtype) for _ in self._positions])
+    if (i, span) not in self._zeros_fns:
+      shape = piece[:-1] + (layout.shards * piece[-1],)
+      self._zeros_fns[i, span] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
+                                         out_shardings=self._pinned[i])
+    return self._zeros_fns[i, span]()
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`,

@@ -4,7 +4,7 @@
 model as functions of a nested dict of arrays, which is what the ZeRO engine
 partitions and trains. Pre-LayerNorm blocks, causal attention through jax.nn.dot_product_attention
 (cuDNN flash attention on GPU), tied input/output embeddings, the layer stack
-stored stacked (leading axis = layer) and run as a scan over layers with a
+stored stacked (leading axis = layer) and run by `jzo.scan_layers` with a
 choice of rematerialization. Each scan step passes its layer's params through
 `jzo.gather_layer`, so ZeRO stage 3 gathers one layer at a time.
 """
@@ -187,12 +187,12 @@ class GPT(nnx.Module):
     block, layers = nnx.split(self.blocks)
 
     def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
-      return nnx.merge(block, jzo.gather_layer(layer))(x), None
+      return nnx.merge(block, jzo.gather_layer(layer))(x)
     if config.remat != "none":
       # prevent_cse=False: inside a scan CSE cannot merge the recomputation
       # away, and the barriers it would add keep XLA from fusing across them.
       step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, nnx.to_pure_dict(layers))
+    x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
     return self.lnf(x) @ self.wte[...].T
 
 

@@ -7,7 +7,7 @@ blocks with rotary position embeddings, grouped-query causal attention
 through jax.nn.dot_product_attention (cuDNN flash attention on GPU) and a
 SwiGLU MLP; tied or untied output embeddings; Qwen2's q/k/v biases and
 Qwen3's per-head q/k norms. The layers are stored stacked (leading axis =
-layer, under `LAYERS`) and run as a scan with a choice of rematerialization;
+layer, under `LAYERS`) and run by `jzo.scan_layers` with a choice of rematerialization;
 each scan step passes its layer's params through `jzo.gather_layer`, so ZeRO
 stage 3 gathers one layer at a time.
 
@@ -417,12 +417,12 @@ class Llama(nnx.Module):
     block, layers = nnx.split(self.layers)
 
     def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
-      return nnx.merge(block, jzo.gather_layer(layer))(x, cos, sin), None
+      return nnx.merge(block, jzo.gather_layer(layer))(x, cos, sin)
     if config.remat != "none":
       # prevent_cse=False: inside a scan CSE cannot merge the recomputation
       # away, and the barriers it would add keep XLA from fusing across them.
       step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(step, x, nnx.to_pure_dict(layers))
+    x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
     head = self.embed if config.tie_embeddings else self.lm_head
     return self.norm(x) @ head[...].T  # (B, T, V)
 

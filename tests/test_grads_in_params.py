@@ -1,0 +1,128 @@
+"""grads_in_params: the layers' gradients written over their weights
+(jzo.scan_layers), on 1 and 8 fake CPU devices: the same training as
+without it, the memory it saves, skipped steps, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jzo
+from jzo import layer_scan
+from test_engine import DIN, DOUT, assert_close, batches, init_params, mesh_of
+from test_offload import TX
+
+
+def loss_fn(params, batch):
+  """test_engine's residual tanh MLP, its layers run by jzo.scan_layers; the
+  layers also read `shift`, a value computed from another leaf (so the
+  scan's gradient with respect to what it closes over counts)."""
+  h = batch["x"] @ params["embed"]
+  shift = jnp.mean(params["head"])
+
+  def layer(h, p):
+    p = jzo.gather_layer(p)
+    return jnp.tanh(h @ p["w"] + p["b"] + shift) + h
+  h = jzo.scan_layers(jax.checkpoint(layer), h, params["blocks"])
+  return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+def engine(mesh_size=1, **kw):
+  kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size), **kw)
+  return jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
+
+
+def test_scan_layers_gradients_are_lax_scans():
+  """Outside an engine scan_layers is lax.scan; writing gradients over the
+  layers gives the same gradients, the closed-over value's included."""
+  params, batch = init_params(), batches(1)[0]
+  plain = jax.jit(jax.grad(loss_fn))(params, batch)
+
+  def in_place(params, batch):
+    with layer_scan.writing_grads_over_layers() as used:
+      grads = jax.grad(loss_fn)(params, batch)
+    assert used
+    return grads
+  assert_close(jax.jit(in_place)(params, batch), plain, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mesh_size, landing_limit", [(1, None), (1, 2048), (8, None), (8, 2048)],
+                         ids=["1dev", "1dev-streamed", "8dev", "8dev-streamed"])
+def test_training_matches_the_gradients_apart(mesh_size, landing_limit, compute_dtype):
+  """Same losses and weights as the engine that keeps the gradients apart,
+  with the update whole or streamed in spans (each span's gradient read
+  from the params' memory after earlier spans' weights went back in)."""
+  kw = dict(compute_dtype=compute_dtype, landing_limit=landing_limit, max_grad_norm=1.0)
+  apart, inside = engine(mesh_size, **kw), engine(mesh_size, grads_in_params=True, **kw)
+  for b in batches(6):
+    want, got = apart.step(b), inside.step(b)
+    assert float(got.loss) == float(want.loss)
+  assert_close(inside.params, apart.params, rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_the_layers_gradients_take_no_memory_of_their_own():
+  """XLA writes the layers' gradients into the donated weights: the compiled
+  step needs (temporaries and outputs beyond the donated arguments) a
+  stacked gradient's bytes less than the engine that keeps them apart
+  (float32: the CPU computes bfloat16 in float32 copies)."""
+  big = {"embed": jnp.zeros((DIN, 256)), "head": jnp.zeros((256, DOUT)),
+         "blocks": {"w": jnp.full((4, 256, 256), 0.01), "b": jnp.zeros((4, 256))}}
+  batch = {"x": jnp.ones((8, DIN)), "y": jnp.ones((8, DOUT))}
+  layer_bytes = 4 * (4 * 256 * 256 + 4 * 256)
+  need = {}
+  for inside in (False, True):
+    e = jzo.ZeroEngine(loss_fn, big, TX(), stage=3, layers="blocks", offload=True,
+                       mesh=mesh_of(1), compute_dtype=jnp.float32, grads_in_params=inside)
+    m = e.lower(batch).compile().memory_analysis()
+    need[inside] = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  assert need[True] <= need[False] - layer_bytes, need
+
+
+def test_a_skipped_step_puts_the_weights_back():
+  """Non-finite gradients skip the step: the weights they overwrote are
+  made again from the masters, and training goes on as the engine that
+  keeps its gradients apart."""
+  apart, inside = engine(8, landing_limit=2048), engine(8, landing_limit=2048,
+                                                        grads_in_params=True)
+  data = batches(4)
+  bad = dict(data[1], x=data[1]["x"].at[0, 0].set(jnp.nan))
+  for b in [data[0], bad, data[2], data[3]]:
+    want, got = apart.step(b), inside.step(b)
+    assert bool(got.skipped) == bool(want.skipped)
+  assert int(inside.state.skipped) == 1
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_device_step_run_alone_leaves_the_weights_whole():
+  inside = engine(1, grads_in_params=True)
+  before = [np.asarray(x) for x in jax.tree.leaves(inside.state.params)]
+  inside.run_device_step(batches(1)[0])
+  for a, b in zip(jax.tree.leaves(inside.state.params), before):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(stage=2, layers=None), "needs stage=3 and layers="),
+    (dict(layers=None), "needs stage=3 and layers="),
+    (dict(offload=0.5), "needs offload=True"),
+    (dict(offload=False), "needs offload=True"),
+    (dict(grad_accum=2), "grad_accum=2"),
+    (dict(delayed_update=True), "cannot delay"),
+    (dict(grads_in_params=1), "must be True or False"),
+])
+def test_bad_options(kw, message):
+  kw = dict(dict(stage=3, layers="blocks", offload=True, grads_in_params=True), **kw)
+  with pytest.raises(ValueError, match=message):
+    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
+
+
+def test_a_model_without_scan_layers_is_named():
+  from test_engine import loss_fn as lax_scan_loss
+  e = jzo.ZeroEngine(lax_scan_loss, init_params(), TX(), stage=3, layers="blocks",
+                     offload=True, grads_in_params=True, mesh=mesh_of(1))
+  with pytest.raises(ValueError, match="jzo.scan_layers"):
+    e.step(batches(1)[0])
