@@ -44,6 +44,10 @@
 #                  fused AdamW, 2^16 .. 2^28 parameters, on the host CPU
 #   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
 #                  int8 moments side by side (three processes at once), all on the host
+#   grads-check    grads_in_params' tests on this machine's Python; gpt2-350m through the
+#                  recipe at stage 3 with and without it (the same losses)
+#   grads-20b      gpt2-20b, int8 moments, stage 3 + grads_in_params, micro-batches BATCH
+#                  (default 16 32) in offload_bench.py: step, TFLOPS, peaks against the plan
 # Parts on two GPUs (nvidia-h200-x2):
 #   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
 #                  and 2 GPUs (zero_stages_bench.py)
@@ -145,6 +149,22 @@ for part in "$@"; do
       done
       wait
       grep -h "eval" "$OUT"/$part-*.log | tail -6 ;;
+    grads-check)
+      pytests grads-tests 240 tests/test_grads_in_params.py
+      for flag in "" --grads-in-params; do
+        timeout 200 python3 -m jzo.train --model gpt2-350m --stage 3 $flag --seq-len 512 \
+          --batch-size 8 --steps 30 --warmup 2 --log-every 5 --eval-every 1000 \
+          --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$part$flag" \
+          >"$OUT/$part$flag.log" 2>&1
+        echo "$part $flag: exit $?"; grep -v "step/s\]" "$OUT/$part$flag.log" | grep "^step" | tail -3
+      done ;;
+    grads-20b)
+      # One process (--config): the time limit stops the run itself, each
+      # micro-batch's result already in the log ("result:").
+      timeout 540 python3 experiments/offload_bench.py --config offload --model gpt2-20b \
+        --moments int8 --stage 3 --grads-in-params --batch ${BATCH:-16 32} --steps 3 \
+        --compiled-memory >"$OUT/$part.json" 2>"$OUT/$part.log"
+      echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part.log" | cut -c1-400 | tail -12 ;;
     offload-steps)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"

@@ -73,7 +73,7 @@ def run_one(args) -> list[dict]:
   config = model_config(args)
   offload = {"device": False, "offload": True, "offload_dpu": True, "auto": "auto",
              "auto_dpu": "auto"}[args.config]
-  moments = jnp.bfloat16 if args.moments == "bf16" else None
+  moments = {"fp32": None, "bf16": jnp.bfloat16, "int8": jnp.int8}[args.moments]
   tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments) if offload
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
   # The plan makes room for the largest micro-batch's activations.
@@ -84,7 +84,9 @@ def run_one(args) -> list[dict]:
   engine = jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
-      tx, stage=2, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+      tx, stage=args.stage, layers="blocks" if args.stage == 3 else None,
+      grads_in_params=args.grads_in_params,
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
@@ -102,7 +104,7 @@ def run_one(args) -> list[dict]:
   results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
                            activations[micro])
              for micro in args.batch]
-  if engine.host_update is not None and not engine.plan.host_accumulation:
+  if engine.host_update is not None and engine.state.grads is not None:
     # The engine's transfers apart (host accumulation keeps no step's gradients to time): every host part down, then up, one set
     # of landing buffers at a time (a second set of gpt2-10b's does not fit
     # the host).
@@ -178,7 +180,10 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     if engine.plan.host_accumulation:
       result["host_accumulate_s"] = statistics.median(t["accumulate"] for t in timings)
       result["wait_micro_s"] = statistics.median(t["wait_micro"] for t in timings)
-    # The device step alone: forward, backward, device-part update.
+  print("result:", json.dumps(result), file=sys.stderr, flush=True)  # kept if a later one fails
+  if engine.host_update is not None and not engine.plan.grads_in_params:
+    # The device step alone: forward, backward, device-part update (under
+    # grads_in_params it would remake the layers' weights too).
     print("timing the device step alone", file=sys.stderr, flush=True)
     result["device_step_s"] = timed(lambda: jax.block_until_ready(engine.run_device_step(batch)))
     result["device_micro_s"] = result["device_step_s"] / args.grad_accum
@@ -217,8 +222,13 @@ def parse_args():
                       help="with --grad-accum > 1 and offload: where the micro-batches are summed")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--moments", choices=["fp32", "bf16"], default="fp32",
-                      help="dtype of the Adam moments (bf16: 20 instead of 28 host bytes a param)")
+  parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32",
+                      help="dtype of the Adam moments (host bytes a param: fp32 14, bf16 10, int8 "
+                           "about 8)")
+  parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2,
+                      help="ZeRO stage (3: the layers gathered one at a time)")
+  parser.add_argument("--grads-in-params", action="store_true",
+                      help="stage 3 + offload: each layer's gradient written over its weights")
   parser.add_argument("--host-memory-gb", type=float,
                       help="host RAM offload may use (default: what the OS reports available)")
   parser.add_argument("--compiled-memory", action="store_true",
@@ -241,7 +251,10 @@ def main():
     cmd = [sys.executable, __file__, "--config", name, "--model", args.model,
            "--seq-len", str(args.seq_len), "--batch", *map(str, args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-           "--moments", args.moments, "--remat", args.remat, "--accumulation", args.accumulation]
+           "--moments", args.moments, "--remat", args.remat, "--accumulation", args.accumulation,
+           "--stage", str(args.stage)]
+    if args.grads_in_params:
+      cmd.append("--grads-in-params")
     if args.n_layer:
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:

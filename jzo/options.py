@@ -97,7 +97,7 @@ def _check_grads_in_params(options: EngineOptions) -> None:
   if options.stage != 3 or options.layers is None:
     raise ValueError("grads_in_params needs stage=3 and layers= (the stacked layers whose "
                      "gradients take their weights' place)")
-  if options.offload is not True:
+  if options.offload is not True and options.offload != 1:
     raise ValueError(f"grads_in_params needs offload=True (the host's masters remake the "
                      f"weights), got offload={options.offload!r}")
   if options.grad_accum != 1:

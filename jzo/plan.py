@@ -217,8 +217,9 @@ class Plan:
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
-    # The layers' gradients in their weights' memory.
-    grads -= lowp * sum(_rows(l) * l.shard_size for l in self.leaves if self.grads_over_weights(l))
+    # The layers' gradients in their weights' memory, but the one being written.
+    grads -= lowp * sum((_rows(l) - 1) * l.shard_size for l in self.leaves
+                        if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
       grads += 4 * self.device_elements
     elif self.grad_accum > 1:

@@ -58,7 +58,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              offload: bool | float | str = "auto", moments: str = "fp32",
              precision: str = "bf16", grad_accum: int = 1, delayed_update: bool = False,
              layers: str | None = None, device_memory: int | None = None,
-             host_memory: int | None = None, accumulation: str = "auto") -> Estimate:
+             host_memory: int | None = None, accumulation: str = "auto",
+             grads_in_params: bool = False) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -67,8 +68,10 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     activations: bytes one device needs for activations and temporaries at
       the step's peak (`activation_bytes` of a family in jzo.models).
     devices: size of the data axis.
-    stage, grad_accum, delayed_update, layers, accumulation: as for `ZeroEngine`.
-    offload: as for `ZeroEngine` (False, True, a fraction or "auto").
+    stage, grad_accum, delayed_update, layers, accumulation, grads_in_params:
+      as for `ZeroEngine`.
+    offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
+      means True with int8 moments or grads_in_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
       int8 ones are kept on the host, so offload "auto" means True).
     precision: "bf16" or "fp16" compute (or "fp32").
@@ -88,12 +91,15 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     if offload is not True and offload != 1:
       raise ValueError(f"int8 moments are kept in host memory: offload must be True or "
                        f"'auto', got {offload!r}")
+  if grads_in_params and offload == "auto":  # the host's masters remake the weights
+    offload = True
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
   if precision not in dtypes:
     raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
   options = EngineOptions(stage=stage, compute_dtype=dtypes[precision], grad_accum=grad_accum,
                           layers=layers, offload=offload, delayed_update=delayed_update,
-                          dpu_warmup=0, accumulation=accumulation)
+                          dpu_warmup=0, accumulation=accumulation,
+                          grads_in_params=grads_in_params)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
   if host_memory is None:
@@ -142,7 +148,8 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     global_batch: sequences per optimizer step over all devices.
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
       precision, delayed_update, layers, device_memory, host_memory,
-      accumulation); not grad_accum, which this picks.
+      accumulation, grads_in_params); not grad_accum, which this picks
+      (grads_in_params takes one micro-batch a step: the whole batch).
 
   Returns:
     A MicroBatch; its `line` reads e.g. "micro-batch 8 a device x 4
@@ -164,7 +171,8 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
                      f"({global_batch} = {per_device} x {devices} + {rest})")
   shapes = jax.eval_shape(params) if callable(params) else params
   refused = None
-  for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):
+  smallest = per_device if options.get("grads_in_params") else 1
+  for micro in (m for m in range(per_device, smallest - 1, -1) if per_device % m == 0):
     accum = per_device // micro
     found = estimate(shapes, activations=activation_bytes(micro), devices=devices,
                      grad_accum=accum, **options)
@@ -177,5 +185,9 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
               f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
       return MicroBatch(micro, accum, found, line)
     refused = (micro, found.error)  # the next larger, reported if a smaller one fits
+  if smallest > 1:
+    raise PlacementError(f"global batch {global_batch} on {devices} device(s): grads_in_params "
+                         f"takes it in one micro-batch of {per_device} a device, which does not "
+                         f"fit: {found.error}")
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
                        f"fits, not even 1 a device x {per_device} accumulation: {found.error}")

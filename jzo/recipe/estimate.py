@@ -90,6 +90,8 @@ class EstimateConfig:
   """micro-batches per optimizer step"""
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
+  grads_in_params: bool = False
+  """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
   host_gb: float | None = None
   """GiB of host RAM (None: what this machine has available)"""
   device_gb: float | None = None
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                             remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
                             offload=parse_offload(cfg.offload), moments=cfg.moments,
                             precision=cfg.precision, grad_accum=cfg.grad_accum,
-                            delayed_update=cfg.delayed_update, device_memory=gib(cfg.device_gb),
+                            delayed_update=cfg.delayed_update,
+                            grads_in_params=cfg.grads_in_params, device_memory=gib(cfg.device_gb),
                             host_memory=gib(cfg.host_gb))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

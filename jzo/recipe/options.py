@@ -57,6 +57,8 @@ class TrainConfig:
   """dtype of the Adam moments (bf16: half the memory; int8: a quarter, block-wise quantized, on the host)"""
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
+  grads_in_params: bool = False
+  """stage 3 + offload: each layer's gradient written over its weights (no room for both); one micro-batch a step"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
@@ -141,8 +143,25 @@ def check(cfg: TrainConfig) -> None:
   if cfg.moments == "int8" and not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
     raise UserError("--moments int8 keeps the moments in host memory: it needs --offload with "
                     f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
+  if cfg.grads_in_params:
+    _check_grads_in_params(cfg)
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
+
+
+def _check_grads_in_params(cfg: TrainConfig) -> None:
+  if cfg.stage != 3:
+    raise UserError(f"--grads-in-params needs --stage 3 (the layers gathered one at a time), "
+                    f"got --stage {cfg.stage}")
+  if not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
+    raise UserError("--grads-in-params needs --offload with --offload-fraction auto or 1 (the "
+                    "host's masters remake the weights)")
+  if cfg.delayed_update:
+    raise UserError("--grads-in-params cannot take --delayed-update: the next step needs the "
+                    "weights the update writes back")
+  if cfg.micro_batch != "auto":
+    raise UserError("--grads-in-params runs the whole batch as one micro-batch a device: leave "
+                    "--micro-batch auto")
 
 
 def check_for_model(cfg: TrainConfig, model: models.Model) -> None:
