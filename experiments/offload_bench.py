@@ -169,6 +169,9 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "host_accumulation": engine.plan.host_accumulation,
       # The planner's figures for this run, beside the measured ones.
       "planned_gpu_gib": sum(engine.plan.device_peak(activations).values()) / 2**30,
+      # The build's peak: the state beside the largest leaf drawn in float32.
+      "planned_build_gib": (sum(engine.plan.device_bytes().values())
+                            + engine.plan.build_bytes()) / 2**30,
       "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
       "host_state_gib": engine.host_bytes_in_use() / 2**30,
   }

@@ -4,6 +4,9 @@ experiments/figure_runs.py wrote (default: experiments/results/session6/).
   python experiments/plot_figures.py [--results DIR] [--out experiments/figures]
 
   fig1_largest_model.png  the largest GPT each system trained on one GPU
+                          (with the runs since session 6 in LARGEST_SINCE)
+  fig_memory_per_param.png  GPU and host bytes per parameter of the largest
+                          runs, the planner's against measured
   fig2_throughput.png     model TFLOPS against model size, and what did not fit
   fig4_dpu.png            the delayed parameter update: step time against
                           micro-batch, and the loss of two runs
@@ -32,8 +35,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MACHINE = ("nvidia-h100-x1: one H100 80GB, 16-core Xeon, 125 GiB host; jax 0.11.2, "
            "torch 2.11, DeepSpeed 0.19.8")
 COLORS = {"jzo offload auto + DPU": "tab:blue", "jzo offload + DPU": "tab:cyan",
+          "jzo stage 3 offload, grads in params": "tab:purple",
           "jzo, no offload": "tab:green", "PyTorch alone": "tab:orange",
           "DeepSpeed ZeRO-2 offload": "tab:red"}
+# Runs of offload_bench.py since session 6 that trained larger models: (records
+# under results/, the system's name in figure 1, the date they ran).
+LARGEST_SINCE = [("session13/run1-6cf64fc/grads-20b.json",
+                  "jzo stage 3 offload, grads in params", "2026-11-25")]
+# The runs of figure "memory per parameter": (records under results/, model).
+MEMORY_RUNS = [("session6/h100_10b.json", "gpt2-10b"), ("session7/llama8b.json", "llama-3.1-8b"),
+               ("session13/run1-6cf64fc/grads-20b.json", "gpt2-20b")]
 FAILED = {"oom": "GPU out of memory", "killed": "killed: host out of memory",
           "refused": "refused by jzo's planner", "timeout": "no result in time"}
 
@@ -62,7 +73,14 @@ def size_b(r: dict) -> float:
 
 
 def label(r: dict) -> str:
-  return r["system"] + (", bf16 moments" if r.get("moments") == "bf16" else "")
+  return r["system"] + (f", {r['moments']} moments" if r.get("moments") in ("bf16", "int8")
+                        else "")
+
+
+def records_since(path: str, system: str) -> list[dict]:
+  """offload_bench.py's records of a later session, named for figure 1."""
+  with open(os.path.join(HERE, "results", path)) as f:
+    return [dict(r, system=system, part=path) for r in json.load(f)]
 
 
 def throughput_records(records: list[dict]) -> list[dict]:
@@ -78,9 +96,15 @@ def fig_largest(records: list[dict], date: str, out: str) -> None:
   for r in (r for r in throughput_records(records) if r["system"] != "jzo offload + DPU"):
     key = label(r)
     if r["status"] == "ok" and size_b(r) > best.get(key, {"size": 0})["size"]:
-      best[key] = {"size": size_b(r), "tflops": r["tflops"], "system": r["system"]}
+      best[key] = {"size": size_b(r), "tflops": r["tflops"], "system": r["system"], "batch": 8}
     elif r["status"] != "ok":
       failed.setdefault(key, []).append((size_b(r), FAILED.get(r["status"], r["status"])))
+  for r in (r for path, system, _ in LARGEST_SINCE for r in records_since(path, system)):
+    key = label(r)
+    if r["status"] == "ok" and (size_b(r), r["tflops"]) > (best.get(key, {"size": 0})["size"],
+                                                          best.get(key, {"tflops": 0})["tflops"]):
+      best[key] = {"size": size_b(r), "tflops": r["tflops"], "system": r["system"],
+                   "batch": r["batch"]}
   names = sorted(best, key=lambda k: best[k]["size"])
   fig, ax = plt.subplots(figsize=(10, 4.8))
   for y, name in enumerate(names):
@@ -89,15 +113,18 @@ def fig_largest(records: list[dict], date: str, out: str) -> None:
             alpha=0.6 if name.endswith("bf16 moments") else 1)
     above = sorted(s for s in failed.get(name, []) if s[0] > b["size"])
     note = f"{b['size']:.2f}B at {b['tflops']:.0f} TFLOPS"
+    if b["batch"] != 8:
+      note += f" (micro-batch {b['batch']})"
     if above:
       note += f"; {above[0][0]:.2f}B: {above[0][1]}"
     ax.text(b["size"] + 0.1, y, note, va="center", fontsize=9)
   ax.set_yticks(range(len(names)), names)
   ax.set_xlabel("largest GPT that trained (billions of parameters)")
   ax.set_xlim(0, max(b["size"] for b in best.values()) * 1.9)
-  ax.set_title("Largest model that trains on one GPU (seq 1024, micro-batch 8, full remat)",
-               fontsize=11)
-  fig.text(0.01, 0.01, f"{MACHINE}; {date}", fontsize=8)
+  ax.set_title("Largest model that trains on one GPU (seq 1024, full remat, micro-batch 8 "
+               "unless marked)", fontsize=10)
+  later = "".join(f", {system}: {when}" for _, system, when in LARGEST_SINCE)
+  fig.text(0.01, 0.01, f"{MACHINE}; {date}{later}", fontsize=8)
   fig.tight_layout(rect=(0, 0.04, 1, 1))
   fig.savefig(os.path.join(out, "fig1_largest_model.png"), dpi=130)
 
@@ -173,6 +200,63 @@ def fig_dpu(records: list[dict], date: str, out: str) -> None:
   fig.savefig(os.path.join(out, "fig4_dpu.png"), dpi=130)
 
 
+def fig_memory(out: str) -> None:
+  """GPU and host bytes per parameter of MEMORY_RUNS (the largest micro-batch
+  of each), planned against measured: the GPU's process peak against the
+  planner's peak (its step, or its build where that is higher), the host's
+  peak RSS against the planner's state plus the runtime it assumes."""
+  from jzo.plan import HOST_RUNTIME_BYTES
+  rows = []
+  for path, model in MEMORY_RUNS:
+    with open(os.path.join(HERE, "results", path)) as f:
+      data = json.load(f)
+    r = max((r for r in (data if isinstance(data, list) else data["records"])
+             if r.get("model") == model and r["status"] == "ok"), key=lambda r: r["batch"])
+    per = lambda gib: gib * 2**30 / r["n_params"]
+    grads_in_params = "grads" in path
+    # Records before offload_bench wrote the build's peak: the 20b run's is
+    # computed here; the older runs' steps planned more than their builds.
+    build = r.get("planned_build_gib") or (_build_gib(r) if grads_in_params else 0)
+    planned_gpu = max(r["planned_gpu_gib"], build)
+    planned_host = r["planned_host_state_gib"] + HOST_RUNTIME_BYTES / 2**30
+    label = (f"{model} ({r['n_params'] / 1e9:.1f}B), {r['moments']} moments,\n"
+             f"{r['config']}{', grads in params' if grads_in_params else ''}, "
+             f"micro-batch {r['batch']}")
+    rows.append((label, per(planned_gpu), per(r["peak_gpu_gib"]), per(planned_host),
+                 per(r["host_rss_peak_gib"])))
+  fig, ax = plt.subplots(figsize=(10, 4.8))
+  width = 0.2
+  for k, (name, color, hatch) in enumerate((("GPU, planned", "tab:green", "//"),
+                                            ("GPU, measured", "tab:green", ""),
+                                            ("host, planned", "tab:blue", "//"),
+                                            ("host, measured", "tab:blue", ""))):
+    xs = [i + (k - 1.5) * width for i in range(len(rows))]
+    values = [row[1 + k] for row in rows]
+    ax.bar(xs, values, width, label=name, color=color, hatch=hatch,
+           alpha=0.55 if hatch else 0.9, edgecolor="black", lw=0.5)
+    for x, v in zip(xs, values):
+      ax.text(x, v + 0.1, f"{v:.1f}", ha="center", fontsize=8)
+  ax.set_xticks(range(len(rows)), [row[0] for row in rows], fontsize=8)
+  ax.set_ylabel("bytes per parameter")
+  ax.set_title("Memory per parameter on one GPU, the planner's against measured", fontsize=11)
+  ax.legend(fontsize=9)
+  ax.grid(axis="y", alpha=0.3)
+  fig.text(0.01, 0.01, f"{MACHINE}; GPU: process peak; host: peak RSS", fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig_memory_per_param.png"), dpi=130)
+
+
+def _build_gib(r: dict) -> float:
+  """The planner's build peak of a stage-3 grads_in_params record made
+  before offload_bench wrote it: the state beside the largest leaf drawn
+  (from the shapes)."""
+  from jzo.recipe.estimate import estimate_model
+  found = estimate_model(r["model"], batch_size=r["batch"], seq_len=r["seq_len"], stage=3,
+                         offload=True, moments=r["moments"], grads_in_params=True,
+                         device_memory=80 * 2**30, host_memory=2**40)
+  return (sum(found.plan.device_bytes().values()) + found.plan.build_bytes()) / 2**30
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--results", default=os.path.join(HERE, "results", "session6"))
@@ -183,6 +267,7 @@ def main():
   fig_largest(records, date, args.out)
   fig_throughput(records, date, args.out)
   fig_dpu(records, date, args.out)
+  fig_memory(args.out)
   print("wrote", ", ".join(sorted(os.listdir(args.out))), "in", args.out)
 
 
