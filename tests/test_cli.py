@@ -141,6 +141,21 @@ def test_int8_moments_through_the_real_entry_point(tmp_path):
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
 
 
+def test_grads_in_params_through_the_real_entry_point(tmp_path):
+  """--stage 3 --grads-in-params: the layers' gradients take their weights'
+  memory; the run trains, and jzo.estimate plans it."""
+  done = run_module("jzo.train", *SHORT, "--stage", "3", "--grads-in-params", "--out",
+                    str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
+  planned = run_module("jzo.estimate", "--model", "gpt2-20b", "--moments", "int8", "--stage",
+                       "3", "--grads-in-params", "--batch-size", "32", "--host-gb", "125",
+                       "--device-gb", "80")
+  assert planned.returncode == 0, planned.stdout + planned.stderr
+  assert "fits" in planned.stdout.splitlines()[-1]
+
+
 def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:
   """Every path under `folder`, with a file's bytes (None: a folder)."""
   return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
@@ -292,6 +307,13 @@ TRAIN_MISTAKES = [
     ("moments", ["--moments", "int8", "--offload-fraction", "0.5"],
      "(got --offload-fraction 0.5)"),
     ("delayed_update", ["--no-offload", "--delayed-update"], "it needs --offload"),
+    ("grads_in_params", ["--grads-in-params"], "--grads-in-params needs --stage 3"),
+    ("grads_in_params", ["--stage", "3", "--grads-in-params", "--offload-fraction", "0.5"],
+     "--grads-in-params needs --offload with --offload-fraction auto or 1"),
+    ("grads_in_params", ["--stage", "3", "--grads-in-params", "--delayed-update"],
+     "--grads-in-params cannot take --delayed-update"),
+    ("grads_in_params", ["--stage", "3", "--grads-in-params", "--micro-batch", "1"],
+     "--grads-in-params runs the whole batch as one micro-batch a device"),
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
     ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
@@ -334,6 +356,10 @@ ESTIMATE_MISTAKES = [
     ("grad_accum", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
     ("delayed_update", ["--model", "tiny", "--delayed-update", "--offload", "false"],
      "it needs --offload other than false"),
+    ("grads_in_params", ["--model", "tiny", "--grads-in-params"],
+     "grads_in_params needs stage=3 and layers="),
+    ("grads_in_params", ["--model", "tiny", "--stage", "3", "--grads-in-params", "--offload",
+                         "0.5"], "grads_in_params needs offload=True (the host's masters"),
     ("host_gb", ["--model", "tiny", "--host-gb", "0"], "--host-gb must be > 0, got 0.0"),
     ("device_gb", ["--model", "tiny", "--device-gb", "lots"], "Error parsing --device-gb"),
 ]
