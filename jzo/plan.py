@@ -35,6 +35,10 @@ device: params 2 a parameter, one micro-batch's gradients 2 a parameter,
 and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
 (experiments/RESULTS.md works these bytes through for gpt2-4b, -10b and
 -13b on one H100.)
+
+grads_in_params (stage 3, everything on the host) writes the stacked layers'
+gradients over their weights (jzo.layer_scan): the step's peak holds one
+layer's gradient of them, and the exchange none beside the weights.
 """
 
 from __future__ import annotations
