@@ -85,7 +85,7 @@ def run_one(args) -> list[dict]:
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
       tx, stage=args.stage, layers="blocks" if args.stage == 3 else None,
-      grads_in_params=args.grads_in_params,
+      grads_in_params=args.grads_in_params, offload_params=args.offload_params,
       mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
@@ -156,6 +156,8 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "config": args.config, "status": "ok", "moments": args.moments, "model": args.model,
       "n_layer": config.n_layer, "n_params": config.n_params,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+      "stage": args.stage, "grads_in_params": engine.plan.grads_in_params,
+      "offload_params": engine.plan.offload_params,
       "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       # The process's peak so far: with several micro-batches, the largest yet.
@@ -232,6 +234,9 @@ def parse_args():
                       help="ZeRO stage (3: the layers gathered one at a time)")
   parser.add_argument("--grads-in-params", action="store_true",
                       help="stage 3 + offload: each layer's gradient written over its weights")
+  parser.add_argument("--offload-params", action="store_true",
+                      help="stage 3 + offload: the layers' weights in pinned host memory "
+                           "(implies --grads-in-params)")
   parser.add_argument("--host-memory-gb", type=float,
                       help="host RAM offload may use (default: what the OS reports available)")
   parser.add_argument("--compiled-memory", action="store_true",
@@ -258,6 +263,8 @@ def main():
            "--stage", str(args.stage)]
     if args.grads_in_params:
       cmd.append("--grads-in-params")
+    if args.offload_params:
+      cmd.append("--offload-params")
     if args.n_layer:
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:

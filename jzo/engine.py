@@ -102,6 +102,18 @@ class ZeroEngine:
       host parts are more, one set with delayed_update; under host
       accumulation one micro-batch's set, or a ring of two leaves where the
       host lacks room.
+    grads_in_params: stage 3 with layers= and offload=True, one micro-batch
+      a step, no delayed update: the model's `jzo.scan_layers` writes each
+      layer's gradient over its weights in the backward pass, so the
+      layers' gradients take no device memory of their own; the host
+      update writes the new weights back (jzo.layer_scan).
+    offload_params: grads_in_params (implied, with its conditions) with the
+      layers' low-precision weights in pinned host memory (ZeRO-3 offload
+      of parameters): each layer comes up to the device for its forward
+      and again for its backward, and its gradient goes down over its
+      weights, which the host kernel then updates where they are. The
+      devices hold one layer's weights and gradient at a time. Needs
+      devices with pinned host memory (GPUs; the CPU backend runs it too).
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -124,7 +136,8 @@ class ZeroEngine:
                dpu_warmup: int = 10, host_memory: int | None = None,
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
-               landing_limit: int | None = None, grads_in_params: bool = False):
+               landing_limit: int | None = None, grads_in_params: bool = False,
+               offload_params: bool = False):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -133,7 +146,7 @@ class ZeroEngine:
         max_grad_norm=max_grad_norm, layers=layers, offload=offload,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
         landing_limit=landing_limit, host_transfer=host_transfer,
-        grads_in_params=grads_in_params)
+        grads_in_params=grads_in_params, offload_params=offload_params)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
@@ -181,9 +194,13 @@ class ZeroEngine:
     pinned = False  # host copies through pinned host memory (jzo.transfer)
     if self.plan.has_host_state:
       pinned = resolve_host_transfer(host_transfer, device) == "pinned"
+      if options.offload_params and not pinned:
+        raise ValueError(f"offload_params keeps the layers' weights in pinned host memory: "
+                         f"{device.platform} devices have none here (host_transfer="
+                         f"{host_transfer!r})")
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
                                pinned=pinned)
-      transfer.reserve(self.plan.host_bytes()["landing"])  # before the build pins its chunks
+      transfer.reserve(self.plan.pinned_bytes())  # before the build pins its chunks
     self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaf, adam,
                                          pinned=pinned)
     if self.plan.has_host_state:
@@ -437,20 +454,26 @@ class ZeroEngine:
 
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds in its own memory for params, gradients and
-    optimizer state (master weights included), read from the arrays' shards."""
-    nbytes = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    optimizer state (master weights included), read from the arrays' shards
+    (offloaded weights, in host memory, are not counted)."""
+    in_device = lambda x: x.sharding.memory_kind not in ("pinned_host", "unpinned_host")
+    nbytes = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
+                              if in_device(x))
     s = self.state
     return {"params": nbytes(s.params), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
 
   def host_bytes_in_use(self) -> int:
     """Bytes of host RAM the offloaded state holds (0 without offload):
-    masters, moments and the most that the landing buffers, which carry
-    gradients down and weights up, have held at once (0 before a step)."""
+    masters, moments, offloaded weights and the most that the landing
+    buffers, which carry gradients down and weights up, have held at once
+    (0 before a step)."""
     if self.host is None:
       return 0
     landing = self.host_update.landing_peak if self.host_update is not None else 0
-    return sum(x.nbytes for x in self.host.arrays()) + landing
+    weights = sum(s.data.nbytes for x in jax.tree.leaves(self.state.params)
+                  if x.sharding.memory_kind == "pinned_host" for s in x.addressable_shards)
+    return sum(x.nbytes for x in self.host.arrays()) + landing + weights
 
 
 def _leaf_sources(params, device):

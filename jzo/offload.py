@@ -249,6 +249,9 @@ class HostUpdate:
     # grads_in_params: leaves whose gradients come down from the params'
     # memory, which the new weights then take back.
     self._in_params = [i for i, l in enumerate(plan.leaves) if plan.grads_over_weights(l)]
+    # offload_params: leaves whose weights, and so gradients, are in pinned
+    # host memory: the kernel updates them where they are, nothing moves.
+    self._host_params = {i for i, l in enumerate(plan.leaves) if plan.params_on_host(l)}
     self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
@@ -318,11 +321,13 @@ class HostUpdate:
       return
     for i in self._host_leaves:
       if i not in landing:
-        landing[i] = self.transfer.download(i, grads[i])
+        in_place = i in self._host_params
+        landing[i] = grads[i] if in_place else self.transfer.download(i, grads[i])
         grads[i] = None
     # The gradients leave the devices before the next step allocates its memory.
     jax.block_until_ready(list(landing.values()))
-    self.landing_peak = max(self.landing_peak, sum(x.nbytes for x in landing.values()))
+    self.landing_peak = max(self.landing_peak, sum(x.nbytes for i, x in landing.items()
+                                                   if i not in self._host_params))
     self._pending = _Update(landing, float(grad_scale), count)
     self._pending.future = self._executor.submit(self._run, self._pending)
     self.timings["wait_grads"] = waited - start
@@ -339,7 +344,7 @@ class HostUpdate:
     scalars = self.adam.step_scalars(count)
     kernel = {"seconds": 0.0, "done": time.perf_counter()}
 
-    def update(i: int, span: tuple[int, int], handed: list) -> None:
+    def update(i: int, span: tuple[int, int] | None, handed: list) -> None:
       begin = time.perf_counter()
       self.adam.update_part(i, self.transfer.views(i, handed[0]), grad_scale, scalars, count,
                             span)
@@ -359,7 +364,11 @@ class HostUpdate:
       jax.block_until_ready(weights)
       held -= nbytes
 
-    for i in sorted(self._host_leaves, key=lambda i: -grads[i].size):
+    # Offloaded weights first, where they are: the other leaves' spans go
+    # down meanwhile.
+    in_place = [self._executor.submit(update, i, None, [grads[i]]) for i in self._host_params]
+    moving = [i for i in self._host_leaves if i not in self._host_params]
+    for i in sorted(moving, key=lambda i: -grads[i].size):
       for span in self.transfer.spans(i, self._span_bytes, self._span_block):
         nbytes = self.transfer.span_bytes(i, span)
         while in_flight and held + nbytes > self._landing_limit:
@@ -373,15 +382,24 @@ class HostUpdate:
       grads[i] = None
     while in_flight:
       upload_oldest()
+    for future in in_place:
+      future.result()
+    for i in self._host_params:
+      grads[i] = None
     self.timings["update"] = kernel["seconds"]
     self.timings["upload"] = time.perf_counter() - kernel["done"]
 
   def restore_weights(self) -> None:
     """grads_in_params, after a step whose update does not run (skipped, or
     the device step run alone): the layers' weights, overwritten by its
-    gradients, are made again from the masters and go up a span at a time."""
+    gradients, are made again from the masters and go up a span at a time
+    (offloaded ones are made where they are)."""
     with self._guard():
+      params = jax.tree.leaves(self.state.device.params)
       for i in self._in_params:
+        if i in self._host_params:  # in place, in pinned host memory
+          self.adam.lowp_weights(i, self.transfer.views(i, params[i]))
+          continue
         for span in self.transfer.spans(i, self._span_bytes, self._span_block):
           weights = self.transfer.new_landing(i, span)
           self.adam.lowp_weights(i, self.transfer.views(i, weights), span)
@@ -508,7 +526,9 @@ class HostUpdate:
         pending.future.result()  # re-raises with the update thread's traceback
       # One leaf at a time: its new weights are in the params, and the
       # uploaded copy freed, before the next leaf's come up.
-      if i in pending.landing:
+      if i in self._host_params:  # written in place: the params are the landing buffer
+        pending.landing.pop(i, None)
+      elif i in pending.landing:
         weights = pending.landing.pop(i)
         jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
         del weights

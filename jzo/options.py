@@ -39,6 +39,7 @@ class EngineOptions:
   landing_limit: int | None = None
   host_transfer: str = "auto"
   grads_in_params: bool = False
+  offload_params: bool = False
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -67,8 +68,13 @@ class EngineOptions:
                                            or self.landing_limit < 0):
       raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
                        f"{self.landing_limit!r}")
+    if self.offload_params is not False:
+      if self.offload_params is not True:
+        raise ValueError(f"offload_params must be True or False, got {self.offload_params!r}")
+      # The layers' gradients go over their weights in host memory.
+      object.__setattr__(self, "grads_in_params", True)
     if self.grads_in_params:
-      _check_grads_in_params(self)
+      _check_grads_in_params(self, "offload_params" if self.offload_params else "grads_in_params")
     if self.host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got "
                        f"{self.host_transfer!r}")
@@ -88,23 +94,24 @@ class EngineOptions:
     return self.compute_dtype
 
 
-def _check_grads_in_params(options: EngineOptions) -> None:
-  """grads_in_params writes the layers' gradients over their weights, which
-  only the host's masters can then restore: every leaf's state on the host,
-  one backward pass a step, nothing that reads the weights after it."""
+def _check_grads_in_params(options: EngineOptions, name: str) -> None:
+  """grads_in_params (and offload_params, `name`, which implies it) writes
+  the layers' gradients over their weights, which only the host's masters
+  can then restore: every leaf's state on the host, one backward pass a
+  step, nothing that reads the weights after it."""
   if options.grads_in_params is not True:
     raise ValueError(f"grads_in_params must be True or False, got {options.grads_in_params!r}")
   if options.stage != 3 or options.layers is None:
-    raise ValueError("grads_in_params needs stage=3 and layers= (the stacked layers whose "
+    raise ValueError(f"{name} needs stage=3 and layers= (the stacked layers whose "
                      "gradients take their weights' place)")
   if options.offload is not True and options.offload != 1:
-    raise ValueError(f"grads_in_params needs offload=True (the host's masters remake the "
+    raise ValueError(f"{name} needs offload=True (the host's masters remake the "
                      f"weights), got offload={options.offload!r}")
   if options.grad_accum != 1:
-    raise ValueError(f"grads_in_params takes one micro-batch a step (the next would need the "
+    raise ValueError(f"{name} takes one micro-batch a step (the next would need the "
                      f"weights the gradients overwrote), got grad_accum={options.grad_accum}")
   if options.delayed_update:
-    raise ValueError("grads_in_params cannot delay the update: the next step needs the "
+    raise ValueError(f"{name} cannot delay the update: the next step needs the "
                      "weights the update writes back")
 
 

@@ -39,6 +39,10 @@ and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
 grads_in_params (stage 3, everything on the host) writes the stacked layers'
 gradients over their weights (jzo.layer_scan): the step's peak holds one
 layer's gradient of them, and the exchange none beside the weights.
+offload_params keeps those weights in pinned host memory as well (2 B a
+parameter of the layers, in XLA's pinned pool, where the gradients land
+and the kernel writes the new weights: no landing buffers for them); the
+device holds one layer's weights and gradient at a time.
 """
 
 from __future__ import annotations
@@ -146,6 +150,9 @@ class Plan:
   # Stage 3 with layers: each layer's gradient is written over its weights
   # in the backward pass (jzo.scan_layers); the host update writes them back.
   grads_in_params: bool = False
+  # With grads_in_params: the stacked layers' weights (and so their
+  # gradients) live in pinned host memory, fetched a layer at a time.
+  offload_params: bool = False
 
   # ------------------------------------------------------------ structure
   @property
@@ -156,6 +163,22 @@ class Plan:
     """The leaf's gradient takes its weights' memory (grads_in_params: the
     stacked layers' leaves)."""
     return self.grads_in_params and layout.per_layer
+
+  def params_on_host(self, layout: LeafLayout) -> bool:
+    """The leaf's low-precision weights live in pinned host memory
+    (offload_params: the stacked layers' leaves)."""
+    return self.offload_params and layout.per_layer
+
+  def host_params_bytes(self) -> int:
+    """Bytes of pinned host memory the offloaded weights take in one process."""
+    lowp = np.dtype(self.compute_dtype).itemsize
+    return lowp * sum(l.shards * _rows(l) * l.shard_size for l in self.leaves
+                      if self.params_on_host(l)) // self.processes
+
+  def pinned_bytes(self) -> int:
+    """Bytes of XLA's pinned pool the engine holds at once in one process:
+    the landing buffers and the offloaded weights."""
+    return self.host_bytes()["landing"] + self.host_params_bytes()
 
   @property
   def sharded_lowp(self) -> bool:
@@ -196,7 +219,8 @@ class Plan:
     lowp = np.dtype(self.compute_dtype).itemsize
     full = self.n_params
     local = sum(_rows(l) * l.shard_size for l in self.leaves)  # one shard, padded
-    params = lowp * (local if self.sharded_lowp else full)
+    on_host = sum(_rows(l) * l.shard_size for l in self.leaves if self.params_on_host(l))
+    params = lowp * ((local - on_host) if self.sharded_lowp else full)
     if self.cpu_adam:
       grads = 0  # the host part lands in pinned host memory, the device part is used at once
     elif self.stage == 0 or self.stage == 1:
@@ -221,9 +245,10 @@ class Plan:
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
-    # The layers' gradients in their weights' memory, but the one being written.
-    grads -= lowp * sum((_rows(l) - 1) * l.shard_size for l in self.leaves
-                        if self.grads_over_weights(l))
+    # The layers' gradients in their weights' memory, but the one being
+    # written; with the weights on the host, that layer's fetched weights too.
+    grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
+                        for l in self.leaves if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
       grads += 4 * self.device_elements
     elif self.grad_accum > 1:
@@ -232,7 +257,8 @@ class Plan:
     if not self.has_host_state:
       return {**self.device_bytes(), **step}
     itemsize = self.grad_dtype.itemsize
-    host_leaves = [l for l in self.leaves if l.on_host]
+    # Offloaded weights are updated where they are: nothing moves for them.
+    host_leaves = [l for l in self.leaves if l.on_host and not self.params_on_host(l)]
     kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves
                           if not self.grads_over_weights(l))
     # Leaf by leaf, its new weights come up (then go into the params in
@@ -240,7 +266,7 @@ class Plan:
     # as it is, the split leaf's host part is first sliced into a copy.
     upload = lambda l: lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
     sliced = lambda l: itemsize * _rows(l) * l.on_host if l.on_device else 0
-    moving = max(map(upload, host_leaves)) + max(map(sliced, host_leaves))
+    moving = max(map(upload, host_leaves), default=0) + max(map(sliced, host_leaves), default=0)
     if self.streamed:  # a span of a leaf at a time, sliced out and back
       elements = self.landing_limit // STREAM_SPANS // (self.n_devices // self.processes)
       elements //= itemsize  # of one device's span
@@ -254,8 +280,12 @@ class Plan:
     """Bytes of host RAM the offloaded state takes in one process (its
     devices' shards: all of them with one process)."""
     n = self.host_elements // self.processes
-    landing = n * self.grad_dtype.itemsize
+    # Offloaded weights take their gradients in place of landing buffers.
+    landing = n * self.grad_dtype.itemsize - self.host_params_bytes()
     landing = min(landing, self.landing_limit or landing)
+    if self.offload_params:
+      return {"master": 4 * n, "moments": self.moment_bytes * n,
+              "params": self.host_params_bytes(), "landing": landing}
     if not self.host_accumulation:
       return {"master": 4 * n, "moments": self.moment_bytes * n, "landing": landing}
     return {"master": 4 * n, "moments": self.moment_bytes * n, "accumulator": 4 * n,
@@ -282,11 +312,13 @@ class Plan:
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
     while the engine draws a leaf: its float32 values and their
-    low-precision copy, and on several devices a float32 copy of a split
-    leaf's device part on its way to them."""
+    low-precision copy (offloaded weights are made on the host), and on
+    several devices a float32 copy of a split leaf's device part on its
+    way to them."""
     copy = lambda l: (4 * l.shards * _rows(l) * l.on_device
                       if self.n_devices > 1 and 0 < l.on_device < l.shard_size else 0)
-    return max(6 * math.prod(l.shape) + copy(l) for l in self.leaves)
+    drawn = lambda l: (4 if self.params_on_host(l) else 6) * math.prod(l.shape)
+    return max(drawn(l) + copy(l) for l in self.leaves)
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -305,7 +337,8 @@ def format_plan(plan: Plan, activations: int | None = None,
           f"params, {np.dtype(plan.compute_dtype).name} compute, optimizer state "
           f"{100 * (1 - plan.offloaded_fraction):.1f}% on the device, "
           f"{100 * plan.offloaded_fraction:.1f}% on the host"
-          + (", delayed update" if plan.delayed_update else "")]
+          + (", delayed update" if plan.delayed_update else "")
+          + (", layers' weights on the host" if plan.offload_params else "")]
   peak = plan.device_peak(activations or 0)
   rows.append(f"  {'per device':<22}{'GiB':>8}")
   for name, b in peak.items():
@@ -320,7 +353,7 @@ def format_plan(plan: Plan, activations: int | None = None,
     for name, b in host.items():
       name = "landing (streamed)" if name == "landing" and plan.streamed else name
       rows.append(f"  {name:<22}{gib(b)}")
-    rounding = pinned_pool_bytes(host["landing"]) - host["landing"]
+    rounding = pinned_pool_bytes(plan.pinned_bytes()) - plan.pinned_bytes()
     rows.append(f"  {'pinned pool rounding':<22}{gib(rounding)}")
     rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(HOST_RUNTIME_BYTES)}")
     rows.append(f"  {'total':<22}{gib(sum(host.values()) + rounding + HOST_RUNTIME_BYTES)}"
@@ -452,16 +485,18 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
   if plan.cpu_adam and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
-    host = plan.host_bytes()
-    if device_memory is not None and host["landing"] + BUILD_CHUNK_BYTES > pinned_pool_limit():
+    host, pinned = plan.host_bytes(), plan.pinned_bytes()
+    what = "the landing buffers and offloaded weights" if plan.offload_params else \
+        "the landing buffers"
+    if device_memory is not None and pinned + BUILD_CHUNK_BYTES > pinned_pool_limit():
       raise PlacementError(
-          f"the landing buffers need {host['landing'] / GiB:.2f} GiB of pinned host memory "
+          f"{what} need {pinned / GiB:.2f} GiB of pinned host memory "
           f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool is "
           f"capped at {pinned_pool_limit() / GiB:.0f} GiB: set {PINNED_POOL_LIMIT_VAR} "
           "higher before JAX starts (jzo.plan.limit_pinned_pool)")
     need, parts = _total_and_parts({**host, "building": building,
-                                    "pool rounding": pinned_pool_bytes(host["landing"])
-                                    - host["landing"], "runtime": HOST_RUNTIME_BYTES})
+                                    "pool rounding": pinned_pool_bytes(pinned) - pinned,
+                                    "runtime": HOST_RUNTIME_BYTES})
     if need > host_memory:
       raise PlacementError(
           f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "
@@ -568,7 +603,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
-        grads_in_params=options.grads_in_params)
+        grads_in_params=options.grads_in_params, offload_params=options.offload_params)
   if auto:
     plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
   else:

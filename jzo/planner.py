@@ -59,7 +59,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              precision: str = "bf16", grad_accum: int = 1, delayed_update: bool = False,
              layers: str | None = None, device_memory: int | None = None,
              host_memory: int | None = None, accumulation: str = "auto",
-             grads_in_params: bool = False) -> Estimate:
+             grads_in_params: bool = False, offload_params: bool = False) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -68,10 +68,10 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     activations: bytes one device needs for activations and temporaries at
       the step's peak (`activation_bytes` of a family in jzo.models).
     devices: size of the data axis.
-    stage, grad_accum, delayed_update, layers, accumulation, grads_in_params:
-      as for `ZeroEngine`.
+    stage, grad_accum, delayed_update, layers, accumulation, grads_in_params,
+      offload_params: as for `ZeroEngine`.
     offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
-      means True with int8 moments or grads_in_params).
+      means True with int8 moments, grads_in_params or offload_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
       int8 ones are kept on the host, so offload "auto" means True).
     precision: "bf16" or "fp16" compute (or "fp32").
@@ -91,6 +91,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     if offload is not True and offload != 1:
       raise ValueError(f"int8 moments are kept in host memory: offload must be True or "
                        f"'auto', got {offload!r}")
+  grads_in_params = grads_in_params or offload_params
   if grads_in_params and offload == "auto":  # the host's masters remake the weights
     offload = True
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -99,7 +100,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   options = EngineOptions(stage=stage, compute_dtype=dtypes[precision], grad_accum=grad_accum,
                           layers=layers, offload=offload, delayed_update=delayed_update,
                           dpu_warmup=0, accumulation=accumulation,
-                          grads_in_params=grads_in_params)
+                          grads_in_params=grads_in_params, offload_params=offload_params)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
   if host_memory is None:
@@ -148,8 +149,9 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     global_batch: sequences per optimizer step over all devices.
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
       precision, delayed_update, layers, device_memory, host_memory,
-      accumulation, grads_in_params); not grad_accum, which this picks
-      (grads_in_params takes one micro-batch a step: the whole batch).
+      accumulation, grads_in_params, offload_params); not grad_accum, which
+      this picks (grads_in_params and offload_params take one micro-batch a
+      step: the whole batch).
 
   Returns:
     A MicroBatch; its `line` reads e.g. "micro-batch 8 a device x 4
@@ -171,7 +173,8 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
                      f"({global_batch} = {per_device} x {devices} + {rest})")
   shapes = jax.eval_shape(params) if callable(params) else params
   refused = None
-  smallest = per_device if options.get("grads_in_params") else 1
+  in_params = options.get("grads_in_params") or options.get("offload_params")
+  smallest = per_device if in_params else 1
   for micro in (m for m in range(per_device, smallest - 1, -1) if per_device % m == 0):
     accum = per_device // micro
     found = estimate(shapes, activations=activation_bytes(micro), devices=devices,
@@ -186,7 +189,8 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
       return MicroBatch(micro, accum, found, line)
     refused = (micro, found.error)  # the next larger, reported if a smaller one fits
   if smallest > 1:
-    raise PlacementError(f"global batch {global_batch} on {devices} device(s): grads_in_params "
+    which = "offload_params" if options.get("offload_params") else "grads_in_params"
+    raise PlacementError(f"global batch {global_batch} on {devices} device(s): {which} "
                          f"takes it in one micro-batch of {per_device} a device, which does not "
                          f"fit: {found.error}")
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "

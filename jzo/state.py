@@ -32,7 +32,7 @@ from jzo.partition import is_layout
 from jzo.plan import Plan
 from jzo.precision import init_loss_scale
 from jzo.step import EngineState
-from jzo.transfer import copy_to_host
+from jzo.transfer import copy_to_host, host_pieces
 
 
 @dataclasses.dataclass
@@ -85,12 +85,14 @@ def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
   own program's output, so all of them are allocated side by side, before
   any draw."""
   specs = step_lib.state_specs(plan, tx)
-  sharding = lambda spec: NamedSharding(mesh, spec)
-  zeros = lambda shape, dtype, spec: jax.jit(lambda: jnp.zeros(shape, dtype),
-                                             out_shardings=sharding(spec))()
+  sharding = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
+  zeros = lambda shape, dtype, spec, kind=None: jax.jit(
+      lambda: jnp.zeros(shape, dtype), out_shardings=sharding(spec, kind))()
   on_layouts = lambda fn, specs: jax.tree.map(fn, plan.layouts, specs, is_leaf=is_layout)
   lowp_shape = lambda l: l.flat_shape if plan.sharded_lowp else l.shape
-  lowp = on_layouts(lambda l, s: zeros(lowp_shape(l), plan.compute_dtype, s), specs.params)
+  lowp_kind = lambda l: "pinned_host" if plan.params_on_host(l) else None
+  lowp = on_layouts(lambda l, s: zeros(lowp_shape(l), plan.compute_dtype, s, lowp_kind(l)),
+                    specs.params)
   master = opt_state = None
   if plan.has_device_state:
     master = on_layouts(lambda l, s: zeros(l.part_shape(l.on_device), jnp.float32, s),
@@ -138,9 +140,10 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
     layout = plan.leaves[i]
     c, k = layout.on_device, layout.shard_size
     flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
-    new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
-    lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
-    del new
+    if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
+      new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
+      lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
+      del new
     # One device reads each part straight out of the draw; several need
     # the parts as arrays of their own (copies) to spread them over the mesh.
     part = lambda side: (lambda x: layout.split(x)[side])
@@ -154,6 +157,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
       mine = slice(positions.start, positions.stop)
       copy_to_host(flat, host_masters[i], lambda x: layout.split(x)[1][mine], pinned=pinned)
     del flat
+    if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
+      host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
   state = state._replace(params=jax.tree.unflatten(treedef, lowp))
   if master is not None:
     state = state._replace(master=jax.tree.unflatten(treedef, master))

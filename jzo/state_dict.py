@@ -397,9 +397,11 @@ def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
       written_flat = saved_leaf == outline(flat)
       if written_flat and (several or layout.flat_shape != layout.shape):
         return flat, saved_leaf
-      if _padded_otherwise(saved_leaf, layout, x.dtype):
-        return flat, saved_leaf
       full = jax.ShapeDtypeStruct(layout.shape, x.dtype)
+      # A stacked 1-d leaf's full shape is also its flat shape without
+      # padding (one device's): read it whole, as it is.
+      if saved_leaf != outline(full) and _padded_otherwise(saved_leaf, layout, x.dtype):
+        return flat, saved_leaf
       return full, outline(full)
     pairs = [one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)]
     structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)

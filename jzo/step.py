@@ -262,12 +262,17 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   """One device's step inside shard_map (see the module docstring)."""
   axis, stage, layouts = plan.axis, plan.stage, plan.layouts
   scale = state.loss_scale.scale
-  grad_fn = jax.value_and_grad(lambda p, b: scaled_loss(plan, loss_fn, p, b, scale),
-                               has_aux=True)
+  # offload_params: the layers' gradients are in host memory, where the
+  # step cannot read them; jzo.scan_layers counts them into this one's gradient.
+  stats = jnp.zeros(2, jnp.float32) if plan.offload_params else None
+  grad_fn = jax.value_and_grad(lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s),
+                               argnums=(0, 1), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
+  host_stats = None
 
   def micro_grads(mb):
-    (_, loss), g = grad_fn(state.params, mb)
+    nonlocal host_stats
+    (_, loss), (g, host_stats) = grad_fn(state.params, stats, mb)
     if stage == 2:  # reduce-scatter now, keep only this device's shard
       g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), g)
     return g, loss
@@ -295,7 +300,8 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
     buffer = jax.tree.map(lambda x: x[None], grads)
   else:
     shard = buffer = grads
-  device_part = flatten(lambda l, x: x[..., :l.on_device], shard)
+  device_part = flatten(lambda l, x: _empty_part(x) if plan.params_on_host(l)
+                        else x[..., :l.on_device], shard)
   # Offload ships each shard's host part in the compute dtype: accumulated
   # fp32 sums are rounded once (the precision one large batch's gradient
   # has), at half the bytes on the copy that follows the step.
@@ -305,11 +311,20 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   else:
     buffer = jax.tree.map(lambda x: x.astype(plan.grad_dtype), buffer)
 
-  sq = _sum_of_squares(shard)
   # Offload checks what it ships (an fp16 rounding of an fp32 sum may overflow).
-  bad = _non_finite(jax.tree.leaves(device_part) + jax.tree.leaves(buffer if plan.cpu_adam else ()))
+  on_device = lambda tree: [x for l, x in zip(plan.leaves, jax.tree.leaves(tree))
+                            if not plan.params_on_host(l)]
+  sq = _sum_of_squares(on_device(shard))
+  bad = _non_finite(jax.tree.leaves(device_part) + (on_device(buffer) if plan.cpu_adam else []))
+  if host_stats is not None:
+    sq, bad = sq + host_stats[0], bad + host_stats[1]
   return end_step(plan, tx, state, device_part, buffer, sq, bad,
                   jax.lax.psum(loss, axis) / plan.n_devices)
+
+
+def _empty_part(x):
+  """A device part of no elements for a gradient x in host memory (no op on x)."""
+  return jnp.zeros(x.shape[:-1] + (0,), x.dtype)
 
 
 def _sum_of_squares(tree):
@@ -431,17 +446,19 @@ def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineStat
   return end_step(plan, tx, state._replace(acc=None), state.acc, None, sq, bad, loss)
 
 
-def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
+def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None):
   """Local loss, scaled so that summing gradients over devices and
-  micro-batches gives the gradient of the global mean loss (times scale)."""
+  micro-batches gives the gradient of the global mean loss (times scale).
+  stats: with offload_params, zeros whose gradient jzo.scan_layers makes
+  the offloaded layers' gradients' (sum of squares, non-finite count)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
   def gather_one_layer(layer):
     gathered[0] = True
-    try:
-      return jax.tree.map(lambda l, x: l.gather_inner(x, plan.axis), layer_layouts, layer,
-                          is_leaf=is_layout)
+    try:  # an offloaded layer's weights come up for its use
+      return jax.tree.map(lambda l, x: l.gather_inner(layer_scan.on_device(x), plan.axis),
+                          layer_layouts, layer, is_leaf=is_layout)
     except ValueError as e:
       raise ValueError("gather_layer got a tree unlike one layer of the `layers` subtree: "
                        f"{e}") from e
@@ -454,7 +471,7 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale):
       if layer_layouts is not None:
         context.enter_context(partition.layer_gathering(gather_one_layer))
       if plan.grads_in_params:
-        scanned = context.enter_context(layer_scan.writing_grads_over_layers())
+        scanned = context.enter_context(layer_scan.writing_grads_over_layers(stats))
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""

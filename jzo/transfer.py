@@ -124,7 +124,8 @@ class ShardTransfer:
     if self.pinned:
       return self._host_part_fns[key](grad)
     part = grad if whole and not layout.on_device else self._host_part_fns[key](grad)
-    return HostLanding([np.array(shard.data) for shard in self._by_position(i, part)])
+    return HostLanding([np.array(shard.data)
+                        for shard in _by_position(part, layout, self._positions)])
 
   def spans(self, i: int, max_bytes: int, block: int = 1) -> list[tuple[int, int]]:
     """Leaf i's host part cut into spans [lo, hi) along the first axis of
@@ -201,17 +202,7 @@ class ShardTransfer:
     stay referenced while they are in use."""
     if not self.pinned:
       return landing.pieces
-    return [writable_view(shard.data)
-            for shard in self._by_position(i, jax.block_until_ready(landing))]
-
-  def _by_position(self, i: int, part: jax.Array) -> list:
-    """This process's shards of a host-part array of leaf i (or of a span
-    of it), in device order."""
-    layout = self.layouts[i]
-    width = part.shape[-1] // layout.shards  # of one shard's piece
-    position = lambda s: s.index[-1].start // width if layout.shards > 1 else 0
-    shards = {position(s): s for s in part.addressable_shards}
-    return [shards[d] for d in self._positions]
+    return host_pieces(jax.block_until_ready(landing), self.layouts[i], self._positions)
 
   def _host_part_fn(self, i: int, span: tuple[int, int] | None):
     layout = self.layouts[i]
@@ -231,6 +222,22 @@ class ShardTransfer:
       return jax.lax.slice_in_dim(g, c + lo, c + hi, axis=-1)
     host_part = jax.shard_map(host_part, mesh=self._mesh, in_specs=spec, out_specs=spec)
     return jax.jit(host_part, out_shardings=self._pinned[i] if self.pinned else None)
+
+
+def _by_position(part: jax.Array, layout: LeafLayout, positions: range) -> list:
+  """The shards of a host-part array of a leaf with `layout` (or of a span
+  of it) on the devices at `positions` of the data axis, in that order."""
+  width = part.shape[-1] // layout.shards  # of one shard's piece
+  position = lambda s: s.index[-1].start // width if layout.shards > 1 else 0
+  shards = {position(s): s for s in part.addressable_shards}
+  return [shards[d] for d in positions]
+
+
+def host_pieces(part: jax.Array, layout: LeafLayout, positions: range) -> list[np.ndarray]:
+  """Writable numpy views of the pieces, at `positions` of the data axis, of
+  an array in host memory (a landing buffer, or offloaded weights) of a leaf
+  with `layout`, in that order, each (..., k - c)."""
+  return [writable_view(shard.data) for shard in _by_position(part, layout, positions)]
 
 
 class HostLanding:

@@ -141,19 +141,21 @@ def test_int8_moments_through_the_real_entry_point(tmp_path):
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
 
 
-def test_grads_in_params_through_the_real_entry_point(tmp_path):
+@pytest.mark.parametrize("flag, model", [("--grads-in-params", "gpt2-20b"),
+                                         ("--offload-params", "gpt2-10b")])
+def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model):
   """--stage 3 --grads-in-params: the layers' gradients take their weights'
-  memory; the run trains, and jzo.estimate plans it."""
-  done = run_module("jzo.train", *SHORT, "--stage", "3", "--grads-in-params", "--out",
-                    str(tmp_path))
+  memory; with --offload-params the weights are in host memory too. The
+  run trains, and jzo.estimate plans it."""
+  done = run_module("jzo.train", *SHORT, "--stage", "3", flag, "--out", str(tmp_path))
   assert done.returncode == 0, done.stderr
   records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
-  planned = run_module("jzo.estimate", "--model", "gpt2-20b", "--moments", "int8", "--stage",
-                       "3", "--grads-in-params", "--batch-size", "32", "--host-gb", "125",
-                       "--device-gb", "80")
+  planned = run_module("jzo.estimate", "--model", model, "--moments", "int8", "--stage",
+                       "3", flag, "--batch-size", "32", "--host-gb", "125", "--device-gb", "80")
   assert planned.returncode == 0, planned.stdout + planned.stderr
   assert "fits" in planned.stdout.splitlines()[-1]
+  assert ("layers' weights on the host" in planned.stdout) == (flag == "--offload-params")
 
 
 def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:
@@ -314,6 +316,9 @@ TRAIN_MISTAKES = [
      "--grads-in-params cannot take --delayed-update"),
     ("grads_in_params", ["--stage", "3", "--grads-in-params", "--micro-batch", "1"],
      "--grads-in-params runs the whole batch as one micro-batch a device"),
+    ("offload_params", ["--offload-params"], "--offload-params needs --stage 3"),
+    ("offload_params", ["--stage", "3", "--offload-params", "--no-offload"],
+     "--offload-params needs --offload with --offload-fraction auto or 1"),
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
     ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
@@ -360,6 +365,8 @@ ESTIMATE_MISTAKES = [
      "grads_in_params needs stage=3 and layers="),
     ("grads_in_params", ["--model", "tiny", "--stage", "3", "--grads-in-params", "--offload",
                          "0.5"], "grads_in_params needs offload=True (the host's masters"),
+    ("offload_params", ["--model", "tiny", "--offload-params"],
+     "offload_params needs stage=3 and layers="),
     ("host_gb", ["--model", "tiny", "--host-gb", "0"], "--host-gb must be > 0, got 0.0"),
     ("device_gb", ["--model", "tiny", "--device-gb", "lots"], "Error parsing --device-gb"),
 ]

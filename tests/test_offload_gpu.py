@@ -96,3 +96,30 @@ def test_a_streamed_update_on_a_gpu_equals_the_whole_one():
   assert 0 < streamed.host_update.landing_peak <= 64
   whole.close()
   streamed.close()
+
+
+def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
+  """offload_params on a GPU: the layers' weights stay in pinned host memory
+  (fetched a layer at a time by XLA's host offload; gradients written back
+  over them there), the compiled step takes none of them as device
+  arguments, and training matches grads_in_params with the weights on the GPU."""
+  from test_grads_in_params import loss_fn as scanned_loss
+  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0)
+  with jax.default_device(GPUS[0]):
+    on_gpu = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+                            grads_in_params=True, **kw)
+    on_host = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+                             offload_params=True, **kw)
+    layers = sum(x.nbytes for x in jax.tree.leaves(on_host.state.params["blocks"]))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host.state.params["blocks"])} \
+        == {"pinned_host"}
+    data = batches(8)
+    argument = lambda e: e.lower(data[0]).compile().memory_analysis().argument_size_in_bytes
+    assert argument(on_gpu) - argument(on_host) == layers
+    for b in data:
+      want, got = on_gpu.step(b), on_host.step(b)
+      np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-5)
+  assert_close(on_host.params, on_gpu.params, rtol=1e-4, atol=1e-5)
+  on_gpu.close()
+  on_host.close()

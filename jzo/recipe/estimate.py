@@ -92,6 +92,8 @@ class EstimateConfig:
   """offload: one-step delayed parameter update"""
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
+  offload_params: bool = False
+  """stage 3 + offload: the layers' weights in pinned host memory, one layer on a device at a time (implies --grads-in-params)"""
   host_gb: float | None = None
   """GiB of host RAM (None: what this machine has available)"""
   device_gb: float | None = None
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                             offload=parse_offload(cfg.offload), moments=cfg.moments,
                             precision=cfg.precision, grad_accum=cfg.grad_accum,
                             delayed_update=cfg.delayed_update,
-                            grads_in_params=cfg.grads_in_params, device_memory=gib(cfg.device_gb),
+                            grads_in_params=cfg.grads_in_params,
+                            offload_params=cfg.offload_params, device_memory=gib(cfg.device_gb),
                             host_memory=gib(cfg.host_gb))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -48,7 +48,7 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
   (CPUs share the host's memory)."""
   if not cfg.offload:
     return False
-  if cfg.grads_in_params and cfg.offload_fraction == "auto":
+  if (cfg.grads_in_params or cfg.offload_params) and cfg.offload_fraction == "auto":
     return True  # the host's masters remake the weights the gradients overwrote
   if cfg.offload_fraction == "auto":
     return "auto" if jzo.plan.device_memory_limit(distributed.own_device(devices)) else True
@@ -124,7 +124,8 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         devices=len(devices), global_batch=cfg.batch_size, stage=cfg.stage,
         offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
-        layers=model.family.layers if cfg.stage == 3 else None, device_memory=device_memory)
+        offload_params=cfg.offload_params, layers=model.family.layers if cfg.stage == 3 else None,
+        device_memory=device_memory)
   except jzo.PlacementError as e:
     raise UserError(str(e)) from e
   return picked.micro_batch, picked.line
@@ -148,7 +149,8 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
       compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
       grad_accum=cfg.batch_size // len(devices) // micro, max_grad_norm=cfg.max_grad_norm,
       offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
-      grads_in_params=cfg.grads_in_params, layers=model.family.layers if cfg.stage == 3 else None,
+      grads_in_params=cfg.grads_in_params, offload_params=cfg.offload_params,
+      layers=model.family.layers if cfg.stage == 3 else None,
       activation_memory=model.activation_bytes(micro, cfg.seq_len),
       device_memory=int(cfg.device_memory_gb * 2**30) or None)
 

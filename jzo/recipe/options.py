@@ -59,6 +59,8 @@ class TrainConfig:
   """offload: one-step delayed parameter update"""
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both); one micro-batch a step"""
+  offload_params: bool = False
+  """stage 3 + offload: the layers' weights in pinned host memory, one layer on a GPU at a time (implies --grads-in-params)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
@@ -143,24 +145,24 @@ def check(cfg: TrainConfig) -> None:
   if cfg.moments == "int8" and not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
     raise UserError("--moments int8 keeps the moments in host memory: it needs --offload with "
                     f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
-  if cfg.grads_in_params:
-    _check_grads_in_params(cfg)
+  if cfg.grads_in_params or cfg.offload_params:
+    _check_grads_in_params(cfg, "--offload-params" if cfg.offload_params else "--grads-in-params")
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 
 
-def _check_grads_in_params(cfg: TrainConfig) -> None:
+def _check_grads_in_params(cfg: TrainConfig, flag: str) -> None:
   if cfg.stage != 3:
-    raise UserError(f"--grads-in-params needs --stage 3 (the layers gathered one at a time), "
+    raise UserError(f"{flag} needs --stage 3 (the layers gathered one at a time), "
                     f"got --stage {cfg.stage}")
   if not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
-    raise UserError("--grads-in-params needs --offload with --offload-fraction auto or 1 (the "
+    raise UserError(f"{flag} needs --offload with --offload-fraction auto or 1 (the "
                     "host's masters remake the weights)")
   if cfg.delayed_update:
-    raise UserError("--grads-in-params cannot take --delayed-update: the next step needs the "
+    raise UserError(f"{flag} cannot take --delayed-update: the next step needs the "
                     "weights the update writes back")
   if cfg.micro_batch != "auto":
-    raise UserError("--grads-in-params runs the whole batch as one micro-batch a device: leave "
+    raise UserError(f"{flag} runs the whole batch as one micro-batch a device: leave "
                     "--micro-batch auto")
 
 

@@ -1,0 +1,131 @@
+"""offload_params: the layers' weights in pinned host memory, fetched a layer
+at a time, their gradients written back over them there, on 1 and 8 fake
+CPU devices: the same training as grads_in_params on the devices, the
+plan's bytes, skipped steps, checkpoints, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jzo
+from test_engine import assert_close, batches, init_params, mesh_of
+from test_grads_in_params import engine, loss_fn
+from test_offload import TX
+
+
+def layer_leaves(e):
+  """The params leaves of the stacked layers (blocks' b and w)."""
+  return [x for path, x in jax.tree_util.tree_leaves_with_path(e.state.params)
+          if "blocks" in jax.tree_util.keystr(path)]
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mesh_size, landing_limit", [(1, None), (8, None), (8, 2048)],
+                         ids=["1dev", "8dev", "8dev-streamed"])
+def test_training_matches_the_weights_on_the_devices(mesh_size, landing_limit, compute_dtype):
+  """Same losses, gradient norms (counted on the devices, layer by layer:
+  in another order, so the clip factor may differ in its last bit) and
+  weights as grads_in_params with the weights on the devices; the
+  layers' weights stay in pinned host memory, the other leaves on the
+  devices; the update whole or streamed in spans."""
+  kw = dict(compute_dtype=compute_dtype, landing_limit=landing_limit, max_grad_norm=1.0)
+  on_devices, on_host = engine(mesh_size, grads_in_params=True, **kw), engine(
+      mesh_size, offload_params=True, **kw)
+  for b in batches(6):
+    want, got = on_devices.step(b), on_host.step(b)
+    assert float(got.loss) == float(want.loss)
+    np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm), rtol=1e-6)
+  assert_close(on_host.params, on_devices.params, rtol=1e-6, atol=1e-7)
+  kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
+           for p, x in jax.tree_util.tree_leaves_with_path(on_host.state.params)}
+  assert {k: v for k, v in kinds.items() if "blocks" in k} == {
+      "['blocks']['b']": "pinned_host", "['blocks']['w']": "pinned_host"}
+  assert all(v != "pinned_host" for k, v in kinds.items() if "blocks" not in k)
+  for a, b in zip(jax.tree.leaves(on_host.state.params), jax.tree.leaves(on_devices.state.params)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-5 if compute_dtype == jnp.float32 else 1e-2, atol=1e-7)
+
+
+def test_the_plan_moves_the_layers_weights_to_the_host():
+  """The device holds the other leaves and one layer's weights and gradient
+  at the step's peak; the host the layers' weights in the compute dtype,
+  which take the place of their landing buffers."""
+  kw = dict(compute_dtype=jnp.bfloat16)
+  on_devices, on_host = engine(1, grads_in_params=True, **kw), engine(1, offload_params=True, **kw)
+  layers = sum(x.size for x in layer_leaves(on_host))
+  row = layers // init_params()["blocks"]["w"].shape[0]
+  a, b = on_devices.plan, on_host.plan
+  assert a.device_bytes()["params"] - b.device_bytes()["params"] == 2 * layers
+  assert on_host.memory_per_device()["params"] == b.device_bytes()["params"]
+  step = lambda plan: plan.device_peak(activations=2**20)["backward grads"]  # the step's peak
+  assert step(a) + 2 * row == step(b)
+  assert b.host_bytes()["params"] == 2 * layers == b.host_params_bytes()
+  assert a.host_bytes()["landing"] - b.host_bytes()["landing"] == 2 * layers
+  assert "layers' weights on the host" in str(b)
+  on_host.step(batches(1)[0])
+  state = sum(x.nbytes for x in on_host.host.arrays())
+  assert on_host.host_bytes_in_use() == state + 2 * layers + on_host.host_update.landing_peak
+
+
+def test_a_skipped_step_and_a_device_step_alone_put_the_weights_back():
+  """Non-finite gradients skip the step, and a device step run alone
+  updates nothing: either way the host weights the gradients overwrote are
+  made again from the masters, and training goes on as with the weights on
+  the devices."""
+  on_devices, on_host = (engine(8, landing_limit=2048, grads_in_params=True),
+                         engine(8, landing_limit=2048, offload_params=True))
+  data = batches(4)
+  bad = dict(data[1], x=data[1]["x"].at[0, 0].set(jnp.nan))
+  for b in [data[0], bad, data[2]]:
+    want, got = on_devices.step(b), on_host.step(b)
+    assert bool(got.skipped) == bool(want.skipped)
+  assert int(on_host.state.skipped) == 1
+  before = [np.asarray(x) for x in jax.tree.leaves(on_host.state.params)]
+  on_host.run_device_step(data[3])
+  for a, b, c in zip(jax.tree.leaves(on_host.state.params), before,
+                     jax.tree.leaves(on_devices.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
+  """state_dict of an offload_params engine loads into one whose weights
+  are on the devices and back, and both go on training alike."""
+  data = batches(5)
+  first = engine(8, offload_params=True)
+  for b in data[:2]:
+    first.step(b)
+  saved = first.state_dict()
+  on_devices, on_host = engine(1, grads_in_params=True), engine(8, offload_params=True)
+  on_devices.load_state_dict(saved)
+  on_host.load_state_dict(on_devices.state_dict())
+  for b in data[2:]:
+    want, got = first.step(b), on_host.step(b)
+    assert float(got.loss) == float(want.loss)
+    # One device sums the bf16 gradients in another order than eight.
+    np.testing.assert_allclose(float(on_devices.step(b).loss), float(want.loss), rtol=1e-3)
+  assert_close(on_host.params, first.params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(stage=2, layers=None), "offload_params needs stage=3 and layers="),
+    (dict(offload=0.5), "offload_params needs offload=True"),
+    (dict(grad_accum=2), "offload_params takes one micro-batch a step"),
+    (dict(delayed_update=True), "offload_params cannot delay"),
+    (dict(offload_params=1), "offload_params must be True or False"),
+    (dict(host_transfer="portable"), "offload_params keeps the layers' weights in pinned host"),
+])
+def test_bad_options(kw, message):
+  kw = dict(dict(stage=3, layers="blocks", offload=True, offload_params=True), **kw)
+  with pytest.raises(ValueError, match=message):
+    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
+
+
+def test_the_planner_estimates_it():
+  """jzo.estimate with offload_params: offload 'auto' means True, the
+  layers' weights on the host."""
+  est = jzo.estimate(init_params(), stage=3, layers="blocks", offload_params=True,
+                     device_memory=2**30, host_memory=8 * 2**30)
+  assert est.fits and est.plan.offload_params and est.plan.offloaded_fraction == 1
+  assert est.plan.host_bytes()["params"] > 0
