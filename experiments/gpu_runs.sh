@@ -48,6 +48,11 @@
 #                  recipe at stage 3 with and without it (the same losses)
 #   grads-20b      gpt2-20b, int8 moments, stage 3 + grads_in_params, micro-batches BATCH
 #                  (default 16 32) in offload_bench.py: step, TFLOPS, peaks against the plan
+#   params-check   offload_params' GPU test and CPU tests on this machine's Python;
+#                  gpt2-350m through the recipe with the layers' weights on the GPU, then
+#                  on the host (the same losses)
+#   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
+#                  the weights on the GPU), micro-batches BATCH (default 32 96)
 # Parts on two GPUs (nvidia-h200-x2):
 #   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
 #                  and 2 GPUs (zero_stages_bench.py)
@@ -165,6 +170,23 @@ for part in "$@"; do
         --moments int8 --stage 3 --grads-in-params --batch ${BATCH:-16 32} --steps 3 \
         --compiled-memory >"$OUT/$part.json" 2>"$OUT/$part.log"
       echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part.log" | cut -c1-400 | tail -12 ;;
+    params-check)
+      pytests params-gpu 240 tests/test_offload_gpu.py
+      JAX_PLATFORMS=cpu pytests params-tests 300 tests/test_offload_params.py
+      for flag in --grads-in-params --offload-params; do
+        timeout 200 python3 -m jzo.train --model gpt2-350m --stage 3 $flag --seq-len 512 \
+          --batch-size 8 --steps 30 --warmup 2 --log-every 5 --eval-every 1000 \
+          --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$part$flag" \
+          >"$OUT/$part$flag.log" 2>&1
+        echo "$part $flag: exit $?"; grep -v "step/s\]" "$OUT/$part$flag.log" | grep "^step" | tail -3
+      done ;;
+    params-10b)
+      # gpt2-10b, int8 moments, stage 3, the layers' weights on the host
+      # (FLAG: --grads-in-params keeps them on the GPU), micro-batches BATCH.
+      timeout 540 python3 experiments/offload_bench.py --config offload --model gpt2-10b \
+        --moments int8 --stage 3 ${FLAG:---offload-params} --batch ${BATCH:-32 96} --steps 3 \
+        --compiled-memory >"$OUT/$part${FLAG:-}.json" 2>"$OUT/$part${FLAG:-}.log"
+      echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part${FLAG:-}.log" | cut -c1-400 | tail -12 ;;
     offload-steps)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
