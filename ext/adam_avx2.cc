@@ -5,20 +5,21 @@
 #include <cstdint>
 #include <cstring>
 
+#include "adam_kernel.h"
 #include "quant8.h"
 
 namespace {
 struct V {
   static constexpr int kWidth = 8;
   using F = __m256;
-  static F load_f32(const float* p) { return _mm256_loadu_ps(p); }
-  static void store_f32(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static F load_bf16(const uint16_t* p) {
+  static JZO_INLINE F load_f32(const float* p) { return _mm256_loadu_ps(p); }
+  static JZO_INLINE void store_f32(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static JZO_INLINE F load_bf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   // Round to nearest even in integer arithmetic, as the scalar version does.
-  static __m128i to_bf16(F x) {
+  static JZO_INLINE __m128i to_bf16(F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(bits, 16);
     const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
@@ -31,37 +32,37 @@ struct V {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     return _mm256_castsi256_si128(packed);
   }
-  static __m128i to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static void store_bf16(uint16_t* p, F x) {
+  static JZO_INLINE __m128i to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static JZO_INLINE void store_bf16(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
   }
-  static F load_f16(const uint16_t* p) {
+  static JZO_INLINE F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_f16(uint16_t* p, F x) {
+  static JZO_INLINE void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(x));
   }
   static constexpr bool kStreams = true;  // 16-byte aligned p only
-  static void stream_bf16(uint16_t* p, F x) {
+  static JZO_INLINE void stream_bf16(uint16_t* p, F x) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
   }
-  static void stream_f16(uint16_t* p, F x) {
+  static JZO_INLINE void stream_f16(uint16_t* p, F x) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x));
   }
-  static void stream_fence() { _mm_sfence(); }
-  static F set1(float x) { return _mm256_set1_ps(x); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static JZO_INLINE void stream_fence() { _mm_sfence(); }
+  static JZO_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+  static JZO_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static JZO_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static JZO_INLINE F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static JZO_INLINE F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static JZO_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   // The larger magnitude lane by lane, compared as bit patterns: NaN > inf > finite.
-  static F max_magnitude(F acc, F x) {
+  static JZO_INLINE F max_magnitude(F acc, F x) {
     const __m256i mag = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
     return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
-  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+  static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i i = map.is_signed ? _mm256_and_si256(c, _mm256_set1_epi32(127)) : c;
     const __m256i bits = _mm256_castps_si256(
@@ -81,7 +82,7 @@ struct V {
                                        _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
     return value;
   }
-  static void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));

@@ -4,21 +4,22 @@
 
 #include <cstdint>
 
+#include "adam_kernel.h"
 #include "quant8.h"
 
 namespace {
 struct V {
   static constexpr int kWidth = 16;
   using F = __m512;
-  static F load_f32(const float* p) { return _mm512_loadu_ps(p); }
-  static void store_f32(float* p, F x) { _mm512_storeu_ps(p, x); }
-  static F load_bf16(const uint16_t* p) {
+  static JZO_INLINE F load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static JZO_INLINE void store_f32(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static JZO_INLINE F load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
   // which flushes denormals: the scalar and AVX2 versions give the same bits.
-  static __m256i to_bf16(F x) {
+  static JZO_INLINE __m256i to_bf16(F x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -28,37 +29,37 @@ struct V {
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
   }
-  static __m256i to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static void store_bf16(uint16_t* p, F x) {
+  static JZO_INLINE __m256i to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static JZO_INLINE void store_bf16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
   }
-  static F load_f16(const uint16_t* p) {
+  static JZO_INLINE F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store_f16(uint16_t* p, F x) {
+  static JZO_INLINE void store_f16(uint16_t* p, F x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(x));
   }
   static constexpr bool kStreams = true;  // 32-byte aligned p only
-  static void stream_bf16(uint16_t* p, F x) {
+  static JZO_INLINE void stream_bf16(uint16_t* p, F x) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
   }
-  static void stream_f16(uint16_t* p, F x) {
+  static JZO_INLINE void stream_f16(uint16_t* p, F x) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(x));
   }
-  static void stream_fence() { _mm_sfence(); }
-  static F set1(float x) { return _mm512_set1_ps(x); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static JZO_INLINE void stream_fence() { _mm_sfence(); }
+  static JZO_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+  static JZO_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static JZO_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static JZO_INLINE F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static JZO_INLINE F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static JZO_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   // The larger magnitude lane by lane, compared as bit patterns: NaN > inf > finite.
-  static F max_magnitude(F acc, F x) {
+  static JZO_INLINE F max_magnitude(F acc, F x) {
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
     return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
-  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+  static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512i i = map.is_signed ? _mm512_and_si512(c, _mm512_set1_epi32(127)) : c;
     const __m512i bits = _mm512_castps_si512(
@@ -77,7 +78,7 @@ struct V {
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
     return value;
   }
-  static void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m512i low16 = _mm512_set1_epi32(0xFFFF);
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));

@@ -19,6 +19,12 @@
 
 #include <cstdint>
 
+// Forces inlining of the per-vector helpers of the kernels (each ISA's `V`,
+// the steps in adam_kernel_impl.h). nanobind builds the module with -Os,
+// which leaves even a two-instruction load out of line and passes vectors
+// through the stack: the kernels ran 20-30% slower that way.
+#define JZO_INLINE inline __attribute__((always_inline))
+
 namespace jzo {
 
 // Storage types of the arrays, by the codes Python passes (jzo.native.DTYPE_CODES).

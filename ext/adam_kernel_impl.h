@@ -38,7 +38,7 @@ struct Storage<jzo::DType::kF16> {
 };
 
 template <jzo::DType D>
-inline F load(const void* base, int64_t i) {
+JZO_INLINE F load(const void* base, int64_t i) {
   const auto* p = static_cast<const typename Storage<D>::T*>(base) + i;
   if constexpr (D == jzo::DType::kF32) return V::load_f32(p);
   if constexpr (D == jzo::DType::kBF16) return V::load_bf16(p);
@@ -46,7 +46,7 @@ inline F load(const void* base, int64_t i) {
 }
 
 template <jzo::DType D>
-inline void store(void* base, int64_t i, F x) {
+JZO_INLINE void store(void* base, int64_t i, F x) {
   auto* p = static_cast<typename Storage<D>::T*>(base) + i;
   if constexpr (D == jzo::DType::kF32) V::store_f32(p, x);
   if constexpr (D == jzo::DType::kBF16) V::store_bf16(p, x);
@@ -57,7 +57,7 @@ inline void store(void* base, int64_t i, F x) {
 // not by this CPU: a non-temporal store skips reading each line first (2 of
 // the 28 bytes an element would otherwise grow to 30). Needs an aligned address.
 template <jzo::DType D>
-inline void store_lowp(void* base, int64_t i, F x, bool stream) {
+JZO_INLINE void store_lowp(void* base, int64_t i, F x, bool stream) {
   auto* p = static_cast<uint16_t*>(base) + i;
   if (!stream) return store<D>(base, i, x);
   if constexpr (D == jzo::DType::kBF16) V::stream_bf16(p, x);
@@ -91,7 +91,7 @@ constexpr int kNoLowp = -1;
 // The update from the new moments (float32) and the gradient g (unscaled
 // already), stored as the buffers ask: update_out, or param (and lowp_out).
 template <int L>
-inline void apply(const jzo::AdamBuffers& b, const Consts& c, int64_t i, F g, F m, F v) {
+JZO_INLINE void apply(const jzo::AdamBuffers& b, const Consts& c, int64_t i, F g, F m, F v) {
   const F m_hat = c.nesterov ? V::fmadd(c.b1, V::mul(m, c.inv_bc1_next),
                                         V::mul(c.omb1, V::mul(g, c.inv_bc1)))
                              : V::mul(m, c.inv_bc1);
@@ -110,12 +110,12 @@ inline void apply(const jzo::AdamBuffers& b, const Consts& c, int64_t i, F g, F 
 }
 
 template <jzo::DType G>
-inline F scaled_grad(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
+JZO_INLINE F scaled_grad(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   return V::mul(load<G>(b.grad, i), c.grad_scale);
 }
 
 template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
-inline void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
+JZO_INLINE void step(const jzo::AdamBuffers& b, const Consts& c, int64_t i) {
   const F g = scaled_grad<G>(b, c, i);
   const F m = V::fmadd(c.b1, load<M>(b.mu, i), V::mul(c.omb1, g));
   const F v = V::fmadd(c.b2, load<N>(b.nu, i), V::mul(c.omb2, V::mul(g, g)));
@@ -202,7 +202,7 @@ struct Q8Maps {
 
 // The scale of a block from its lanes' largest magnitudes (V::max_magnitude),
 // and the factor that maps the block into [-1, 1].
-inline void block_scale(F absmax, float* scale, float* inv) {
+JZO_INLINE void block_scale(F absmax, float* scale, float* inv) {
   alignas(64) uint32_t lanes[kW];
   V::store_f32(reinterpret_cast<float*>(lanes), absmax);
   uint32_t top = 0;
@@ -217,7 +217,7 @@ inline void block_scale(F absmax, float* scale, float* inv) {
 }
 
 template <jzo::DType G, int L>
-inline void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
+JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
                      int64_t block) {
   alignas(64) float m_new[kB], v_new[kB];
   auto* mu = static_cast<uint8_t*>(b.mu);

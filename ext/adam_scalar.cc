@@ -4,22 +4,23 @@
 #include <cstdint>
 #include <cstring>
 
+#include "adam_kernel.h"
 #include "quant8.h"
 
 namespace {
 struct V {
   static constexpr int kWidth = 1;
   using F = float;
-  static F load_f32(const float* p) { return *p; }
-  static void store_f32(float* p, F x) { *p = x; }
-  static F load_bf16(const uint16_t* p) {
+  static JZO_INLINE F load_f32(const float* p) { return *p; }
+  static JZO_INLINE void store_f32(float* p, F x) { *p = x; }
+  static JZO_INLINE F load_bf16(const uint16_t* p) {
     const uint32_t bits = static_cast<uint32_t>(*p) << 16;
     F x;
     std::memcpy(&x, &bits, 4);
     return x;
   }
   // Round to nearest even; NaN stays a quiet NaN of the same sign.
-  static void store_bf16(uint16_t* p, F x) {
+  static JZO_INLINE void store_bf16(uint16_t* p, F x) {
     uint32_t bits;
     std::memcpy(&bits, &x, 4);
     if (x != x) {
@@ -29,28 +30,28 @@ struct V {
     *p = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
   }
   // _Float16 conversions are IEEE round-to-nearest-even (GCC, Clang).
-  static F load_f16(const uint16_t* p) {
+  static JZO_INLINE F load_f16(const uint16_t* p) {
     _Float16 h;
     std::memcpy(&h, p, 2);
     return static_cast<F>(h);
   }
-  static void store_f16(uint16_t* p, F x) {
+  static JZO_INLINE void store_f16(uint16_t* p, F x) {
     const _Float16 h = static_cast<_Float16>(x);
     std::memcpy(p, &h, 2);
   }
   // No streaming stores here: the "stream" versions are plain stores.
   static constexpr bool kStreams = false;
-  static void stream_bf16(uint16_t* p, F x) { store_bf16(p, x); }
-  static void stream_f16(uint16_t* p, F x) { store_f16(p, x); }
-  static void stream_fence() {}
-  static F set1(float x) { return x; }
-  static F add(F a, F b) { return a + b; }
-  static F mul(F a, F b) { return a * b; }
-  static F div(F a, F b) { return a / b; }
-  static F sqrt(F a) { return __builtin_sqrtf(a); }
-  static F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static JZO_INLINE void stream_bf16(uint16_t* p, F x) { store_bf16(p, x); }
+  static JZO_INLINE void stream_f16(uint16_t* p, F x) { store_f16(p, x); }
+  static JZO_INLINE void stream_fence() {}
+  static JZO_INLINE F set1(float x) { return x; }
+  static JZO_INLINE F add(F a, F b) { return a + b; }
+  static JZO_INLINE F mul(F a, F b) { return a * b; }
+  static JZO_INLINE F div(F a, F b) { return a / b; }
+  static JZO_INLINE F sqrt(F a) { return __builtin_sqrtf(a); }
+  static JZO_INLINE F fmadd(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   // The larger magnitude, compared as bit patterns: NaN > inf > finite.
-  static F max_magnitude(F acc, F x) {
+  static JZO_INLINE F max_magnitude(F acc, F x) {
     uint32_t a, b;
     std::memcpy(&a, &acc, 4);
     std::memcpy(&b, &x, 4);
@@ -62,7 +63,7 @@ struct V {
   }
   // 8-bit moments (quant8.h): a code's value, by the map's arithmetic, and
   // the nearest code of y.
-  static F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
+  static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
     const uint32_t c = *p, i = map.is_signed ? c & 127u : c;
     const uint32_t top = map.is_signed ? 127u : 255u;
     float r = static_cast<float>(2 * i + 1);
@@ -76,7 +77,7 @@ struct V {
     if (map.is_signed && (c & 128u)) value = -value;
     return value;
   }
-  static void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     uint32_t bits;
     std::memcpy(&bits, &y, 4);
     const uint32_t mag = bits & 0x7fffffffu;
