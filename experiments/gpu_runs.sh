@@ -171,14 +171,15 @@ for part in "$@"; do
         --compiled-memory >"$OUT/$part.json" 2>"$OUT/$part.log"
       echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part.log" | cut -c1-400 | tail -12 ;;
     params-check)
-      pytests params-gpu 240 tests/test_offload_gpu.py
+      JAX_PLATFORMS=cuda,cpu pytests params-gpu 240 tests/test_offload_gpu.py
       JAX_PLATFORMS=cpu pytests params-tests 300 tests/test_offload_params.py
       for flag in --grads-in-params --offload-params; do
         timeout 200 python3 -m jzo.train --model gpt2-350m --stage 3 $flag --seq-len 512 \
           --batch-size 8 --steps 30 --warmup 2 --log-every 5 --eval-every 1000 \
           --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$part$flag" \
           >"$OUT/$part$flag.log" 2>&1
-        echo "$part $flag: exit $?"; grep -v "step/s\]" "$OUT/$part$flag.log" | grep "^step" | tail -3
+        echo "$part $flag: exit $?"; grep -o "step [0-9]*: loss [0-9.]*\(, eval [0-9.]*\)\?" \
+          "$OUT/$part$flag.log" | tr '\n' ' '; echo
       done ;;
     params-10b)
       # gpt2-10b, int8 moments, stage 3, the layers' weights on the host

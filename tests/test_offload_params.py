@@ -25,8 +25,9 @@ def layer_leaves(e):
                          ids=["1dev", "8dev", "8dev-streamed"])
 def test_training_matches_the_weights_on_the_devices(mesh_size, landing_limit, compute_dtype):
   """Same losses, gradient norms (counted on the devices, layer by layer:
-  in another order, so the clip factor may differ in its last bit) and
-  weights as grads_in_params with the weights on the devices; the
+  in another order, so the clip factor may differ in its last bits, and
+  XLA may fuse the forward otherwise) and weights as grads_in_params with
+  the weights on the devices; the
   layers' weights stay in pinned host memory, the other leaves on the
   devices; the update whole or streamed in spans."""
   kw = dict(compute_dtype=compute_dtype, landing_limit=landing_limit, max_grad_norm=1.0)
@@ -34,7 +35,7 @@ def test_training_matches_the_weights_on_the_devices(mesh_size, landing_limit, c
       mesh_size, offload_params=True, **kw)
   for b in batches(6):
     want, got = on_devices.step(b), on_host.step(b)
-    assert float(got.loss) == float(want.loss)
+    np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-6)
     np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm), rtol=1e-6)
   assert_close(on_host.params, on_devices.params, rtol=1e-6, atol=1e-7)
   kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
