@@ -182,8 +182,8 @@ def _device_part(mesh: Mesh, layout: LeafLayout, pieces: list[np.ndarray], axis:
 def _lowp(plan: Plan, mesh: Mesh, layout: LeafLayout, master, spec: P) -> jax.Array:
   """The compute-dtype params of a leaf from its saved float32 master: numpy
   (full or flat), or a global flat array of several processes, converted
-  on the devices a leaf at a time."""
-  to = NamedSharding(mesh, spec)
+  on the devices a leaf at a time (offloaded weights: into pinned host memory)."""
+  to = NamedSharding(mesh, spec, memory_kind="pinned_host" if plan.params_on_host(layout) else None)
   if not isinstance(master, jax.Array) or master.is_fully_addressable:
     flat = layout.flatten(np.asarray(master))
     return jax.device_put(step_lib.lowp_from_master(plan, layout, flat), to)
@@ -354,7 +354,7 @@ def _adam_flat(trained: ZeroState) -> dict:
   return {"master": state.master, "mu": adam.mu, "nu": adam.nu}
 
 
-def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
+def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict, dict]:
   """(target, accepted): the shapes and dtypes (jax.ShapeDtypeStructs) of
   the saved tree this engine loads, fetching nothing, and the outline (see
   `outline`) of a checkpoint that loads into it.
@@ -366,6 +366,10 @@ def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
   several processes, global arrays are read shard by shard. A flat leaf
   padded for another device count is read into this engine's flat shape
   (orbax pads or cuts its padding): in `accepted` it keeps the saved shape.
+  prefer_full: a leaf saved in its full shape that could also be flat and
+  padded (a stacked 1-d leaf, saved by one device) is read as full: one
+  process's state dicts are (orbax's checkpoints of several processes are
+  flat global arrays, which it must restore as such).
   """
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
   scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
@@ -398,9 +402,8 @@ def expected(trained: ZeroState, saved) -> tuple[dict, dict]:
       if written_flat and (several or layout.flat_shape != layout.shape):
         return flat, saved_leaf
       full = jax.ShapeDtypeStruct(layout.shape, x.dtype)
-      # A stacked 1-d leaf's full shape is also its flat shape without
-      # padding (one device's): read it whole, as it is.
-      if saved_leaf != outline(full) and _padded_otherwise(saved_leaf, layout, x.dtype):
+      whole = prefer_full and saved_leaf == outline(full)
+      if not whole and _padded_otherwise(saved_leaf, layout, x.dtype):
         return flat, saved_leaf
       return full, outline(full)
     pairs = [one(l, x, s) for l, x, s in zip(plan.leaves, jax.tree.leaves(like), saved_leaves)]
@@ -449,7 +452,7 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
       entries that differ.
   """
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
-  differences = misfit(outline(saved), outline(expected(trained, saved)[0]))
+  differences = misfit(outline(saved), outline(expected(trained, saved, prefer_full=True)[0]))
   if differences:
     raise ValueError(f"checkpoint does not fit this engine: {differences}")
   specs = step_lib.state_specs(plan, trained.tx)

@@ -268,22 +268,21 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   grad_fn = jax.value_and_grad(lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s),
                                argnums=(0, 1), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
-  host_stats = None
 
   def micro_grads(mb):
-    nonlocal host_stats
     (_, loss), (g, host_stats) = grad_fn(state.params, stats, mb)
     if stage == 2:  # reduce-scatter now, keep only this device's shard
       g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), g)
-    return g, loss
+    return g, loss, host_stats
 
+  host_stats = None  # offload_params takes one micro-batch a step
   if plan.grad_accum == 1:
-    grads, loss = micro_grads(batch)
+    grads, loss, host_stats = micro_grads(batch)
   else:
     micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
 
     def body(acc, mb):
-      g, loss = micro_grads(mb)
+      g, loss, _ = micro_grads(mb)
       return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
         lambda: micro_grads(jax.tree.map(lambda x: x[0], micro))[0]))

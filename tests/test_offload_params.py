@@ -101,6 +101,7 @@ def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
   on_devices, on_host = engine(1, grads_in_params=True), engine(8, offload_params=True)
   on_devices.load_state_dict(saved)
   on_host.load_state_dict(on_devices.state_dict())
+  assert {x.sharding.memory_kind for x in layer_leaves(on_host)} == {"pinned_host"}
   for b in data[2:]:
     want, got = first.step(b), on_host.step(b)
     assert float(got.loss) == float(want.loss)
