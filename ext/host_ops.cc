@@ -40,14 +40,25 @@ void stream_copy(char* dst, const char* src, size_t bytes) {
 #endif
 }
 
+// Elements per task of an Adam step over n elements: kAdamChunk, or for a
+// smaller array an even share per thread, so that 2^16 elements run on two
+// threads too (the spinning pool starts a task in about a microsecond). A
+// whole number of quantization blocks; at least kMinAdamChunk.
+int64_t adam_chunk(int64_t n, int max_threads) {
+  const int64_t threads = max_threads > 0 ? std::min(max_threads, num_threads()) : num_threads();
+  const int64_t share = (n + threads - 1) / threads;
+  const int64_t blocks = (share + kQuantBlock - 1) / kQuantBlock * kQuantBlock;
+  return std::min(kAdamChunk, std::max(kMinAdamChunk, blocks));
+}
+
 }  // namespace
 
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) {
+  const int64_t chunk = adam_chunk(b.n, max_threads);
   if (b.mu_dtype == DType::kQ8) {
-    // Tasks of whole blocks, kAdamChunk elements' worth: a block's scale
-    // comes from all of it.
+    // Tasks of whole blocks: a block's scale comes from all of it.
     const int64_t per_row = quant_blocks(b.row), rows = b.row ? b.n / b.row : 0;
-    const int64_t blocks = rows * per_row, per_task = kAdamChunk / kQuantBlock;
+    const int64_t blocks = rows * per_row, per_task = chunk / kQuantBlock;
     auto start = [&](int64_t block) {  // element where a block starts (b.n past the last)
       return block >= blocks ? b.n : block / per_row * b.row + block % per_row * kQuantBlock;
     };
@@ -57,11 +68,10 @@ void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) 
         max_threads);
     return;
   }
-  const int64_t n_tasks = (b.n + kAdamChunk - 1) / kAdamChunk;
+  const int64_t n_tasks = (b.n + chunk - 1) / chunk;
   if (n_tasks <= 1) return adam_range(b, s, 0, b.n);
   parallel_for(
-      n_tasks,
-      [&](int64_t t) { adam_range(b, s, t * kAdamChunk, std::min(b.n, (t + 1) * kAdamChunk)); },
+      n_tasks, [&](int64_t t) { adam_range(b, s, t * chunk, std::min(b.n, (t + 1) * chunk)); },
       max_threads);
 }
 

@@ -13,6 +13,9 @@ namespace jzo {
 // traffic at 28 bytes an element), small enough to balance 16+ threads on a
 // few million elements. A multiple of every vector width.
 constexpr int64_t kAdamChunk = int64_t{1} << 16;
+// The smallest task an Adam step is split into (a smaller array runs on one
+// thread): about 3 microseconds of work.
+constexpr int64_t kMinAdamChunk = int64_t{1} << 13;
 
 // The Adam kernel over all b.n elements on up to max_threads threads
 // (0: the pool's size). Bitwise identical for any thread count.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,36 @@
 namespace jzo {
 namespace {
 
+// A bounded busy wait (about kSpinMicros) before sleeping on a condition
+// variable: on a VM a sleeping thread takes tens of microseconds to wake,
+// as long as a whole step of 2^18 parameters, so a pool whose workers slept
+// between steps ran such steps on one thread. Workers spin after each run
+// (back-to-back steps start at once); the caller spins on their last tasks.
+class Spinner {
+ public:
+  // True while the caller should keep spinning (about kSpinMicros in all).
+  bool spin() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+    if (++count_ % 64) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (count_ == 64) start_ = now;
+    return now - start_ < std::chrono::microseconds(kSpinMicros);
+  }
+
+ private:
+  static constexpr int kSpinMicros = 100;
+  uint64_t count_ = 0;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Workers join a run while it is open; the caller closes it once no task is
+// left to claim and waits only for the workers that joined. So a worker that
+// was not scheduled in time (a busy host) costs nothing: the caller runs its
+// tasks instead of waiting for it to wake up.
 class ThreadPool {
  public:
   explicit ThreadPool(int n_workers) {
@@ -30,7 +61,7 @@ class ThreadPool {
   }
   int workers() const { return static_cast<int>(workers_.size()); }
 
-  // Runs fn on tasks [0, n_tasks) with `helpers` workers plus the caller.
+  // Runs fn on tasks [0, n_tasks) with up to `helpers` workers plus the caller.
   void run(int64_t n_tasks, int helpers, const std::function<void(int64_t)>& fn) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -38,13 +69,19 @@ class ThreadPool {
       n_tasks_ = n_tasks;
       next_.store(0);
       helpers_ = helpers;
-      pending_ = helpers;
-      ++generation_;
+      open_ = true;
+      generation_.fetch_add(1);
     }
-    start_.notify_all();
+    start_.notify_all();  // no system call unless a worker sleeps
     work();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = false;
+    }
+    for (Spinner s; inside_.load() != 0 && s.spin();) {
+    }
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return pending_ == 0; });
+    done_.wait(lock, [this] { return inside_.load() == 0; });
     fn_ = nullptr;
   }
 
@@ -55,27 +92,34 @@ class ThreadPool {
   void loop(int id) {
     uint64_t seen = 0;
     for (;;) {
+      for (Spinner s; generation_.load() == seen && s.spin();) {
+      }
       {
         std::unique_lock<std::mutex> lock(mu_);
-        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        start_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
         if (stop_) return;
-        seen = generation_;
-        if (id >= helpers_) continue;  // not needed this round
+        seen = generation_.load();
+        if (!open_ || id >= helpers_) continue;  // over already, or not needed
+        inside_.fetch_add(1);
       }
       work();
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_.notify_one();
+      if (inside_.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);  // the caller may be between its check and wait
+        done_.notify_one();
+      }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable start_, done_;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
+  bool open_ = false;  // workers may still join this run
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_tasks_ = 0;
-  int helpers_ = 0, pending_ = 0;
+  int helpers_ = 0;
+  std::atomic<int> inside_{0};  // workers in this run
   std::atomic<int64_t> next_{0};
 };
 
