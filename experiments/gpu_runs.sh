@@ -52,7 +52,10 @@
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
 #                  on the host (the same losses)
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
-#                  the weights on the GPU), micro-batches BATCH (default 32 96)
+#                  the weights on the GPU), micro-batches BATCH (default 32 96); with
+#                  .snap-base, that commit first
+#   probe          param_offload_probe.py: a scanned stack streamed from pinned host
+#                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
 #   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
 #                  and 2 GPUs (zero_stages_bench.py)
@@ -184,10 +187,18 @@ for part in "$@"; do
     params-10b)
       # gpt2-10b, int8 moments, stage 3, the layers' weights on the host
       # (FLAG: --grads-in-params keeps them on the GPU), micro-batches BATCH.
-      timeout 540 python3 experiments/offload_bench.py --config offload --model gpt2-10b \
-        --moments int8 --stage 3 ${FLAG:---offload-params} --batch ${BATCH:-32 96} --steps 3 \
-        --compiled-memory >"$OUT/$part${FLAG:-}.json" 2>"$OUT/$part${FLAG:-}.log"
-      echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part${FLAG:-}.log" | cut -c1-400 | tail -12 ;;
+      for tree in $base "$dir"; do
+        [ -n "$base" ] && use "$tree"
+        name=$part${FLAG:-}-$(basename "$tree")
+        (cd "$tree" && timeout 540 python3 experiments/offload_bench.py --config offload \
+          --model gpt2-10b --moments int8 --stage 3 ${FLAG:---offload-params} \
+          --batch ${BATCH:-32 96} --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log")
+        echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
+      done ;;
+    probe)
+      timeout ${LIMIT:-300} python3 experiments/param_offload_probe.py --tokens ${TOKENS:-8192 32768} \
+        >"$OUT/$part.jsonl" 2>"$OUT/$part.log"
+      echo "$part: exit $?"; cut -c1-300 "$OUT/$part.jsonl"; tail -3 "$OUT/$part.log" ;;
     offload-steps)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"

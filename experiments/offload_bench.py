@@ -78,6 +78,9 @@ def run_one(args) -> list[dict]:
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
   # The plan makes room for the largest micro-batch's activations.
   activations = {micro: gpt.activation_bytes(config, micro, args.seq_len) for micro in args.batch}
+  # As the recipe: the pinned pool is not rounded up past the landing
+  # buffers and offloaded weights (at most 2 B a parameter).
+  jzo.plan.limit_pinned_pool(2 * config.n_params)
   jax.devices()  # the runtime's own host memory counts as the baseline
   rss_before = psutil.Process().memory_info().rss
   start = time.perf_counter()

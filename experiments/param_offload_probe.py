@@ -176,9 +176,9 @@ def main():
     results = {}
     for name, fn, make in (
         ("device", grad_dev, lambda: (w0, x)),
-        ("prefetch", grad_prefetch, lambda: (jax.device_put(w0, s_host), x)),
         ("host", grad_host, lambda: (w_host, x)),
-        ("in-place", grad_inplace, lambda: (jax.device_put(w0, s_host), x))):
+        ("in-place", grad_inplace, lambda: (jax.device_put(w0, s_host), x)),
+        ("prefetch", grad_prefetch, lambda: (jax.device_put(w0, s_host), x))):
       row = {"tokens": T, "variant": name}
       try:
         compiled = fn.lower(*make()).compile()

@@ -14,7 +14,9 @@ the weights and the gradients (gpt2-20b's bf16 layers are 37 GiB on an
 
 With offload_params the stacked weights are in pinned host memory: the
 forward's scan and the backward's loop fetch one layer at a time to the
-device, and each layer's gradient goes back down over its weights. The
+device, each a layer ahead of the one computing (so three layers' weights
+and gradient are on the device at once in the backward), and each layer's
+gradient goes back down over its weights. The
 engine then needs the gradients' sum of squares and count of non-finite
 values, which it cannot compute on arrays in host memory: the backward
 counts them on the device, layer by layer, and hands them out as the
@@ -107,22 +109,45 @@ def _scan_writing_grads(fn, consts, carry, layers, stats):
   return _forward(fn, consts, carry, layers, None)[0]
 
 
+def _row(buffer, i):
+  """Row i of each array of `buffer` (a tree of stacked layers), on the device."""
+  return jax.tree.map(lambda b: on_device(jax.lax.dynamic_index_in_dim(b, i, 0, False)), buffer)
+
+
 def _forward(fn, consts, carry, layers, stats):
-  out, inputs = jax.lax.scan(
-      lambda c, layer: (fn(c, jax.tree.map(on_device, layer), *consts), c), carry, layers)
+  n_layers = jax.tree.leaves(layers)[0].shape[0]
+  if not any(map(_in_host_memory, jax.tree.leaves(layers))):
+    out, inputs = jax.lax.scan(lambda c, layer: (fn(c, layer, *consts), c), carry, layers)
+    return out, (consts, inputs, layers, stats)
+
+  # Weights in host memory: layer i + 1's copy to the device is started
+  # before layer i computes and is used by the next iteration, so the
+  # transfer overlaps the compute (the last iteration fetches the last
+  # layer again, unused).
+  def one_layer(acc, i):
+    c, weights = acc
+    upcoming = _row(layers, jnp.minimum(i + 1, n_layers - 1))
+    return (fn(c, weights, *consts), upcoming), c
+
+  (out, _), inputs = jax.lax.scan(one_layer, (carry, _row(layers, 0)), jnp.arange(n_layers))
   return out, (consts, inputs, layers, stats)
 
 
 def _backward(fn, saved, d_out):
   consts, inputs, layers, stats = saved
   n_layers = jax.tree.leaves(layers)[0].shape[0]
+  on_host = any(map(_in_host_memory, jax.tree.leaves(layers)))
 
   def one_layer(j, acc):
-    d_carry, buffer, d_consts, d_stats = acc
+    d_carry, buffer, d_consts, d_stats, fetched = acc
     i = n_layers - 1 - j
-    # Row i still holds layer i's weights: only rows above it were written.
-    weights = jax.tree.map(lambda b: on_device(jax.lax.dynamic_index_in_dim(b, i, 0, False)),
-                           buffer)
+    # Rows up to i still hold weights: only rows above it were written.
+    if on_host:  # layer i's came up in the iteration before; i - 1's start
+      # now, to overlap this layer's compute (the last iteration fetches
+      # row 0 again, unused)
+      weights, fetched = fetched, _row(buffer, jnp.maximum(i - 1, 0))
+    else:
+      weights = _row(buffer, i)
     x = jax.tree.map(lambda a: a[i], inputs)
     _, vjp = jax.vjp(lambda c, x, w: fn(x, w, *c), consts, x, weights)
     dc, d_carry, d_weights = vjp(d_carry)
@@ -136,12 +161,13 @@ def _backward(fn, saved, d_out):
         lambda b, d: jax.lax.dynamic_update_index_in_dim(
             b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
         buffer, d_weights)
-    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats
+    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats, fetched
 
   zeros = jax.tree.map(jnp.zeros_like, consts)
   d_stats = None if stats is None else jnp.zeros_like(stats)
-  d_carry, grads, d_consts, d_stats = jax.lax.fori_loop(
-      0, n_layers, one_layer, (d_out, layers, zeros, d_stats))
+  d_carry, grads, d_consts, d_stats, _ = jax.lax.fori_loop(
+      0, n_layers, one_layer,
+      (d_out, layers, zeros, d_stats, _row(layers, n_layers - 1) if on_host else None))
   return d_consts, d_carry, grads, d_stats
 
 
