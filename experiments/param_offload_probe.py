@@ -11,7 +11,9 @@ width d, hidden f, bf16), timed side by side in one process:
             backward reads layer i from the buffer and writes its gradient
             over it (the host buffer is the loop's carry);
   prefetch: in-place, with layer i + 1's weights (i - 1's going backward)
-            fetched while layer i computes (carried to the next iteration).
+            fetched while layer i computes (carried to the next iteration),
+            and going backward layer i + 1's gradient written while layer
+            i computes (as jzo.scan_layers does).
 Prints JSON lines: time per step, the compiled memory analysis, the largest
 difference of the gradients from the baseline's.
 
@@ -110,20 +112,27 @@ def _fwd_prefetch(x, ws):
 
 
 def _bwd_prefetch(saved, d_out):
+  """Iteration i writes layer i + 1's gradient (carried) over its weights,
+  then fetches layer i - 1's weights from the buffer so written: a read of
+  the buffer before its in-place write makes XLA copy it whole."""
   inputs, ws = saved
   n = ws[0].shape[0]
 
   def one(j, acc):
-    d, buf, w = acc
+    d, buf, w, pending = acc
     i = n - 1 - j
+    buf = jax.tree.map(
+        lambda b, g: jax.lax.dynamic_update_index_in_dim(b, g, jnp.minimum(i + 1, n - 1), 0),
+        buf, on_host(pending))
     nxt = on_device(_row(buf, jnp.maximum(i - 1, 0)))
     x = jax.lax.dynamic_index_in_dim(inputs, i, 0, False)
     _, vjp = jax.vjp(layer, x, w)
     d, dw = vjp(d)
-    buf = jax.tree.map(lambda b, g: jax.lax.dynamic_update_index_in_dim(b, g, i, 0),
-                       buf, on_host(dw))
-    return d, buf, nxt
-  d, grads, _ = jax.lax.fori_loop(0, n, one, (d_out, ws, on_device(_row(ws, n - 1))))
+    return d, buf, nxt, dw
+  last = on_device(_row(ws, n - 1))
+  d, grads, _, pending = jax.lax.fori_loop(0, n, one, (d_out, ws, last, last))
+  grads = jax.tree.map(lambda b, g: jax.lax.dynamic_update_index_in_dim(b, g, 0, 0),
+                       grads, on_host(pending))
   return d, grads
 
 

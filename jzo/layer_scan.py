@@ -14,9 +14,10 @@ the weights and the gradients (gpt2-20b's bf16 layers are 37 GiB on an
 
 With offload_params the stacked weights are in pinned host memory: the
 forward's scan and the backward's loop fetch one layer at a time to the
-device, each a layer ahead of the one computing (so three layers' weights
-and gradient are on the device at once in the backward), and each layer's
-gradient goes back down over its weights. The
+device, each a layer ahead of the one computing, and each layer's
+gradient goes back down over its weights while the next layer computes (so
+the backward pass has three layers' weights and gradients on the device
+beside the one it computes). The
 engine then needs the gradients' sum of squares and count of non-finite
 values, which it cannot compute on arrays in host memory: the backward
 counts them on the device, layer by layer, and hands them out as the
@@ -133,18 +134,32 @@ def _forward(fn, consts, carry, layers, stats):
   return out, (consts, inputs, layers, stats)
 
 
+def _write(buffer, rows, i):
+  """`buffer` with row i of each of its arrays replaced by `rows` (in the
+  buffer's memory: a gradient computed on the device goes down to the host)."""
+  return jax.tree.map(
+      lambda b, r: jax.lax.dynamic_update_index_in_dim(
+          b, _to(jax.memory.Space.Host, r) if _in_host_memory(b) else r, i, 0),
+      buffer, rows)
+
+
 def _backward(fn, saved, d_out):
   consts, inputs, layers, stats = saved
   n_layers = jax.tree.leaves(layers)[0].shape[0]
   on_host = any(map(_in_host_memory, jax.tree.leaves(layers)))
 
   def one_layer(j, acc):
-    d_carry, buffer, d_consts, d_stats, fetched = acc
+    d_carry, buffer, d_consts, d_stats, fetched, pending = acc
     i = n_layers - 1 - j
     # Rows up to i still hold weights: only rows above it were written.
-    if on_host:  # layer i's came up in the iteration before; i - 1's start
-      # now, to overlap this layer's compute (the last iteration fetches
-      # row 0 again, unused)
+    if on_host:
+      # Layer i's weights came up in the iteration before. Layer i + 1's
+      # gradient goes down over its weights now, and then layer i - 1's
+      # weights start up: both copies overlap this layer's compute. (The
+      # first iteration writes layer L - 1's own weights back, the last
+      # fetches row 0 again, unused.) Reading the row after the write, not
+      # before, is what keeps XLA from copying the whole buffer.
+      buffer = _write(buffer, pending, jnp.minimum(i + 1, n_layers - 1))
       weights, fetched = fetched, _row(buffer, jnp.maximum(i - 1, 0))
     else:
       weights = _row(buffer, i)
@@ -157,17 +172,19 @@ def _backward(fn, saved, d_out):
       d_stats = d_stats + jnp.stack([sum(jnp.sum(d * d) for d in wide),
                                      sum(jnp.sum(~jnp.isfinite(d)) for d in wide
                                          ).astype(jnp.float32)])
-    buffer = jax.tree.map(
-        lambda b, d: jax.lax.dynamic_update_index_in_dim(
-            b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
-        buffer, d_weights)
-    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats, fetched
+    if on_host:
+      pending = d_weights
+    else:
+      buffer = _write(buffer, d_weights, i)
+    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats, fetched, pending
 
   zeros = jax.tree.map(jnp.zeros_like, consts)
   d_stats = None if stats is None else jnp.zeros_like(stats)
-  d_carry, grads, d_consts, d_stats, _ = jax.lax.fori_loop(
-      0, n_layers, one_layer,
-      (d_out, layers, zeros, d_stats, _row(layers, n_layers - 1) if on_host else None))
+  last = _row(layers, n_layers - 1) if on_host else None
+  d_carry, grads, d_consts, d_stats, _, pending = jax.lax.fori_loop(
+      0, n_layers, one_layer, (d_out, layers, zeros, d_stats, last, last))
+  if on_host:
+    grads = _write(grads, pending, 0)
   return d_consts, d_carry, grads, d_stats
 
 
