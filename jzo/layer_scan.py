@@ -14,10 +14,7 @@ the weights and the gradients (gpt2-20b's bf16 layers are 37 GiB on an
 
 With offload_params the stacked weights are in pinned host memory: the
 forward's scan and the backward's loop fetch one layer at a time to the
-device, each a layer ahead of the one computing, and each layer's
-gradient goes back down over its weights while the next layer computes (so
-the backward pass has three layers' weights and gradients on the device
-beside the one it computes). The
+device, and each layer's gradient goes back down over its weights. The
 engine then needs the gradients' sum of squares and count of non-finite
 values, which it cannot compute on arrays in host memory: the backward
 counts them on the device, layer by layer, and hands them out as the
@@ -110,59 +107,22 @@ def _scan_writing_grads(fn, consts, carry, layers, stats):
   return _forward(fn, consts, carry, layers, None)[0]
 
 
-def _row(buffer, i):
-  """Row i of each array of `buffer` (a tree of stacked layers), on the device."""
-  return jax.tree.map(lambda b: on_device(jax.lax.dynamic_index_in_dim(b, i, 0, False)), buffer)
-
-
 def _forward(fn, consts, carry, layers, stats):
-  n_layers = jax.tree.leaves(layers)[0].shape[0]
-  if not any(map(_in_host_memory, jax.tree.leaves(layers))):
-    out, inputs = jax.lax.scan(lambda c, layer: (fn(c, layer, *consts), c), carry, layers)
-    return out, (consts, inputs, layers, stats)
-
-  # Weights in host memory: layer i + 1's copy to the device is started
-  # before layer i computes and is used by the next iteration, so the
-  # transfer overlaps the compute (the last iteration fetches the last
-  # layer again, unused).
-  def one_layer(acc, i):
-    c, weights = acc
-    upcoming = _row(layers, jnp.minimum(i + 1, n_layers - 1))
-    return (fn(c, weights, *consts), upcoming), c
-
-  (out, _), inputs = jax.lax.scan(one_layer, (carry, _row(layers, 0)), jnp.arange(n_layers))
+  out, inputs = jax.lax.scan(
+      lambda c, layer: (fn(c, jax.tree.map(on_device, layer), *consts), c), carry, layers)
   return out, (consts, inputs, layers, stats)
-
-
-def _write(buffer, rows, i):
-  """`buffer` with row i of each of its arrays replaced by `rows` (in the
-  buffer's memory: a gradient computed on the device goes down to the host)."""
-  return jax.tree.map(
-      lambda b, r: jax.lax.dynamic_update_index_in_dim(
-          b, _to(jax.memory.Space.Host, r) if _in_host_memory(b) else r, i, 0),
-      buffer, rows)
 
 
 def _backward(fn, saved, d_out):
   consts, inputs, layers, stats = saved
   n_layers = jax.tree.leaves(layers)[0].shape[0]
-  on_host = any(map(_in_host_memory, jax.tree.leaves(layers)))
 
   def one_layer(j, acc):
-    d_carry, buffer, d_consts, d_stats, fetched, pending = acc
+    d_carry, buffer, d_consts, d_stats = acc
     i = n_layers - 1 - j
-    # Rows up to i still hold weights: only rows above it were written.
-    if on_host:
-      # Layer i's weights came up in the iteration before. Layer i + 1's
-      # gradient goes down over its weights now, and then layer i - 1's
-      # weights start up: both copies overlap this layer's compute. (The
-      # first iteration writes layer L - 1's own weights back, the last
-      # fetches row 0 again, unused.) Reading the row after the write, not
-      # before, is what keeps XLA from copying the whole buffer.
-      buffer = _write(buffer, pending, jnp.minimum(i + 1, n_layers - 1))
-      weights, fetched = fetched, _row(buffer, jnp.maximum(i - 1, 0))
-    else:
-      weights = _row(buffer, i)
+    # Row i still holds layer i's weights: only rows above it were written.
+    weights = jax.tree.map(lambda b: on_device(jax.lax.dynamic_index_in_dim(b, i, 0, False)),
+                           buffer)
     x = jax.tree.map(lambda a: a[i], inputs)
     _, vjp = jax.vjp(lambda c, x, w: fn(x, w, *c), consts, x, weights)
     dc, d_carry, d_weights = vjp(d_carry)
@@ -172,19 +132,16 @@ def _backward(fn, saved, d_out):
       d_stats = d_stats + jnp.stack([sum(jnp.sum(d * d) for d in wide),
                                      sum(jnp.sum(~jnp.isfinite(d)) for d in wide
                                          ).astype(jnp.float32)])
-    if on_host:
-      pending = d_weights
-    else:
-      buffer = _write(buffer, d_weights, i)
-    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats, fetched, pending
+    buffer = jax.tree.map(
+        lambda b, d: jax.lax.dynamic_update_index_in_dim(
+            b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
+        buffer, d_weights)
+    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats
 
   zeros = jax.tree.map(jnp.zeros_like, consts)
   d_stats = None if stats is None else jnp.zeros_like(stats)
-  last = _row(layers, n_layers - 1) if on_host else None
-  d_carry, grads, d_consts, d_stats, _, pending = jax.lax.fori_loop(
-      0, n_layers, one_layer, (d_out, layers, zeros, d_stats, last, last))
-  if on_host:
-    grads = _write(grads, pending, 0)
+  d_carry, grads, d_consts, d_stats = jax.lax.fori_loop(
+      0, n_layers, one_layer, (d_out, layers, zeros, d_stats))
   return d_consts, d_carry, grads, d_stats
 
 

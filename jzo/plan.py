@@ -246,10 +246,8 @@ class Plan:
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
     # The layers' gradients in their weights' memory, but the one being
-    # written; with the weights on the host, that layer's fetched weights,
-    # the next layer's, fetched ahead, and the last layer's gradient, going
-    # down (jzo.layer_scan).
-    grads -= lowp * sum((_rows(l) - 1 - 3 * self.params_on_host(l)) * l.shard_size
+    # written; with the weights on the host, that layer's fetched weights too.
+    grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
                         for l in self.leaves if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
       grads += 4 * self.device_elements
