@@ -112,8 +112,13 @@ class ZeroEngine:
       of parameters): each layer comes up to the device for its forward
       and again for its backward, and its gradient goes down over its
       weights, which the host kernel then updates where they are. The
-      devices hold one layer's weights and gradient at a time. Needs
-      devices with pinned host memory (GPUs; the CPU backend runs it too).
+      devices hold one layer's weights and gradient at a time. True
+      offloads every array of the stacked layers; "auto" only as many as
+      the devices need to fit (`device_memory`, `activation_memory`; the
+      largest first, then each smaller one back where it still fits), as
+      each array left on the devices saves its transfers (the plan says
+      which). Needs devices with pinned host memory (GPUs; the CPU backend
+      runs it too).
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -137,7 +142,7 @@ class ZeroEngine:
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None, grads_in_params: bool = False,
-               offload_params: bool = False):
+               offload_params: bool | str = False):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -194,7 +199,7 @@ class ZeroEngine:
     pinned = False  # host copies through pinned host memory (jzo.transfer)
     if self.plan.has_host_state:
       pinned = resolve_host_transfer(host_transfer, device) == "pinned"
-      if options.offload_params and not pinned:
+      if self.plan.offload_params and not pinned:
         raise ValueError(f"offload_params keeps the layers' weights in pinned host memory: "
                          f"{device.platform} devices have none here (host_transfer="
                          f"{host_transfer!r})")

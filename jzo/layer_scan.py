@@ -17,7 +17,8 @@ forward's scan and the backward's loop fetch one layer at a time to the
 device, and each layer's gradient goes back down over its weights. The
 engine then needs the gradients' sum of squares and count of non-finite
 values, which it cannot compute on arrays in host memory: the backward
-counts them on the device, layer by layer, and hands them out as the
+counts those arrays' (some of the layers' arrays may stay on the device,
+offload_params="auto") on the device, layer by layer, and hands them out as the
 gradient of `stats` (zeros of shape (2,) that the engine passes in and
 differentiates; the forward does not use them).
 """
@@ -128,7 +129,10 @@ def _backward(fn, saved, d_out):
     dc, d_carry, d_weights = vjp(d_carry)
     d_weights = jax.tree.map(lambda b, d: d.astype(b.dtype), buffer, d_weights)
     if d_stats is not None:  # of what the host will read: the rounded gradients
-      wide = [d.astype(jnp.float32) for d in jax.tree.leaves(d_weights)]
+      # of the arrays in host memory (the engine counts those on the device)
+      wide = [d.astype(jnp.float32) for b, d in zip(jax.tree.leaves(buffer),
+                                                     jax.tree.leaves(d_weights))
+              if _in_host_memory(b)]
       d_stats = d_stats + jnp.stack([sum(jnp.sum(d * d) for d in wide),
                                      sum(jnp.sum(~jnp.isfinite(d)) for d in wide
                                          ).astype(jnp.float32)])

@@ -39,7 +39,7 @@ class EngineOptions:
   landing_limit: int | None = None
   host_transfer: str = "auto"
   grads_in_params: bool = False
-  offload_params: bool = False
+  offload_params: bool | str = False
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -69,8 +69,9 @@ class EngineOptions:
       raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
                        f"{self.landing_limit!r}")
     if self.offload_params is not False:
-      if self.offload_params is not True:
-        raise ValueError(f"offload_params must be True or False, got {self.offload_params!r}")
+      if self.offload_params is not True and self.offload_params != "auto":
+        raise ValueError(f"offload_params must be True, False or 'auto', got "
+                         f"{self.offload_params!r}")
       # The layers' gradients go over their weights in host memory.
       object.__setattr__(self, "grads_in_params", True)
     if self.grads_in_params:

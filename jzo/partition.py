@@ -38,6 +38,8 @@ class LeafLayout:
   shards: int  # S: 1 (replicated) or the data-axis size
   per_layer: bool = False  # (L, S*k) with one flattened layer per row
   device_size: int | None = None  # c: elements of each shard's last axis on the device (None: k)
+  # The low-precision weights live in pinned host memory (offload_params; per-layer leaves).
+  weights_on_host: bool = False
 
   def __post_init__(self):
     if self.device_size is not None and not 0 <= self.device_size <= self.shard_size:

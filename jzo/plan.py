@@ -42,7 +42,10 @@ layer's gradient of them, and the exchange none beside the weights.
 offload_params keeps those weights in pinned host memory as well (2 B a
 parameter of the layers, in XLA's pinned pool, where the gradients land
 and the kernel writes the new weights: no landing buffers for them); the
-device holds one layer's weights and gradient at a time.
+device holds one layer's weights and gradient at a time. With
+offload_params="auto" only as many of the layers' arrays as the device
+needs are offloaded (`weights_to_host`): each one left on the device saves
+its transfers.
 """
 
 from __future__ import annotations
@@ -150,9 +153,6 @@ class Plan:
   # Stage 3 with layers: each layer's gradient is written over its weights
   # in the backward pass (jzo.scan_layers); the host update writes them back.
   grads_in_params: bool = False
-  # With grads_in_params: the stacked layers' weights (and so their
-  # gradients) live in pinned host memory, fetched a layer at a time.
-  offload_params: bool = False
 
   # ------------------------------------------------------------ structure
   @property
@@ -165,9 +165,15 @@ class Plan:
     return self.grads_in_params and layout.per_layer
 
   def params_on_host(self, layout: LeafLayout) -> bool:
-    """The leaf's low-precision weights live in pinned host memory
-    (offload_params: the stacked layers' leaves)."""
-    return self.offload_params and layout.per_layer
+    """The leaf's low-precision weights (and so, with grads_in_params, its
+    gradients) live in pinned host memory, fetched a layer at a time
+    (offload_params: some or all of the stacked layers' leaves)."""
+    return layout.weights_on_host
+
+  @property
+  def offload_params(self) -> bool:
+    """Some leaf's weights live in pinned host memory."""
+    return any(map(self.params_on_host, self.leaves))
 
   def host_params_bytes(self) -> int:
     """Bytes of pinned host memory the offloaded weights take in one process."""
@@ -324,6 +330,20 @@ class Plan:
     return format_plan(self)
 
 
+def _weights_on_host(plan: Plan) -> str:
+  """What format_plan says of offload_params: all the layers' weights, or
+  which of their arrays (with the share of their bytes)."""
+  stacked = [l for l in plan.leaves if l.per_layer]
+  on_host = [l for l in stacked if plan.params_on_host(l)]
+  if not on_host:
+    return ""
+  if len(on_host) == len(stacked):
+    return ", layers' weights on the host"
+  share = sum(math.prod(l.shape) for l in on_host) / sum(math.prod(l.shape) for l in stacked)
+  return (f", {len(on_host)} of the layers' {len(stacked)} weight arrays on the host "
+          f"({100 * share:.0f}% of their bytes)")
+
+
 def _rows(layout: LeafLayout) -> int:
   """Rows of a shard: L for per-layer shards, else 1."""
   return layout.shape[0] if layout.per_layer else 1
@@ -338,7 +358,7 @@ def format_plan(plan: Plan, activations: int | None = None,
           f"{100 * (1 - plan.offloaded_fraction):.1f}% on the device, "
           f"{100 * plan.offloaded_fraction:.1f}% on the host"
           + (", delayed update" if plan.delayed_update else "")
-          + (", layers' weights on the host" if plan.offload_params else "")]
+          + _weights_on_host(plan)]
   peak = plan.device_peak(activations or 0)
   rows.append(f"  {'per device':<22}{'GiB':>8}")
   for name, b in peak.items():
@@ -419,6 +439,38 @@ def place(layouts, offload, *, stage: int, n_devices: int):
       host = k if f >= 0.5 else 0
     return l.place(k - host)
   return jax.tree.map(one, layouts, is_leaf=is_layout)
+
+
+def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
+  """Layouts with the fewest bytes of the stacked layers' weights in host
+  memory that let the plan fit in `device_memory` (less the headroom):
+  leaves go to the host largest first until it fits, then each comes back,
+  smallest first, where it still fits. All of them if nothing fits (the
+  plan's check then says by how much). Each leaf that stays costs no
+  transfer; each offloaded one is fetched twice a step (forward and
+  backward) and its gradient goes down once."""
+  budget = device_memory * (1 - DEVICE_HEADROOM)
+  leaves, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
+
+  def with_host(chosen):
+    return [dataclasses.replace(l, weights_on_host=i in chosen) for i, l in enumerate(leaves)]
+
+  def fits(chosen) -> bool:
+    plan = plan_of(jax.tree.unflatten(treedef, with_host(chosen)))
+    return (sum(plan.device_peak(activations).values()) <= budget
+            and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
+  size = lambda i: _rows(leaves[i]) * leaves[i].shard_size
+  stacked = sorted((i for i, l in enumerate(leaves) if l.per_layer), key=size, reverse=True)
+  chosen: set[int] = set()
+  for i in stacked:
+    if fits(chosen):
+      break
+    chosen.add(i)
+  if fits(chosen):
+    for i in reversed(stacked):
+      if i in chosen and fits(chosen - {i}):
+        chosen.remove(i)
+  return jax.tree.unflatten(treedef, with_host(chosen))
 
 
 def auto_layouts(plan_of, base, device_memory: int, activations: int):
@@ -603,11 +655,20 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
-        grads_in_params=options.grads_in_params, offload_params=options.offload_params)
+        grads_in_params=options.grads_in_params)
   if auto:
-    plan = plan_of(auto_layouts(plan_of, base, device_memory, activations))
+    layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:
-    plan = plan_of(place(base, offload, stage=stage, n_devices=n_devices))
+    layouts = place(base, offload, stage=stage, n_devices=n_devices)
+  if options.offload_params == "auto":
+    if device_memory is None:
+      raise ValueError("offload_params='auto' needs the device memory: pass device_memory= "
+                       "(bytes); this device reports no limit")
+    layouts = weights_to_host(plan_of, layouts, device_memory, activations)
+  elif options.offload_params:
+    layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
+                           layouts, is_leaf=is_layout)
+  plan = plan_of(layouts)
   check_fits(plan, activations=activations, device_memory=device_memory,
              host_memory=host_memory)
   return plan

@@ -59,7 +59,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              precision: str = "bf16", grad_accum: int = 1, delayed_update: bool = False,
              layers: str | None = None, device_memory: int | None = None,
              host_memory: int | None = None, accumulation: str = "auto",
-             grads_in_params: bool = False, offload_params: bool = False) -> Estimate:
+             grads_in_params: bool = False, offload_params: bool | str = False) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -69,7 +69,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
       the step's peak (`activation_bytes` of a family in jzo.models).
     devices: size of the data axis.
     stage, grad_accum, delayed_update, layers, accumulation, grads_in_params,
-      offload_params: as for `ZeroEngine`.
+      offload_params: as for `ZeroEngine` (offload_params "auto": as many of
+      the layers' arrays in host memory as the device needs).
     offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
       means True with int8 moments, grads_in_params or offload_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
@@ -91,7 +92,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     if offload is not True and offload != 1:
       raise ValueError(f"int8 moments are kept in host memory: offload must be True or "
                        f"'auto', got {offload!r}")
-  grads_in_params = grads_in_params or offload_params
+  grads_in_params = True if offload_params else grads_in_params
   if grads_in_params and offload == "auto":  # the host's masters remake the weights
     offload = True
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
@@ -114,7 +115,9 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   except PlacementError as e:
     error = str(e)
     # The plan without the checks, to show where the memory would go.
-    unchecked = dataclasses.replace(options, offload=1.0 if offload == "auto" else offload)
+    unchecked = dataclasses.replace(
+        options, offload=1.0 if offload == "auto" else offload,
+        offload_params=True if offload_params == "auto" else offload_params)
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
 

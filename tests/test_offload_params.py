@@ -3,6 +3,8 @@ at a time, their gradients written back over them there, on 1 and 8 fake
 CPU devices: the same training as grads_in_params on the devices, the
 plan's bytes, skipped steps, checkpoints, bad input."""
 
+import dataclasses
+import math
 import re
 
 import jax
@@ -11,6 +13,8 @@ import numpy as np
 import pytest
 
 import jzo
+from jzo.partition import is_layout
+from jzo.plan import DEVICE_HEADROOM
 from test_engine import assert_close, batches, init_params, mesh_of
 from test_grads_in_params import engine, loss_fn
 from test_offload import TX
@@ -131,7 +135,8 @@ def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
     (dict(offload=0.5), "offload_params needs offload=True"),
     (dict(grad_accum=2), "offload_params takes one micro-batch a step"),
     (dict(delayed_update=True), "offload_params cannot delay"),
-    (dict(offload_params=1), "offload_params must be True or False"),
+    (dict(offload_params=1), "offload_params must be True, False or 'auto'"),
+    (dict(offload_params="auto"), "offload_params='auto' needs the device memory"),
     (dict(host_transfer="portable"), "offload_params keeps the layers' weights in pinned host"),
 ])
 def test_bad_options(kw, message):
@@ -147,3 +152,82 @@ def test_the_planner_estimates_it():
                      device_memory=2**30, host_memory=8 * 2**30)
   assert est.fits and est.plan.offload_params and est.plan.offloaded_fraction == 1
   assert est.plan.host_bytes()["params"] > 0
+
+
+W, B = "['blocks']['w']", "['blocks']['b']"
+
+
+def with_weights_on_host(plan, names):
+  """`plan` with the weights of the leaves named (keystr) in pinned host memory."""
+  layouts = jax.tree_util.tree_map_with_path(
+      lambda path, l: dataclasses.replace(l, weights_on_host=jax.tree_util.keystr(path) in names),
+      plan.layouts, is_leaf=is_layout)
+  return dataclasses.replace(plan, layouts=layouts)
+
+
+def device_need(plan, activations):
+  """Bytes of device memory a plan needs, as the planner counts them."""
+  return max(sum(plan.device_peak(activations).values()),
+             sum(plan.device_bytes().values()) + plan.build_bytes())
+
+
+def memory_for(need):
+  """device_memory whose budget (less the planner's headroom) just holds `need` bytes."""
+  return math.ceil(need / (1 - DEVICE_HEADROOM)) + 1
+
+
+def on_host_names(plan):
+  return {jax.tree_util.keystr(path) for path, l in
+          jax.tree_util.tree_leaves_with_path(plan.layouts, is_leaf=is_layout)
+          if plan.params_on_host(l)}
+
+
+def test_auto_offloads_only_the_arrays_the_device_needs():
+  """offload_params='auto' keeps every layer array on the device where all
+  fit, offloads the largest where that is enough, both where it is not,
+  and is refused, with the numbers, where even that does not fit."""
+  act = 2**20
+  estimate = lambda memory: jzo.estimate(
+      init_params(), stage=3, layers="blocks", offload_params="auto", activations=act,
+      device_memory=memory, host_memory=8 * 2**30)
+  resident = estimate(2**34).plan
+  assert resident.grads_in_params and not resident.offload_params
+  need = {names: device_need(with_weights_on_host(resident, names), act)
+          for names in [(), (W,), (B,), (W, B)]}
+  assert need[(W, B)] < need[(W,)] < need[(B,)] < need[()]
+  for names in [(), (W,), (W, B)]:
+    assert on_host_names(estimate(memory_for(need[names])).plan) == set(names)
+  # Where offloading w alone would do, b is not offloaded with it.
+  plan = estimate(memory_for(need[(W,)])).plan
+  assert "1 of the layers' 2 weight arrays on the host" in str(plan)
+  refused = estimate(need[(W, B)] - 1)
+  assert not refused.fits and "GiB" in refused.error
+
+
+@pytest.mark.parametrize("mesh_size", [1, 8])
+def test_auto_trains_as_the_weights_on_the_devices(mesh_size):
+  """With only w's weights in host memory (b's on the devices), the same
+  training as grads_in_params with all of them on the devices: the
+  gradient counts of the arrays on either side are summed once."""
+  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
+  act = 2**20
+  on_devices = engine(mesh_size, grads_in_params=True, activation_memory=act, **kw)
+  memory = memory_for(device_need(with_weights_on_host(on_devices.plan, (W,)), act))
+  mixed = engine(mesh_size, offload_params="auto", device_memory=memory,
+                 activation_memory=act, **kw)
+  assert on_host_names(mixed.plan) == {W}
+  kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
+           for p, x in jax.tree_util.tree_leaves_with_path(mixed.state.params)}
+  assert kinds[W] == "pinned_host" and kinds[B] != "pinned_host"
+  for b in batches(4):
+    want, got = on_devices.step(b), mixed.step(b)
+    np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-6)
+    np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm), rtol=1e-5)
+  assert_close(mixed.params, on_devices.params, rtol=1e-5, atol=1e-7)
+  # Its checkpoint loads where every weight is on the devices, and back.
+  again = engine(mesh_size, offload_params="auto", device_memory=memory,
+                 activation_memory=act, **kw)
+  on_devices.load_state_dict(mixed.state_dict())
+  again.load_state_dict(on_devices.state_dict())
+  assert_close(again.params, mixed.params, rtol=0, atol=0)
+  assert again.state.params["blocks"]["w"].sharding.memory_kind == "pinned_host"
