@@ -17,10 +17,11 @@ forward's scan and the backward's loop fetch one layer at a time to the
 device, and each layer's gradient goes back down over its weights. The
 engine then needs the gradients' sum of squares and count of non-finite
 values, which it cannot compute on arrays in host memory: the backward
-counts those arrays' (some of the layers' arrays may stay on the device,
-offload_params="auto") on the device, layer by layer, and hands them out as the
+counts them on the device, layer by layer, and hands them out as the
 gradient of `stats` (zeros of shape (2,) that the engine passes in and
-differentiates; the forward does not use them).
+differentiates; the forward does not use them). It counts only the arrays
+in host memory: with offload_params="auto" some of the layers' arrays stay
+on the device, where the engine counts them.
 """
 
 from __future__ import annotations

@@ -441,6 +441,13 @@ def place(layouts, offload, *, stage: int, n_devices: int):
   return jax.tree.map(one, layouts, is_leaf=is_layout)
 
 
+def _fits(plan: Plan, device_memory: int, activations: int) -> bool:
+  """The plan's step and its build fit in `device_memory` less the headroom."""
+  budget = device_memory * (1 - DEVICE_HEADROOM)
+  return (sum(plan.device_peak(activations).values()) <= budget
+          and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
+
+
 def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
   """Layouts with the fewest bytes of the stacked layers' weights in host
   memory that let the plan fit in `device_memory` (less the headroom):
@@ -449,16 +456,14 @@ def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
   plan's check then says by how much). Each leaf that stays costs no
   transfer; each offloaded one is fetched twice a step (forward and
   backward) and its gradient goes down once."""
-  budget = device_memory * (1 - DEVICE_HEADROOM)
   leaves, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
 
   def with_host(chosen):
     return [dataclasses.replace(l, weights_on_host=i in chosen) for i, l in enumerate(leaves)]
 
   def fits(chosen) -> bool:
-    plan = plan_of(jax.tree.unflatten(treedef, with_host(chosen)))
-    return (sum(plan.device_peak(activations).values()) <= budget
-            and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
+    return _fits(plan_of(jax.tree.unflatten(treedef, with_host(chosen))), device_memory,
+                 activations)
   size = lambda i: _rows(leaves[i]) * leaves[i].shard_size
   stacked = sorted((i for i, l in enumerate(leaves) if l.per_layer), key=size, reverse=True)
   chosen: set[int] = set()
@@ -478,12 +483,9 @@ def auto_layouts(plan_of, base, device_memory: int, activations: int):
   `device_memory` (less the headroom): whole leaves first, largest first,
   then the largest part of one more leaf that still fits; the rest on the
   host. `plan_of(layouts)` builds the plan."""
-  budget = device_memory * (1 - DEVICE_HEADROOM)
 
   def fits(leaves) -> bool:
-    plan = plan_of(jax.tree.unflatten(treedef, leaves))
-    return (sum(plan.device_peak(activations).values()) <= budget
-            and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
+    return _fits(plan_of(jax.tree.unflatten(treedef, leaves)), device_memory, activations)
   leaves, treedef = jax.tree.flatten(base, is_leaf=is_layout)
   on_device = [l.place(None) for l in leaves]
   if fits(on_device):
