@@ -50,7 +50,7 @@
 #                  (default 16 32) in offload_bench.py: step, TFLOPS, peaks against the plan
 #   params-check   offload_params' GPU test and CPU tests on this machine's Python;
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
-#                  on the host (the same losses)
+#                  all on the host, then three of their 12 arrays (the same losses)
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
 #                  the weights on the GPU), micro-batches BATCH (default 32 96); with
 #                  .snap-base, that commit first
@@ -176,13 +176,16 @@ for part in "$@"; do
     params-check)
       JAX_PLATFORMS=cuda,cpu pytests params-gpu 240 tests/test_offload_gpu.py
       JAX_PLATFORMS=cpu pytests params-tests 300 tests/test_offload_params.py
-      for flag in --grads-in-params --offload-params; do
+      # --offload-params offloads what the GPU needs: a plan for 1.6 GiB
+      # offloads all of the layers' arrays, one for 1.8 GiB three of 12.
+      for flag in --grads-in-params "--offload-params --device-memory-gb 1.6" \
+                  "--offload-params --device-memory-gb 1.8"; do
+        name=$part$(echo $flag | tr -d ' ')
         timeout 200 python3 -m jzo.train --model gpt2-350m --stage 3 $flag --seq-len 512 \
           --batch-size 8 --steps 30 --warmup 2 --log-every 5 --eval-every 1000 \
-          --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$part$flag" \
-          >"$OUT/$part$flag.log" 2>&1
-        echo "$part $flag: exit $?"; grep -o "step [0-9]*: loss [0-9.]*\(, eval [0-9.]*\)\?" \
-          "$OUT/$part$flag.log" | tr '\n' ' '; echo
+          --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$name" >"$OUT/$name.log" 2>&1
+        echo "$part $flag: exit $?"; grep -m1 "weight" "$OUT/$name.log" | cut -c1-200
+        grep -o "step [0-9]*: loss [0-9.]*\(, eval [0-9.]*\)\?" "$OUT/$name.log" | tr '\n' ' '; echo
       done ;;
     params-10b)
       # gpt2-10b, int8 moments, stage 3, the layers' weights on the host

@@ -141,21 +141,35 @@ def test_int8_moments_through_the_real_entry_point(tmp_path):
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
 
 
-@pytest.mark.parametrize("flag, model", [("--grads-in-params", "gpt2-20b"),
-                                         ("--offload-params", "gpt2-10b")])
-def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model):
+@pytest.mark.parametrize("flag, model, batch", [("--grads-in-params", "gpt2-20b", "32"),
+                                                ("--offload-params", "gpt2-10b", "96")])
+def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model, batch):
   """--stage 3 --grads-in-params: the layers' gradients take their weights'
-  memory; with --offload-params the weights are in host memory too. The
-  run trains, and jzo.estimate plans it."""
+  memory; with --offload-params the weights are in host memory too (on a
+  CPU all of them; jzo.estimate offloads as many arrays as an 80 GB
+  device needs at micro-batch 96). The run trains, and jzo.estimate plans it."""
   done = run_module("jzo.train", *SHORT, "--stage", "3", flag, "--out", str(tmp_path))
   assert done.returncode == 0, done.stderr
   records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
   planned = run_module("jzo.estimate", "--model", model, "--moments", "int8", "--stage",
-                       "3", flag, "--batch-size", "32", "--host-gb", "125", "--device-gb", "80")
+                       "3", flag, "--batch-size", batch, "--host-gb", "125", "--device-gb", "80")
   assert planned.returncode == 0, planned.stdout + planned.stderr
   assert "fits" in planned.stdout.splitlines()[-1]
-  assert ("layers' weights on the host" in planned.stdout) == (flag == "--offload-params")
+  offloaded = re.search(r"of the layers' \d+ weight arrays on the host", planned.stdout)
+  assert bool(offloaded) == (flag == "--offload-params"), planned.stdout
+
+
+def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):
+  """--offload-params with --device-memory-gb plans which of the layers'
+  arrays go to host memory (here, on a CPU, a budget of 1.4 MiB for the
+  tiny model: some of them, not all), and the run trains with that split."""
+  done = run_module("jzo.train", *SHORT, "--stage", "3", "--offload-params",
+                    "--device-memory-gb", "0.0014", "--out", str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  assert re.search(r"\d+ of the layers' \d+ weight arrays on the host", done.stdout + done.stderr)
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
 
 
 def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:

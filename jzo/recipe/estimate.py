@@ -93,7 +93,7 @@ class EstimateConfig:
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
   offload_params: bool = False
-  """stage 3 + offload: the layers' weights in pinned host memory, one layer on a device at a time (implies --grads-in-params)"""
+  """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the device needs, fetched a layer at a time (implies --grads-in-params)"""
   host_gb: float | None = None
   """GiB of host RAM (None: what this machine has available)"""
   device_gb: float | None = None
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                             precision=cfg.precision, grad_accum=cfg.grad_accum,
                             delayed_update=cfg.delayed_update,
                             grads_in_params=cfg.grads_in_params,
-                            offload_params=cfg.offload_params, device_memory=gib(cfg.device_gb),
+                            offload_params="auto" if cfg.offload_params else False,
+                            device_memory=gib(cfg.device_gb),
                             host_memory=gib(cfg.host_gb))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

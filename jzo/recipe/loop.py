@@ -55,6 +55,18 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
   return float(cfg.offload_fraction)
 
 
+def weights_placement(cfg: TrainConfig, devices) -> bool | str:
+  """The engine's offload_params= from --offload-params: "auto" (as many of
+  the layers' arrays in host memory as the devices need) where the devices
+  report their memory or --device-memory-gb gives it, all of them where
+  neither does (CPUs share the host's memory)."""
+  if not cfg.offload_params:
+    return False
+  if cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices)):
+    return "auto"
+  return True
+
+
 def source_model(cfg: TrainConfig) -> tuple[models.Model, object | None]:
   """(the model --model or --init-from names, its weights as lazy leaves
   read from --init-from's files, or None to draw new ones). Reads only
@@ -124,7 +136,8 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         devices=len(devices), global_batch=cfg.batch_size, stage=cfg.stage,
         offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
-        offload_params=cfg.offload_params, layers=model.family.layers if cfg.stage == 3 else None,
+        offload_params=weights_placement(cfg, devices),
+        layers=model.family.layers if cfg.stage == 3 else None,
         device_memory=device_memory)
   except jzo.PlacementError as e:
     raise UserError(str(e)) from e
@@ -149,7 +162,7 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
       compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
       grad_accum=cfg.batch_size // len(devices) // micro, max_grad_norm=cfg.max_grad_norm,
       offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
-      grads_in_params=cfg.grads_in_params, offload_params=cfg.offload_params,
+      grads_in_params=cfg.grads_in_params, offload_params=weights_placement(cfg, devices),
       layers=model.family.layers if cfg.stage == 3 else None,
       activation_memory=model.activation_bytes(micro, cfg.seq_len),
       device_memory=int(cfg.device_memory_gb * 2**30) or None)

@@ -60,7 +60,7 @@ class TrainConfig:
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both); one micro-batch a step"""
   offload_params: bool = False
-  """stage 3 + offload: the layers' weights in pinned host memory, one layer on a GPU at a time (implies --grads-in-params)"""
+  """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the GPU needs (all of them where the devices report no memory), fetched a layer at a time (implies --grads-in-params)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
