@@ -52,8 +52,9 @@
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
 #                  all on the host, then three of their 12 arrays (the same losses)
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
-#                  the weights on the GPU), micro-batches BATCH (default 32 96); with
-#                  .snap-base, that commit first
+#                  the weights on the GPU; FLAG="--offload-params auto": as many of the
+#                  layers' arrays as the largest micro-batch needs), micro-batches BATCH
+#                  (default 32 96); with .snap-base, that commit first
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -192,7 +193,7 @@ for part in "$@"; do
       # (FLAG: --grads-in-params keeps them on the GPU), micro-batches BATCH.
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
-        name=$part${FLAG:-}-$(basename "$tree")
+        name=$part$(echo ${FLAG:-} | tr -d ' ')-$(basename "$tree")
         (cd "$tree" && timeout 540 python3 experiments/offload_bench.py --config offload \
           --model gpt2-10b --moments int8 --stage 3 ${FLAG:---offload-params} \
           --batch ${BATCH:-32 96} --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log")

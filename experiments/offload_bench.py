@@ -88,7 +88,8 @@ def run_one(args) -> list[dict]:
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
       tx, stage=args.stage, layers="blocks" if args.stage == 3 else None,
-      grads_in_params=args.grads_in_params, offload_params=args.offload_params,
+      grads_in_params=args.grads_in_params,
+      offload_params={None: False, "all": True, "auto": "auto"}[args.offload_params],
       mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
@@ -161,6 +162,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "stage": args.stage, "grads_in_params": engine.plan.grads_in_params,
       "offload_params": engine.plan.offload_params,
+      "host_params_gib": engine.plan.host_params_bytes() / 2**30,
       "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       # The process's peak so far: with several micro-batches, the largest yet.
@@ -237,8 +239,9 @@ def parse_args():
                       help="ZeRO stage (3: the layers gathered one at a time)")
   parser.add_argument("--grads-in-params", action="store_true",
                       help="stage 3 + offload: each layer's gradient written over its weights")
-  parser.add_argument("--offload-params", action="store_true",
-                      help="stage 3 + offload: the layers' weights in pinned host memory "
+  parser.add_argument("--offload-params", nargs="?", const="all", choices=["all", "auto"],
+                      help="stage 3 + offload: the layers' weights in pinned host memory, all "
+                           "of them or (auto) as many arrays as the largest micro-batch needs "
                            "(implies --grads-in-params)")
   parser.add_argument("--host-memory-gb", type=float,
                       help="host RAM offload may use (default: what the OS reports available)")
@@ -267,7 +270,7 @@ def main():
     if args.grads_in_params:
       cmd.append("--grads-in-params")
     if args.offload_params:
-      cmd.append("--offload-params")
+      cmd += ["--offload-params", args.offload_params]
     if args.n_layer:
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:
