@@ -330,6 +330,10 @@ class Plan:
     return format_plan(self)
 
 
+# What the command lines print when offload_params="auto" offloads nothing.
+ALL_WEIGHTS_FIT = "--offload-params: the layers' weights all fit on the device; none is offloaded"
+
+
 def _weights_on_host(plan: Plan) -> str:
   """What format_plan says of offload_params: all the layers' weights, or
   which of their arrays (with the share of their bytes)."""

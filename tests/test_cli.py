@@ -158,6 +158,10 @@ def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model, bat
   assert "fits" in planned.stdout.splitlines()[-1]
   offloaded = re.search(r"of the layers' \d+ weight arrays on the host", planned.stdout)
   assert bool(offloaded) == (flag == "--offload-params"), planned.stdout
+  if flag == "--offload-params":  # at micro-batch 8 every array fits on the device
+    small = run_module("jzo.estimate", "--model", model, "--moments", "int8", "--stage", "3",
+                       flag, "--batch-size", "8", "--host-gb", "125", "--device-gb", "80")
+    assert small.returncode == 0 and "none is offloaded" in small.stdout, small.stdout
 
 
 def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 
 from jzo import config as config_lib
-from jzo.plan import GiB
+from jzo.plan import ALL_WEIGHTS_FIT, GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
 
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{cfg.model}, micro-batch {cfg.batch_size} x seq {cfg.seq_len}, remat {cfg.remat}, "
         f"{cfg.moments} moments")
   print(result)
+  if cfg.offload_params and not result.plan.offload_params:
+    print(ALL_WEIGHTS_FIT)
   return 0 if result.fits else 1
 
 

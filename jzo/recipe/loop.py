@@ -255,6 +255,8 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
     if primary:
       print(banner(cfg, model, data.n_tokens, devices, peak))
       print(engine.plan)
+      if cfg.offload_params and not engine.plan.offload_params:
+        print(jzo.plan.ALL_WEIGHTS_FIT)
       print(micro_line)
     schedule = lr_schedule(cfg, model)
     meter = Throughput(cfg, model, peak * len(devices))
