@@ -1,7 +1,9 @@
 """offload_params: the layers' weights in pinned host memory, fetched a layer
 at a time, their gradients written back over them there, on 1 and 8 fake
 CPU devices: the same training as grads_in_params on the devices, the
-plan's bytes, skipped steps, checkpoints, bad input."""
+plan's bytes, skipped steps, checkpoints, bad input; offload_params="auto"
+choosing which of the layers' arrays go to host memory, and training with
+some there and the rest on the devices."""
 
 import dataclasses
 import math
@@ -197,7 +199,7 @@ def test_auto_offloads_only_the_arrays_the_device_needs():
   assert need[(W, B)] < need[(W,)] < need[(B,)] < need[()]
   for names in [(), (W,), (W, B)]:
     assert on_host_names(estimate(memory_for(need[names])).plan) == set(names)
-  # Where offloading w alone would do, b is not offloaded with it.
+  # The plan says which share of the layers' arrays is on the host.
   plan = estimate(memory_for(need[(W,)])).plan
   assert "1 of the layers' 2 weight arrays on the host" in str(plan)
   refused = estimate(need[(W, B)] - 1)
