@@ -330,10 +330,6 @@ class Plan:
     return format_plan(self)
 
 
-# What the command lines print when offload_params="auto" offloads nothing.
-ALL_WEIGHTS_FIT = "--offload-params: the layers' weights all fit on the device; none is offloaded"
-
-
 def _weights_on_host(plan: Plan) -> str:
   """What format_plan says of offload_params: all the layers' weights, or
   which of their arrays (with the share of their bytes)."""
@@ -453,10 +449,10 @@ def _fits(plan: Plan, device_memory: int, activations: int) -> bool:
 
 
 def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
-  """Layouts with the fewest bytes of the stacked layers' weights in host
-  memory that let the plan fit in `device_memory` (less the headroom):
-  leaves go to the host largest first until it fits, then each comes back,
-  smallest first, where it still fits. All of them if nothing fits (the
+  """Layouts with few bytes of the stacked layers' weights in host memory
+  that let the plan fit in `device_memory` (less the headroom), chosen
+  greedily: leaves go to the host largest first until it fits, then each
+  comes back, smallest first, where it still fits. All of them if nothing fits (the
   plan's check then says by how much). Each leaf that stays costs no
   transfer; each offloaded one is fetched twice a step (forward and
   backward) and its gradient goes down once."""

@@ -15,9 +15,10 @@ from typing import Literal
 import jax
 
 from jzo import config as config_lib
-from jzo.plan import ALL_WEIGHTS_FIT, GiB
+from jzo.plan import GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
+from jzo.recipe.options import ALL_WEIGHTS_FIT
 
 Preset = Literal[tuple(models.PRESETS)]
 

@@ -24,7 +24,8 @@ from jzo import checkpoint, distributed
 from jzo.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
-from jzo.recipe.options import (TrainConfig, UserError, check, check_for_model, lr_schedule)
+from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
+                                check_for_model, lr_schedule)
 from jzo.recipe.runs import (barrier, check_checkpoint_to_continue, check_no_earlier_run,
                              keep_model_files, remove_partial_checkpoints, restore_run,
                              start_log)
@@ -256,7 +257,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
       print(banner(cfg, model, data.n_tokens, devices, peak))
       print(engine.plan)
       if cfg.offload_params and not engine.plan.offload_params:
-        print(jzo.plan.ALL_WEIGHTS_FIT)
+        print(ALL_WEIGHTS_FIT)
       print(micro_line)
     schedule = lr_schedule(cfg, model)
     meter = Throughput(cfg, model, peak * len(devices))

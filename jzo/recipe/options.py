@@ -16,6 +16,10 @@ from jzo.recipe import models
 Preset = Literal[tuple(models.PRESETS)]
 
 
+# What jzo.train and jzo.estimate print when --offload-params offloads nothing.
+ALL_WEIGHTS_FIT = "--offload-params: the layers' weights all fit on the device; none is offloaded"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The recipe's options; the docstring under each field is its --help."""
