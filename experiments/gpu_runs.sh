@@ -55,6 +55,9 @@
 #                  the weights on the GPU; FLAG="--offload-params auto": as many of the
 #                  layers' arrays as the largest micro-batch needs), micro-batches BATCH
 #                  (default 32 96); with .snap-base, that commit first
+#   accum-layers   stage 3 + grads_in_params, MODEL (gpt2-10b) with MOMENTS (fp32), RUNS of
+#                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
+#                  layers' backward pass; each engine in its own process
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -197,6 +200,16 @@ for part in "$@"; do
         (cd "$tree" && timeout 540 python3 experiments/offload_bench.py --config offload \
           --model gpt2-10b --moments int8 --stage 3 ${FLAG:---offload-params} \
           --batch ${BATCH:-32 96} --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log")
+        echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
+      done ;;
+    accum-layers)
+      model=${MODEL:-gpt2-10b}; moments=${MOMENTS:-fp32}
+      for run in ${RUNS:-4:8 1:32}; do
+        accum=${run%:*} micro=${run#*:}
+        name=$part-$model-$moments-${accum}x$micro
+        timeout 500 python3 experiments/offload_bench.py --config offload --model $model \
+          --moments $moments --stage 3 --grads-in-params --grad-accum $accum --batch $micro \
+          --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
       done ;;
     probe)

@@ -22,6 +22,15 @@ gradient of `stats` (zeros of shape (2,) that the engine passes in and
 differentiates; the forward does not use them). It counts only the arrays
 in host memory: with offload_params="auto" some of the layers' arrays stay
 on the device, where the engine counts them.
+
+With gradient accumulation (grad_accum = K > 1), the engine gives the
+scan float32 sums shaped like the layers (`sums`, in device memory). For
+micro-batches 1 to K - 1 the backward adds each layer's gradient into its
+row of the sums, which come out as the gradient of `sums`, and the weights
+stay as they are; for micro-batch K it writes the sum with that micro-
+batch's gradient, rounded once to the weights' dtype, over the weights.
+So a device holds the weights and the float32 sums of the layers (6 B a
+parameter in bf16), never a gradient of the whole stack beside them.
 """
 
 from __future__ import annotations
@@ -43,10 +52,13 @@ _WRITING_GRADS: contextvars.ContextVar["_Watch | None"] = contextvars.ContextVar
 class _Watch:
   """A trace's grads_in_params: `stats` (float32 (2,) or None) is the
   input whose gradient gets the layers' gradients' sum of squares and
-  non-finite count; `ran` whether scan_layers ran."""
+  non-finite count; `sums` (float32, shaped like the layers, or None) the
+  earlier micro-batches' gradients of the layers; `adding` whether this
+  micro-batch adds into the sums (else it writes over the weights); `ran`
+  whether scan_layers ran."""
 
-  def __init__(self, stats):
-    self.stats, self.ran = stats, False
+  def __init__(self, stats, sums, adding):
+    self.stats, self.sums, self.adding, self.ran = stats, sums, adding, False
 
   def __bool__(self) -> bool:
     return self.ran
@@ -67,20 +79,37 @@ def scan_layers(fn: Callable, carry, layers):
   if watching is None:
     return jax.lax.scan(lambda c, layer: (fn(c, layer), None), carry, layers)[0]
   watching.ran = True
+  if watching.sums is not None:
+    _check_sums(watching.sums, layers)
   # One layer in device memory: the forward and backward fetch each one
   # before fn sees it (so fn's gradient stays on the device, to be counted).
   first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layers)
   converted, consts = jax.closure_convert(fn, carry, first)
-  return _scan_writing_grads(converted, tuple(consts), carry, layers, watching.stats)
+  return _scan_writing_grads(converted, watching.adding, tuple(consts), carry, layers,
+                             watching.stats, watching.sums)
+
+
+def _check_sums(sums, layers) -> None:
+  shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+  if jax.tree.structure(sums) != jax.tree.structure(layers) or shapes(sums) != shapes(layers):
+    raise ValueError("with grad_accum > 1 and grads_in_params, scan_layers must get the "
+                     f"engine's `layers` subtree whole: got {shapes(layers)}, the engine's "
+                     f"sums are {shapes(sums)}")
 
 
 @contextlib.contextmanager
-def writing_grads_over_layers(stats=None):
+def writing_grads_over_layers(stats=None, sums=None, adding: bool = False):
   """While tracing the step: `scan_layers` writes each layer's gradient over
   its weights. stats: float32 zeros of shape (2,) whose gradient is to be
   the layers' gradients' (sum of squares, count of non-finite values), or
-  None. Yields an object that is true once scan_layers has run."""
-  watching = _Watch(stats)
+  None. sums: float32 arrays shaped like the layers (the earlier micro-
+  batches' gradients), or None; adding: add this micro-batch's gradients
+  into them, to come out as their gradient, instead of writing over the
+  weights (see the module docstring). Yields an object that is true once
+  scan_layers has run."""
+  if adding and sums is None:
+    raise ValueError("adding into the layers' sums needs the sums")
+  watching = _Watch(stats, sums, adding)
   token = _WRITING_GRADS.set(watching)
   try:
     yield watching
@@ -103,31 +132,37 @@ def on_device(x):
   return _to(jax.memory.Space.Device, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan_writing_grads(fn, consts, carry, layers, stats):
-  del stats  # only its gradient is used
-  return _forward(fn, consts, carry, layers, None)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scan_writing_grads(fn, adding, consts, carry, layers, stats, sums):
+  del stats, sums  # only their gradients are used
+  return _forward(fn, adding, consts, carry, layers, None, None)[0]
 
 
-def _forward(fn, consts, carry, layers, stats):
+def _forward(fn, adding, consts, carry, layers, stats, sums):
+  del adding
   out, inputs = jax.lax.scan(
       lambda c, layer: (fn(c, jax.tree.map(on_device, layer), *consts), c), carry, layers)
-  return out, (consts, inputs, layers, stats)
+  return out, (consts, inputs, layers, stats, sums)
 
 
-def _backward(fn, saved, d_out):
-  consts, inputs, layers, stats = saved
+def _backward(fn, adding, saved, d_out):
+  consts, inputs, layers, stats, sums = saved
   n_layers = jax.tree.leaves(layers)[0].shape[0]
+  row = lambda b, i: jax.lax.dynamic_index_in_dim(b, i, 0, False)
 
   def one_layer(j, acc):
     d_carry, buffer, d_consts, d_stats = acc
     i = n_layers - 1 - j
-    # Row i still holds layer i's weights: only rows above it were written.
-    weights = jax.tree.map(lambda b: on_device(jax.lax.dynamic_index_in_dim(b, i, 0, False)),
-                           buffer)
+    # Adding, the buffer is the sums and the weights stay; writing, the
+    # buffer is the weights, whose row i still holds layer i's (only rows
+    # above it were written).
+    weights = jax.tree.map(lambda b: on_device(row(b, i)), layers if adding else buffer)
     x = jax.tree.map(lambda a: a[i], inputs)
     _, vjp = jax.vjp(lambda c, x, w: fn(x, w, *c), consts, x, weights)
     dc, d_carry, d_weights = vjp(d_carry)
+    if sums is not None:  # float32, added to the earlier micro-batches' (rounded once)
+      d_weights = jax.tree.map(lambda s, d: row(s, i) + d.astype(jnp.float32),
+                               buffer if adding else sums, d_weights)
     d_weights = jax.tree.map(lambda b, d: d.astype(b.dtype), buffer, d_weights)
     if d_stats is not None:  # of what the host will read: the rounded gradients
       # of the arrays in host memory (the engine counts those on the device)
@@ -144,10 +179,12 @@ def _backward(fn, saved, d_out):
     return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats
 
   zeros = jax.tree.map(jnp.zeros_like, consts)
-  d_stats = None if stats is None else jnp.zeros_like(stats)
-  d_carry, grads, d_consts, d_stats = jax.lax.fori_loop(
-      0, n_layers, one_layer, (d_out, layers, zeros, d_stats))
-  return d_consts, d_carry, grads, d_stats
+  d_stats = None if stats is None or adding else jnp.zeros_like(stats)
+  d_carry, buffer, d_consts, d_stats = jax.lax.fori_loop(
+      0, n_layers, one_layer, (d_out, sums if adding else layers, zeros, d_stats))
+  if adding:  # the sums' gradient is the new sums; the weights' is not used
+    return d_consts, d_carry, None, None, buffer
+  return d_consts, d_carry, buffer, d_stats, None
 
 
 _scan_writing_grads.defvjp(_forward, _backward)

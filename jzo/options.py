@@ -98,8 +98,8 @@ class EngineOptions:
 def _check_grads_in_params(options: EngineOptions, name: str) -> None:
   """grads_in_params (and offload_params, `name`, which implies it) writes
   the layers' gradients over their weights, which only the host's masters
-  can then restore: every leaf's state on the host, one backward pass a
-  step, nothing that reads the weights after it."""
+  can then restore: every leaf's state on the host, nothing that reads the
+  weights after the last micro-batch's backward pass."""
   if options.grads_in_params is not True:
     raise ValueError(f"grads_in_params must be True or False, got {options.grads_in_params!r}")
   if options.stage != 3 or options.layers is None:
@@ -108,9 +108,10 @@ def _check_grads_in_params(options: EngineOptions, name: str) -> None:
   if options.offload is not True and options.offload != 1:
     raise ValueError(f"{name} needs offload=True (the host's masters remake the "
                      f"weights), got offload={options.offload!r}")
-  if options.grad_accum != 1:
-    raise ValueError(f"{name} takes one micro-batch a step (the next would need the "
-                     f"weights the gradients overwrote), got grad_accum={options.grad_accum}")
+  if options.grad_accum != 1 and options.accumulation == "host":
+    raise ValueError(f"{name} sums the layers' micro-batches on the device, in the backward "
+                     "pass (the last writes the sums over the weights): it cannot take "
+                     "accumulation='host'")
   if options.delayed_update:
     raise ValueError(f"{name} cannot delay the update: the next step needs the "
                      "weights the update writes back")

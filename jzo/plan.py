@@ -38,7 +38,10 @@ and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
 
 grads_in_params (stage 3, everything on the host) writes the stacked layers'
 gradients over their weights (jzo.layer_scan): the step's peak holds one
-layer's gradient of them, and the exchange none beside the weights.
+layer's gradient of them, and the exchange none beside the weights. With
+grad_accum > 1 it sums the micro-batches on the device: float32 sums of
+every leaf (4 B a parameter) beside the weights, the last micro-batch's
+gradients written over them.
 offload_params keeps those weights in pinned host memory as well (2 B a
 parameter of the layers, in XLA's pinned pool, where the gradients land
 and the kernel writes the new weights: no landing buffers for them); the
@@ -255,11 +258,11 @@ class Plan:
     # written; with the weights on the host, that layer's fetched weights too.
     grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
                         for l in self.leaves if self.grads_over_weights(l))
-    if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
-      grads += 4 * self.device_elements
-    elif self.grad_accum > 1:
-      grads += 4 * (self.n_params if self.stage < 2 else local)
     step = {"backward grads": grads, "activations": activations}
+    if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
+      step["float32 sums"] = 4 * self.device_elements
+    elif self.grad_accum > 1:
+      step["float32 sums"] = 4 * (self.n_params if self.stage < 2 else local)
     if not self.has_host_state:
       return {**self.device_bytes(), **step}
     itemsize = self.grad_dtype.itemsize
@@ -587,7 +590,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
             host_memory=host_memory, activations=activations, processes=processes)
-  if options.grad_accum == 1 or not options.offloading or options.accumulation == "device":
+  if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
+      or options.grads_in_params):  # which sums the layers in their backward pass
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
   if options.accumulation == "auto":
     try:  # the device's sums need no host pass and no download per micro-batch

@@ -153,8 +153,7 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
       precision, delayed_update, layers, device_memory, host_memory,
       accumulation, grads_in_params, offload_params); not grad_accum, which
-      this picks (grads_in_params and offload_params take one micro-batch a
-      step: the whole batch).
+      this picks.
 
   Returns:
     A MicroBatch; its `line` reads e.g. "micro-batch 8 a device x 4
@@ -176,9 +175,7 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
                      f"({global_batch} = {per_device} x {devices} + {rest})")
   shapes = jax.eval_shape(params) if callable(params) else params
   refused = None
-  in_params = options.get("grads_in_params") or options.get("offload_params")
-  smallest = per_device if in_params else 1
-  for micro in (m for m in range(per_device, smallest - 1, -1) if per_device % m == 0):
+  for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):
     accum = per_device // micro
     found = estimate(shapes, activations=activation_bytes(micro), devices=devices,
                      grad_accum=accum, **options)
@@ -191,10 +188,5 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
               f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
       return MicroBatch(micro, accum, found, line)
     refused = (micro, found.error)  # the next larger, reported if a smaller one fits
-  if smallest > 1:
-    which = "offload_params" if options.get("offload_params") else "grads_in_params"
-    raise PlacementError(f"global batch {global_batch} on {devices} device(s): {which} "
-                         f"takes it in one micro-batch of {per_device} a device, which does not "
-                         f"fit: {found.error}")
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
                        f"fits, not even 1 a device x {per_device} accumulation: {found.error}")

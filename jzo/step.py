@@ -275,12 +275,13 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
       g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), g)
     return g, loss, host_stats
 
-  host_stats = None  # offload_params takes one micro-batch a step
+  micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
+  host_stats = None
   if plan.grad_accum == 1:
     grads, loss, host_stats = micro_grads(batch)
+  elif plan.grads_in_params:
+    grads, loss, host_stats = _sums_in_layers(plan, loss_fn, state.params, scale, stats, micro)
   else:
-    micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
-
     def body(acc, mb):
       g, loss, _ = micro_grads(mb)
       return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
@@ -319,6 +320,39 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
     sq, bad = sq + host_stats[0], bad + host_stats[1]
   return end_step(plan, tx, state, device_part, buffer, sq, bad,
                   jax.lax.psum(loss, axis) / plan.n_devices)
+
+
+def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
+  """grads_in_params with grad_accum = K > 1, inside shard_map: (the
+  step's gradients, the mean loss, the host-memory layers' gradient stats
+  or None). micro: the local batch as (K, m, ...). Micro-batches 1 to K - 1
+  add every leaf's gradient into float32 sums (the layers' in their
+  backward pass, jzo.scan_layers); micro-batch K writes the layers' sums
+  with its own gradients over their weights, and the other leaves' come
+  out as float32 sums."""
+  layouts = plan.layouts
+  of_layers = lambda tree: partition.subtree(tree, plan.layers)
+  combine = lambda f, *trees: jax.tree.map(f, layouts, *trees, is_leaf=is_layout)
+
+  def add(sums, mb):
+    grad_fn = jax.value_and_grad(
+        lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, sums=of_layers(s), adding=True),
+        argnums=(0, 1), has_aux=True)
+    (_, loss), (g, new_sums) = grad_fn(params, sums, mb)
+    # The layers' new sums are the gradient of theirs; their gradient
+    # proper is zeros (nothing reads it).
+    return combine(lambda l, s, new, x: new if plan.grads_over_weights(l)
+                   else s + x.astype(jnp.float32), sums, new_sums, g), loss
+
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+  sums, losses = jax.lax.scan(add, zeros, jax.tree.map(lambda x: x[:-1], micro))
+  grad_fn = jax.value_and_grad(
+      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums)),
+      argnums=(0, 1), has_aux=True)
+  (_, loss), (g, host_stats) = grad_fn(params, stats, jax.tree.map(lambda x: x[-1], micro))
+  grads = combine(lambda l, s, x: x if plan.grads_over_weights(l) else s + x.astype(jnp.float32),
+                  sums, g)
+  return grads, jnp.concatenate([losses, loss[None]]).mean(), host_stats
 
 
 def _empty_part(x):
@@ -445,11 +479,14 @@ def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineStat
   return end_step(plan, tx, state._replace(acc=None), state.acc, None, sq, bad, loss)
 
 
-def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None):
+def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None,
+                sums=None, adding: bool = False):
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale).
   stats: with offload_params, zeros whose gradient jzo.scan_layers makes
-  the offloaded layers' gradients' (sum of squares, non-finite count)."""
+  the offloaded layers' gradients' (sum of squares, non-finite count).
+  sums, adding: with grads_in_params, the layers' float32 sums of earlier
+  micro-batches, and whether this one adds into them (see jzo.layer_scan)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
@@ -470,7 +507,8 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=
       if layer_layouts is not None:
         context.enter_context(partition.layer_gathering(gather_one_layer))
       if plan.grads_in_params:
-        scanned = context.enter_context(layer_scan.writing_grads_over_layers(stats))
+        scanned = context.enter_context(
+            layer_scan.writing_grads_over_layers(stats, sums, adding))
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""

@@ -1,6 +1,8 @@
 """grads_in_params: the layers' gradients written over their weights
 (jzo.scan_layers), on 1 and 8 fake CPU devices: the same training as
-without it, the memory it saves, skipped steps, bad input."""
+without it, the memory it saves, skipped steps, bad input; with gradient
+accumulation, the same training as the device's float32 sums, without a
+gradient buffer of the layers beside the sums."""
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +99,76 @@ def test_a_skipped_step_puts_the_weights_back():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["grads_in_params", "offload_params"])
+@pytest.mark.parametrize("mesh_size, grad_accum, landing_limit", [
+    (1, 2, None), (1, 4, 2048), (8, 2, 2048)], ids=["1dev-2", "1dev-4-streamed", "8dev-2-streamed"])
+def test_accumulation_matches_the_device_sums(mesh_size, grad_accum, landing_limit, where,
+                                              compute_dtype):
+  """grad_accum > 1: the layers' micro-batches summed in float32 in their
+  backward pass, the last written over the weights (in device or host
+  memory), train as the engine that sums every gradient on the device
+  after its backward pass: the same losses and weights, bit for bit in
+  float32. In bfloat16 the gradient norm is of the rounded sums the host
+  reads, not of the float32 sums, so clipping is left out there: each
+  clip factor would differ in its last bits (as it does with the weights
+  in host memory, whose norm is summed layer by layer)."""
+  fp32 = compute_dtype == jnp.float32
+  kw = dict(compute_dtype=compute_dtype, landing_limit=landing_limit,
+            max_grad_norm=1.0 if fp32 else None, grad_accum=grad_accum)
+  apart, inside = engine(mesh_size, accumulation="device", **kw), engine(mesh_size,
+                                                                          **{where: True}, **kw)
+  assert not inside.plan.host_accumulation
+  for b in batches(4):
+    want, got = apart.step(b), inside.step(b)
+    # (XLA's CPU fuses the bfloat16 forward otherwise in the two programs.)
+    np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=0 if fp32 else 1e-6)
+    np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm),
+                               rtol=1e-6 if fp32 else 1e-3)
+  rtol = 1e-5 if fp32 and where == "offload_params" else 0
+  assert_close(inside.params, apart.params, rtol=rtol, atol=0)
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+
+
+def test_accumulation_keeps_no_gradient_of_the_layers_beside_the_sums():
+  """With grad_accum = 4 the compiled step holds the float32 sums and a
+  layer's temporaries beyond the donated weights; summing after each
+  backward pass holds a stacked gradient beside its sums."""
+  layers = 16
+  big = {"embed": jnp.zeros((DIN, 256)), "head": jnp.zeros((256, DOUT)),
+         "blocks": {"w": jnp.full((layers, 256, 256), 0.01), "b": jnp.zeros((layers, 256))}}
+  batch = {"x": jnp.ones((16, DIN)), "y": jnp.ones((16, DOUT))}
+  stack = 4 * layers * (256 * 256 + 256)
+  sums = 4 * sum(x.size for x in jax.tree.leaves(big))
+  need = {}
+  for kw in (dict(accumulation="device"), dict(grads_in_params=True)):
+    e = jzo.ZeroEngine(loss_fn, big, TX(), stage=3, layers="blocks", offload=True,
+                       grad_accum=4, mesh=mesh_of(1), compute_dtype=jnp.float32, **kw)
+    m = e.lower(batch).compile().memory_analysis()
+    need[len(need)] = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  assert need[0] >= sums + stack, need
+  assert need[1] < sums + stack // 4, need
+
+
+def test_a_non_finite_micro_batch_skips_the_accumulated_step():
+  """A NaN in the first micro-batch (whose gradients only go into the sums)
+  or the last (written over the weights) skips the step: the weights are
+  made again from the masters, as with the device's sums."""
+  kw = dict(grad_accum=2, landing_limit=2048)
+  apart, inside = engine(8, accumulation="device", **kw), engine(8, grads_in_params=True, **kw)
+  data = batches(4)
+  # Micro-batch j of a device takes its rows [j m, (j + 1) m) (m = 1 here).
+  first = dict(data[1], x=data[1]["x"].at[0, 0].set(jnp.nan))
+  last = dict(data[2], x=data[2]["x"].at[1, 0].set(jnp.inf))
+  for b in [data[0], first, last, data[3]]:
+    want, got = apart.step(b), inside.step(b)
+    assert bool(got.skipped) == bool(want.skipped)
+  assert int(inside.state.skipped) == 2
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_device_step_run_alone_leaves_the_weights_whole():
   inside = engine(1, grads_in_params=True)
   before = [np.asarray(x) for x in jax.tree.leaves(inside.state.params)]
@@ -110,7 +182,7 @@ def test_a_device_step_run_alone_leaves_the_weights_whole():
     (dict(layers=None), "needs stage=3 and layers="),
     (dict(offload=0.5), "needs offload=True"),
     (dict(offload=False), "needs offload=True"),
-    (dict(grad_accum=2), "grad_accum=2"),
+    (dict(grad_accum=2, accumulation="host"), "cannot take accumulation='host'"),
     (dict(delayed_update=True), "cannot delay"),
     (dict(grads_in_params=1), "must be True or False"),
 ])

@@ -135,7 +135,7 @@ def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
 @pytest.mark.parametrize("kw, message", [
     (dict(stage=2, layers=None), "offload_params needs stage=3 and layers="),
     (dict(offload=0.5), "offload_params needs offload=True"),
-    (dict(grad_accum=2), "offload_params takes one micro-batch a step"),
+    (dict(grad_accum=2, accumulation="host"), "offload_params sums the layers' micro-batches"),
     (dict(delayed_update=True), "offload_params cannot delay"),
     (dict(offload_params=1), "offload_params must be True, False or 'auto'"),
     (dict(offload_params="auto"), "offload_params='auto' needs the device memory"),

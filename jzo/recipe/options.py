@@ -62,7 +62,7 @@ class TrainConfig:
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
   grads_in_params: bool = False
-  """stage 3 + offload: each layer's gradient written over its weights (no room for both); one micro-batch a step"""
+  """stage 3 + offload: each layer's gradient written over its weights (no room for both); with accumulation, float32 sums of the layers on the GPU (4 B a parameter), the last micro-batch's written over the weights"""
   offload_params: bool = False
   """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the GPU needs (all of them where the devices report no memory), fetched a layer at a time (implies --grads-in-params)"""
   precision: Literal["bf16", "fp16"] = "bf16"
@@ -165,9 +165,6 @@ def _check_grads_in_params(cfg: TrainConfig, flag: str) -> None:
   if cfg.delayed_update:
     raise UserError(f"{flag} cannot take --delayed-update: the next step needs the "
                     "weights the update writes back")
-  if cfg.micro_batch != "auto":
-    raise UserError(f"{flag} runs the whole batch as one micro-batch a device: leave "
-                    "--micro-batch auto")
 
 
 def check_for_model(cfg: TrainConfig, model: models.Model) -> None:
