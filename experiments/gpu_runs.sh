@@ -42,6 +42,8 @@
 #                  the optax drop-in's with the GPU as default backend (its XLA path)
 #   kernel-moments the C++ kernel by moment dtype (fp32, bf16, int8) and against torch's
 #                  fused AdamW, 2^16 .. 2^28 parameters, on the host CPU
+#   gather-cost    the host CPU's Gather Data Sampling mitigation, and what a vector
+#                  gather costs there beside a permute (experiments/gather_cost.cc)
 #   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
 #                  int8 moments side by side (three processes at once), all on the host
 #   grads-check    grads_in_params' tests on this machine's Python; gpt2-350m through the
@@ -149,6 +151,10 @@ for part in "$@"; do
       JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
         --sizes 16 18 20 22 24 26 28 --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
       echo "$part: exit $?"; grep -A12 "^ratio" "$OUT/$part.log" ;;
+    gather-cost)
+      { cat /sys/devices/system/cpu/vulnerabilities/gather_data_sampling; grep -m1 microcode /proc/cpuinfo
+        g++ -O2 -mavx512f -mavx2 experiments/gather_cost.cc -o /tmp/gather_cost && /tmp/gather_cost
+      } 2>&1 | tee "$OUT/$part.log" ;;
     moments-quality)
       for moments in fp32 bf16 int8; do
         (XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 560 python3 -m jzo.train --model gpt2-124m \
