@@ -349,7 +349,10 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
   grad_fn = jax.value_and_grad(
       lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums)),
       argnums=(0, 1), has_aux=True)
-  (_, loss), (g, host_stats) = grad_fn(params, stats, jax.tree.map(lambda x: x[-1], micro))
+  # The last micro-batch's forward does not read the sums: without the
+  # barrier XLA may run it first and keep its layers' inputs through the scan.
+  sums, last = jax.lax.optimization_barrier((sums, jax.tree.map(lambda x: x[-1], micro)))
+  (_, loss), (g, host_stats) = grad_fn(params, stats, last)
   grads = combine(lambda l, s, x: x if plan.grads_over_weights(l) else s + x.astype(jnp.float32),
                   sums, g)
   return grads, jnp.concatenate([losses, loss[None]]).mean(), host_stats
