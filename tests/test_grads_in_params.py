@@ -169,6 +169,24 @@ def test_a_non_finite_micro_batch_skips_the_accumulated_step():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_fp16_loss_scaling_over_accumulated_micro_batches():
+  """fp16 with grad_accum = 2: the float32 sums of scaled gradients overflow
+  when rounded to fp16 over the weights, so the step is skipped and the
+  loss scale halved, as with the device's sums; then training goes on the
+  same (the weights equal)."""
+  kw = dict(compute_dtype=jnp.float16, grad_accum=2, landing_limit=2048)
+  apart, inside = engine(8, accumulation="device", **kw), engine(8, grads_in_params=True, **kw)
+  data = batches(5)
+  data[2] = dict(data[2], x=data[2]["x"] * 1e4)  # overflows at every scale tried
+  for b in data:
+    want, got = apart.step(b), inside.step(b)
+    assert (bool(got.skipped), float(got.loss_scale)) == (bool(want.skipped),
+                                                          float(want.loss_scale))
+  assert int(inside.state.skipped) == 3 and int(inside.state.step) == 2
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_device_step_run_alone_leaves_the_weights_whole():
   inside = engine(1, grads_in_params=True)
   before = [np.asarray(x) for x in jax.tree.leaves(inside.state.params)]
