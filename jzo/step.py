@@ -27,6 +27,10 @@ then takes the host's sum of squares and non-finite count per device and
 ends the step as above. So a device holds one micro-batch's gradients and
 the device part's accumulator, never a float32 sum of the host part.
 
+With grads_in_params, grad_accum > 1 stays one call: the layers' float32
+sums are added to in their backward passes (`_sums_in_layers`,
+jzo.layer_scan), and the last micro-batch writes them over the weights.
+
 `host_part_installer` writes a leaf's host part's new weights, once
 uploaded, into the params in place. Nothing here keeps Python state: the engine holds
 the state and calls these.
@@ -346,12 +350,12 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
 
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
   sums, losses = jax.lax.scan(add, zeros, jax.tree.map(lambda x: x[:-1], micro))
-  grad_fn = jax.value_and_grad(
-      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums)),
-      argnums=(0, 1), has_aux=True)
   # The last micro-batch's forward does not read the sums: without the
   # barrier XLA may run it first and keep its layers' inputs through the scan.
   sums, last = jax.lax.optimization_barrier((sums, jax.tree.map(lambda x: x[-1], micro)))
+  grad_fn = jax.value_and_grad(
+      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums)),
+      argnums=(0, 1), has_aux=True)
   (_, loss), (g, host_stats) = grad_fn(params, stats, last)
   grads = combine(lambda l, s, x: x if plan.grads_over_weights(l) else s + x.astype(jnp.float32),
                   sums, g)
