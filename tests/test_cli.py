@@ -29,7 +29,7 @@ import textwrap
 import pytest
 
 from jzo import config as config_lib
-from jzo import export, train
+from jzo import export, plan, train
 from jzo.recipe import estimate as estimate_cli
 
 
@@ -167,6 +167,20 @@ def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model, bat
     small = run_module("jzo.estimate", "--model", model, "--moments", "int8", "--stage", "3",
                        flag, "--batch-size", "8", "--host-gb", "125", "--device-gb", "80")
     assert small.returncode == 0 and "none is offloaded" in small.stdout, small.stdout
+
+
+def test_estimate_caps_the_pinned_pool_as_the_recipe_does(monkeypatch):
+  """jzo.estimate plans XLA's pinned pool capped at the landing buffers, as
+  the recipe runs it: gpt2-13b at micro-batch 32 with the delayed update
+  fits 80 GB and 125 GiB, where a pool rounded up to 32 GiB (9.47 GiB past
+  the landing buffers) did not."""
+  monkeypatch.delenv(plan.PINNED_POOL_LIMIT_VAR, raising=False)
+  done = run_module("jzo.estimate", "--model", "gpt2-13b", "--moments", "bf16", "--stage", "3",
+                    "--batch-size", "32", "--delayed-update", "--host-gb", "125",
+                    "--device-gb", "80")
+  assert done.returncode == 0 and done.stdout.splitlines()[-1] == "fits", done.stdout
+  rounding = float(re.search(r"pinned pool rounding +([\d.]+)", done.stdout).group(1))
+  assert rounding < 4, done.stdout
 
 
 def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):

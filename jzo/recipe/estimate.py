@@ -9,8 +9,10 @@ recipe's, from its shapes alone (seconds, no weight drawn).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Literal
+from unittest import mock
 
 import jax
 
@@ -18,6 +20,7 @@ from jzo import config as config_lib
 from jzo.plan import GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
+from jzo.recipe.loop import cap_pinned_pool
 from jzo.recipe.options import ALL_WEIGHTS_FIT
 
 Preset = Literal[tuple(models.PRESETS)]
@@ -120,21 +123,27 @@ def main(argv: list[str] | None = None) -> int:
   gib = lambda x: None if x is None else int(x * GiB)
   try:
     check_estimate_options(cfg)
-    result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                            remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
-                            offload=parse_offload(cfg.offload), moments=cfg.moments,
-                            precision=cfg.precision, grad_accum=cfg.grad_accum,
-                            delayed_update=cfg.delayed_update,
-                            grads_in_params=cfg.grads_in_params,
-                            offload_params="auto" if cfg.offload_params else False,
-                            device_memory=gib(cfg.device_gb),
-                            host_memory=gib(cfg.host_gb))
+    # XLA's pinned pool capped as the recipe caps it while the plan is made
+    # and printed (its rounding is part of the host's bytes); the
+    # environment is left as it was.
+    with mock.patch.dict(os.environ):
+      cap_pinned_pool(models.PRESETS[cfg.model])
+      result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                              remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
+                              offload=parse_offload(cfg.offload), moments=cfg.moments,
+                              precision=cfg.precision, grad_accum=cfg.grad_accum,
+                              delayed_update=cfg.delayed_update,
+                              grads_in_params=cfg.grads_in_params,
+                              offload_params="auto" if cfg.offload_params else False,
+                              device_memory=gib(cfg.device_gb),
+                              host_memory=gib(cfg.host_gb))
+      table = str(result)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"{cfg.model}, micro-batch {cfg.batch_size} x seq {cfg.seq_len}, remat {cfg.remat}, "
         f"{cfg.moments} moments")
-  print(result)
+  print(table)
   if cfg.offload_params and not result.plan.offload_params:
     print(ALL_WEIGHTS_FIT)
   return 0 if result.fits else 1
