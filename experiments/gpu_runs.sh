@@ -60,6 +60,9 @@
 #   accum-layers   stage 3 + grads_in_params, MODEL (gpt2-10b) with MOMENTS (fp32), RUNS of
 #                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
 #                  layers' backward pass; each engine in its own process
+#   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
+#                  optimized HLO of the step (where the host-to-device copies start and
+#                  end among the compute), in $OUT/hlo/
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -217,6 +220,16 @@ for part in "$@"; do
           --moments $moments --stage 3 --grads-in-params --grad-accum $accum --batch $micro \
           --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
+      done ;;
+    params-schedule)
+      XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout 200 python3 \
+        experiments/offload_bench.py --config offload --model gpt2-10b --n-layer ${LAYERS:-4} \
+        --moments int8 --stage 3 --offload-params --batch 8 --steps 1 >"$OUT/$part.json" \
+        2>"$OUT/$part.log"
+      echo "$part: exit $?"; mkdir -p "$OUT/hlo"
+      for f in $(grep -l "copy-start" /tmp/hlo/*after_optimizations.txt); do
+        gzip -c "$f" >"$OUT/hlo/$(basename "$f").gz"
+        echo "$(basename "$f"): $(grep -c "copy-start" "$f") copy-start, $(grep -c "copy-done" "$f") copy-done"
       done ;;
     probe)
       timeout ${LIMIT:-300} python3 experiments/param_offload_probe.py --tokens ${TOKENS:-8192 32768} \
