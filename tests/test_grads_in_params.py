@@ -170,10 +170,11 @@ def test_a_non_finite_micro_batch_skips_the_accumulated_step():
 
 
 def test_fp16_loss_scaling_over_accumulated_micro_batches():
-  """fp16 with grad_accum = 2: the float32 sums of scaled gradients overflow
-  when rounded to fp16 over the weights, so the step is skipped and the
-  loss scale halved, as with the device's sums; then training goes on the
-  same (the weights equal)."""
+  """fp16 with grad_accum = 2: where the float32 sums of scaled gradients
+  overflow as they are rounded to fp16 over the weights (the first two
+  steps' scales, and a batch 10^4 times larger at any scale), the step is
+  skipped and the loss scale halved, as with the device's sums; the other
+  steps train the same (the weights equal)."""
   kw = dict(compute_dtype=jnp.float16, grad_accum=2, landing_limit=2048)
   apart, inside = engine(8, accumulation="device", **kw), engine(8, grads_in_params=True, **kw)
   data = batches(5)
