@@ -455,10 +455,10 @@ def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
   """Layouts with few bytes of the stacked layers' weights in host memory
   that let the plan fit in `device_memory` (less the headroom), chosen
   greedily: leaves go to the host largest first until it fits, then each
-  comes back, smallest first, where it still fits. All of them if nothing fits (the
-  plan's check then says by how much). Each leaf that stays costs no
-  transfer; each offloaded one is fetched twice a step (forward and
-  backward) and its gradient goes down once."""
+  comes back, smallest first, where it still fits. All of them if nothing
+  fits (the plan's check then says by how much). Each leaf that stays
+  costs no transfer; each offloaded one is fetched twice a step (forward
+  and backward) and its gradient goes down once."""
   leaves, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
 
   def with_host(chosen):
