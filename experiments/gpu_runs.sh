@@ -62,7 +62,10 @@
 #                  layers' backward pass; each engine in its own process
 #   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
 #                  optimized HLO of the step (where the host-to-device copies start and
-#                  end among the compute), in $OUT/hlo/
+#                  end among the compute), in $OUT/hlo/, with XLA_EXTRA flags if set
+#   params-flags   params-10b at micro-batch BATCH (32), once for each set of XLA flags in
+#                  FLAGSETS (';' between sets; default: none, the while loop double-buffered,
+#                  the host offload pipelined, no command buffers), each in its own process
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -221,15 +224,28 @@ for part in "$@"; do
           --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
       done ;;
+    params-flags)
+      default=";--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
+      default+=";--xla_gpu_enable_pipelined_host_offloading=true;--xla_gpu_enable_command_buffer="
+      IFS=';' read -ra sets <<<"${FLAGSETS-$default}"
+      for i in "${!sets[@]}"; do
+        name=$part-$i; echo "$name: XLA_FLAGS=${sets[$i]}"
+        XLA_FLAGS="${sets[$i]}" timeout 240 python3 experiments/offload_bench.py --config offload \
+          --model gpt2-10b --moments int8 --stage 3 --offload-params --batch ${BATCH:-32} \
+          --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
+        echo "$name: exit $?"; grep -E "^result|compiled|rror" "$OUT/$name.log" | cut -c1-400 | tail -4
+      done ;;
     params-schedule)
-      XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout 200 python3 \
+      rm -rf /tmp/hlo
+      XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text ${XLA_EXTRA:-}" timeout 200 python3 \
         experiments/offload_bench.py --config offload --model gpt2-10b --n-layer ${LAYERS:-4} \
         --moments int8 --stage 3 --offload-params --batch 8 --steps 1 >"$OUT/$part.json" \
         2>"$OUT/$part.log"
       echo "$part: exit $?"; mkdir -p "$OUT/hlo"
-      for f in $(grep -l "copy-start" /tmp/hlo/*after_optimizations.txt); do
+      for f in $(grep -lE "copy-start|slice-start" /tmp/hlo/*after_optimizations.txt); do
         gzip -c "$f" >"$OUT/hlo/$(basename "$f").gz"
-        echo "$(basename "$f"): $(grep -c "copy-start" "$f") copy-start, $(grep -c "copy-done" "$f") copy-done"
+        echo "$(basename "$f"): $(grep -c "copy-start" "$f") copy-start," \
+          "$(grep -c "dynamic-slice-start" "$f") dynamic-slice-start, $(grep -c " while(" "$f") while"
       done ;;
     probe)
       timeout ${LIMIT:-300} python3 experiments/param_offload_probe.py --tokens ${TOKENS:-8192 32768} \
