@@ -240,6 +240,17 @@ def shard_map_without_empty(f: Callable, *, mesh: Mesh, in_specs, out_specs, **k
 
 
 # ---------------------------------------------------------------- the step
+def compiler_options(plan: Plan) -> dict | None:
+  """XLA options for the plan's step. With weights in host memory
+  (offload_params) the step runs without XLA:GPU's command buffers: a command
+  buffer chains its commands one after another, so the layers' asynchronous
+  fetches from host memory would wait for the matmuls instead of running
+  under them (openxla/xla#48900). Measured at gpt2-10b, micro-batch 32: 6.76 s
+  a step with command buffers, 6.21 s without (RESULTS.md, session 17).
+  Other backends ignore the option."""
+  return {"xla_gpu_enable_command_buffer": ""} if plan.offload_params else None
+
+
 def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
               batch) -> Callable:
   """The jitted step `(state, batch) -> (state, metrics, grad_scale)` for
@@ -258,7 +269,7 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
                                in_specs=(in_state, batch_specs),
                                out_specs=(out_state, StepMetrics(P(), P(), P(), P()), P()),
                                check_vma=False)
-  return jax.jit(fn, donate_argnums=0)
+  return jax.jit(fn, donate_argnums=0, compiler_options=compiler_options(plan))
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,

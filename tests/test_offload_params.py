@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jzo
+from jzo import step as step_lib
 from jzo.partition import is_layout
 from jzo.plan import DEVICE_HEADROOM
 from test_engine import assert_close, batches, init_params, mesh_of
@@ -89,6 +90,17 @@ def test_the_compiled_step_copies_no_layer_buffer(mesh_size):
              for x in layer_leaves(e)}
   copies = re.findall(r"= (bf16\[[0-9,]*\])\{[^}]*\} copy\(", hlo)
   assert stacked and not stacked & set(copies), (stacked, copies)
+
+
+def test_only_a_step_with_weights_on_the_host_runs_without_command_buffers():
+  """XLA:GPU's command buffers would serialize the layers' fetches from host
+  memory with the matmuls (tests/test_offload_gpu.py checks the compiled step
+  on a GPU); steps without weights in host memory keep them."""
+  off = {"xla_gpu_enable_command_buffer": ""}
+  assert step_lib.compiler_options(engine(1, offload_params=True).plan) == off
+  assert step_lib.compiler_options(engine(1, grads_in_params=True).plan) is None
+  auto = with_weights_on_host(engine(1, grads_in_params=True).plan, [W])
+  assert step_lib.compiler_options(auto) == off
 
 
 def test_a_skipped_step_and_a_device_step_alone_put_the_weights_back():
