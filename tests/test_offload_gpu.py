@@ -124,20 +124,3 @@ def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
   on_gpu.close()
   on_host.close()
 
-
-def test_a_step_with_weights_on_the_host_has_no_command_buffer():
-  """XLA:GPU's command buffers chain their commands one after another, which
-  would keep the layers' fetches from host memory from running under the
-  matmuls: the offload_params step is compiled without them, a step with
-  the weights on the GPU with them as XLA's default."""
-  from test_grads_in_params import loss_fn as scanned_loss
-  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
-  kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh)
-  hlo = {}
-  with jax.default_device(GPUS[0]):
-    for flag in ("grads_in_params", "offload_params"):
-      e = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **{flag: True}, **kw)
-      hlo[flag] = e.lower(batches(1)[0]).compile().as_text()
-      e.close()
-  assert "command_buffer" in hlo["grads_in_params"]
-  assert "command_buffer" not in hlo["offload_params"]
