@@ -245,8 +245,8 @@ def child_command(args, name: str) -> list[str]:
 
 def main():
   args = parse_args()
-  # jzo's command line does the same: XLA's default takes 75% of the GPU.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  from jzo.recipe.loop import claim_gpu_memory
+  claim_gpu_memory()  # as jzo's command line
   if args.plan_only:
     args.config = args.config or args.configs[0]
     rows = plan_only(args)

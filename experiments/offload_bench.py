@@ -69,7 +69,9 @@ def run_one(args) -> list[dict]:
 
   import jzo
   from jzo.models import gpt
+  from jzo.recipe.loop import claim_gpu_memory
 
+  claim_gpu_memory()  # as jzo's command line (before the GPU backend starts)
   config = model_config(args)
   offload = {"device": False, "offload": True, "offload_dpu": True, "auto": "auto",
              "auto_dpu": "auto"}[args.config]

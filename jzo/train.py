@@ -39,16 +39,14 @@ import sys
 import traceback
 
 from jzo import config as config_lib
-from jzo.recipe.loop import start_processes, train
+from jzo.recipe.loop import claim_gpu_memory, start_processes, train
 from jzo.recipe.options import TrainConfig, UserError
 from jzo.peer_watch import PeerWatch
 from jzo.recipe.signals import Interrupted, Interrupts, quiet_failed_reads
 
 
 def main(argv: list[str] | None = None) -> int:
-  # Large models need more of the GPU than XLA's default 75% preallocation;
-  # jzo's planner keeps its own headroom.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  claim_gpu_memory()
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
                          prog="python -m jzo.train")
   watch = None

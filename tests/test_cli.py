@@ -183,6 +183,23 @@ def test_estimate_caps_the_pinned_pool_as_the_recipe_does(monkeypatch):
   assert rounding < 4, done.stdout
 
 
+def test_estimate_plans_the_share_of_the_gpu_the_recipe_claims(monkeypatch, capsys):
+  """jzo.estimate reads the GPU's limit under the share of its memory that
+  jzo.train claims (JAX's default, 75%, would plan for 20 GB less of an
+  H100 than training has), and leaves the environment as it was."""
+  from jzo import planner
+  from jzo.recipe import loop
+  var = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+  monkeypatch.delenv(var, raising=False)
+  loop.claim_gpu_memory()
+  claimed = os.environ.pop(var)
+  seen = []
+  monkeypatch.setattr(planner, "local_device_memory",
+                      lambda: seen.append(os.environ.get(var)) or 80 * 2**30)
+  assert estimate_cli.main(["--model", "gpt2-124m"]) == 0, capsys.readouterr()
+  assert seen == [claimed] and var not in os.environ
+
+
 def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):
   """--offload-params with --device-memory-gb plans which of the layers'
   arrays go to host memory (here, on a CPU, a budget of 1.4 MiB for the

@@ -20,7 +20,7 @@ from jzo import config as config_lib
 from jzo.plan import GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
-from jzo.recipe.loop import cap_pinned_pool
+from jzo.recipe.loop import cap_pinned_pool, claim_gpu_memory
 from jzo.recipe.options import ALL_WEIGHTS_FIT
 
 Preset = Literal[tuple(models.PRESETS)]
@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
   gib = lambda x: None if x is None else int(x * GiB)
   try:
     check_estimate_options(cfg)
-    # XLA's pinned pool capped as the recipe caps it while the plan is made
-    # and printed (its rounding is part of the host's bytes); the
-    # environment is left as it was.
+    # The GPU's share and XLA's pinned pool as the recipe sets them while the
+    # plan is made and printed (the pool's rounding is part of the host's
+    # bytes); the environment is left as it was.
     with mock.patch.dict(os.environ):
+      claim_gpu_memory()
       cap_pinned_pool(models.PRESETS[cfg.model])
       result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                               remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,

@@ -97,6 +97,14 @@ def run_model(cfg: TrainConfig, model: models.Model, data: data_lib.Data) -> mod
   return dataclasses.replace(model, config=config)
 
 
+def claim_gpu_memory() -> None:
+  """Lets XLA's allocator hand out 95% of each GPU's memory, where JAX's
+  default of 75% would leave 20 GB of an H100 unused (the planner keeps its
+  own headroom). Takes effect only before JAX starts its GPU backend, and
+  leaves a fraction the user set alone."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+
 def cap_pinned_pool(model: models.Model) -> None:
   """Caps XLA's pinned host pool at what the landing buffers can hold at
   most, every parameter's gradient in the 2-byte compute dtype, so that it
