@@ -123,4 +123,3 @@ def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
   assert_close(on_host.params, on_gpu.params, rtol=1e-4, atol=1e-5)
   on_gpu.close()
   on_host.close()
-
