@@ -240,15 +240,17 @@ def shard_map_without_empty(f: Callable, *, mesh: Mesh, in_specs, out_specs, **k
 
 
 # ---------------------------------------------------------------- the step
-def compiler_options(plan: Plan) -> dict | None:
-  """XLA options for the plan's step. With weights in host memory
-  (offload_params) the step runs without XLA:GPU's command buffers: a command
-  buffer chains its commands one after another, so the layers' asynchronous
-  fetches from host memory would wait for the matmuls instead of running
-  under them (openxla/xla#48900). At gpt2-10b, micro-batch 32, on one H100:
-  6.94 s a step with them, 6.45 s without (RESULTS.md, session 17). Other
-  backends ignore the option."""
-  return {"xla_gpu_enable_command_buffer": ""} if plan.offload_params else None
+def compiler_options(plan: Plan, platform: str) -> dict | None:
+  """XLA options for the plan's step on devices of `platform` ("gpu", "cpu",
+  "tpu"). On a GPU with weights in host memory (offload_params) the step
+  runs without XLA:GPU's command buffers: a command buffer chains its
+  commands one after another, so the layers' asynchronous fetches from host
+  memory would wait for the matmuls instead of running under them
+  (openxla/xla#48900). At gpt2-10b, micro-batch 32, on one H100: 6.94 s a
+  step with them, 6.45 s without (RESULTS.md, session 17)."""
+  if platform == "gpu" and plan.offload_params:
+    return {"xla_gpu_enable_command_buffer": ""}
+  return None
 
 
 def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
@@ -269,7 +271,8 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
                                in_specs=(in_state, batch_specs),
                                out_specs=(out_state, StepMetrics(P(), P(), P(), P()), P()),
                                check_vma=False)
-  return jax.jit(fn, donate_argnums=0, compiler_options=compiler_options(plan))
+  return jax.jit(fn, donate_argnums=0,
+                 compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,

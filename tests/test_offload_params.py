@@ -95,15 +95,18 @@ def test_the_compiled_step_copies_no_layer_buffer(mesh_size):
 def test_only_a_step_with_weights_on_the_host_runs_without_command_buffers(monkeypatch):
   """XLA:GPU's command buffers would chain the layers' fetches from host
   memory behind the matmuls (RESULTS.md, session 17); steps without weights
-  in host memory keep them. The step is compiled with the plan's options:
-  a bad one reaches XLA. (XLA:GPU decides command buffers on its thunks,
-  after the HLO that a compiled step shows, so a GPU cannot check more.)"""
+  in host memory, and other platforms, keep XLA's default. The step is
+  compiled with the options chosen: a bad one reaches XLA. (XLA:GPU forms
+  command buffers from its thunks, after the HLO that a compiled step
+  shows, so a GPU cannot check more.)"""
   off = {"xla_gpu_enable_command_buffer": ""}
-  assert step_lib.compiler_options(engine(1, offload_params=True).plan) == off
-  assert step_lib.compiler_options(engine(1, grads_in_params=True).plan) is None
-  auto = with_weights_on_host(engine(1, grads_in_params=True).plan, [W])
-  assert step_lib.compiler_options(auto) == off
-  monkeypatch.setattr(step_lib, "compiler_options", lambda plan: {"xla_no_such_option": ""})
+  on_host, on_devices = engine(1, offload_params=True).plan, engine(1, grads_in_params=True).plan
+  assert step_lib.compiler_options(on_host, "gpu") == off
+  assert step_lib.compiler_options(on_devices, "gpu") is None
+  assert step_lib.compiler_options(with_weights_on_host(on_devices, [W]), "gpu") == off
+  assert step_lib.compiler_options(on_host, "tpu") is None  # an XLA:GPU option
+  monkeypatch.setattr(step_lib, "compiler_options",
+                      lambda plan, platform: {"xla_no_such_option": ""})
   with pytest.raises(Exception, match="xla_no_such_option"):
     engine(1, offload_params=True).lower(batches(1)[0]).compile()
 
