@@ -82,7 +82,8 @@ struct V {
                                        _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
     return value;
   }
-  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  // Writes the codes of y's 8 lanes; returns 0: none to redo.
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
@@ -102,6 +103,7 @@ struct V {
     const uint64_t hi = static_cast<uint32_t>(_mm256_extract_epi32(bytes, 4));
     const uint64_t out = lo | hi << 32;
     std::memcpy(p, &out, 8);
+    return 0;
   }
 };
 }  // namespace

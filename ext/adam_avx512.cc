@@ -78,22 +78,34 @@ struct V {
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
     return value;
   }
-  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
-    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  // Writes the codes of y's 16 lanes by the map's parts (quant8.h); returns
+  // the lanes to redo with quant8_exact.
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m512i bits = _mm512_castps_si512(y);
-    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512i top = _mm512_sub_epi32(
-        _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
-                         _mm512_set1_epi32(jzo::kQuantIndexBase)),
-        _mm512_set1_epi32(jzo::kQuantIndexBase));
-    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low16),
-                                                 _mm512_and_si512(e, low16));
-    __m512i k = _mm512_srli_epi32(e, 16);
-    k = _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
+    // |y|, at most 1 (NaN too); its octave slot (the exponent's low 5 bits,
+    // all below 2^-27 in 2^-27's).
+    const __m512i mag = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                         _mm512_set1_epi32(0x3f800000));
+    const F x = _mm512_castsi512_ps(mag);
+    const __m512i slot = _mm512_srli_epi32(
+        _mm512_max_epu32(mag, _mm512_set1_epi32(jzo::kQuantIndexBase << 16)), 23);
+    const F bound = _mm512_permutex2var_ps(_mm512_loadu_ps(map.octave_bound), slot,
+                                           _mm512_loadu_ps(map.octave_bound + 16));
+    __m512i part = _mm512_permutex2var_epi32(_mm512_loadu_si512(map.octave_part), slot,
+                                             _mm512_loadu_si512(map.octave_part + 16));
+    part = _mm512_mask_add_epi32(part, _mm512_cmp_ps_mask(x, bound, _CMP_GT_OQ), part,
+                                 _mm512_set1_epi32(1));
+    const F t = _mm512_fmadd_ps(x, _mm512_permutexvar_ps(part, _mm512_loadu_ps(map.part_a)),
+                                _mm512_permutexvar_ps(part, _mm512_loadu_ps(map.part_b)));
+    const F nearest = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(t, nearest)),
+                                                _mm512_set1_ps(jzo::kQuantUnsure), _CMP_LT_OQ);
+    __m512i k = _mm512_min_epi32(_mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC),
+                                 _mm512_permutexvar_epi32(part, _mm512_loadu_si512(map.part_top)));
     if (map.is_signed)
       k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
+    return unsure;
   }
 };
 }  // namespace

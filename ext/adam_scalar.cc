@@ -77,17 +77,9 @@ struct V {
     if (map.is_signed && (c & 128u)) value = -value;
     return value;
   }
-  static JZO_INLINE void quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
-    uint32_t bits;
-    std::memcpy(&bits, &y, 4);
-    const uint32_t mag = bits & 0x7fffffffu;
-    // |y| <= 1 but for rounding (or NaN); all below the index's base is code 0.
-    uint32_t top = (mag >> 16) < 0x3F80u ? mag >> 16 : 0x3F80u;
-    top = top > jzo::kQuantIndexBase ? top - jzo::kQuantIndexBase : 0u;
-    const uint32_t e = map.index[top];
-    uint32_t k = (e >> 16) + ((mag & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
-    if (map.is_signed) k |= (bits >> 24) & 0x80u;
-    *p = static_cast<uint8_t>(k);
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+    *p = jzo::quant8_exact(y, map);
+    return 0;
   }
 };
 }  // namespace

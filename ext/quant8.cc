@@ -32,6 +32,41 @@ uint32_t bits_of(float x) {
   return b;
 }
 
+// The parts of [0, 1] (quant8.h) for a map of n magnitudes: bounded by the
+// midpoints below decade 0's value, between decades and below 1.
+void build_parts(Quant8Map& map, int n) {
+  std::vector<float> bounds = {map.mid[0]};
+  for (int e = 1; e < map.decades; ++e) bounds.push_back(map.mid[(1 << e) - 1]);
+  bounds.push_back(map.mid[n - 2]);
+  const int parts = static_cast<int>(bounds.size()) + 1;
+  for (int part = 0; part < 16; ++part) {  // code 0, then (if used) decade 0's one code
+    map.part_a[part] = 0.0f;
+    map.part_b[part] = part == 1 ? 0.5f : -0.5f;
+    map.part_top[part] = part == 1 ? 1 : 0;
+  }
+  for (int e = 1; e < map.decades; ++e) {  // decade e: code 2^e + j over (j, j + 1] in steps
+    const double steps = 1 << e;
+    map.part_a[e + 1] = static_cast<float>(steps / (0.9 * map.decade[e]));
+    map.part_b[e + 1] = static_cast<float>(steps - 1 - steps / 9);
+    map.part_top[e + 1] = e + 1 == map.decades ? n - 2 : (2 << e) - 1;
+  }
+  map.part_b[parts - 1] = static_cast<float>(n - 1) - 0.5f;  // 1 itself
+  map.part_top[parts - 1] = n - 1;
+  const uint32_t lowest = kQuantIndexBase >> 7;  // biased exponent of 2^-27
+  for (uint32_t exponent = lowest; exponent <= 127; ++exponent) {
+    const uint32_t start = exponent << 23, end = (exponent + 1) << 23;
+    int below = 0, inside = 0;
+    float bound = __builtin_inff();
+    for (const float b : bounds) {
+      if (bits_of(b) < start) ++below;
+      else if (bits_of(b) < end) ++inside, bound = b;
+    }
+    if (inside > 1) throw std::logic_error("quant8: two part boundaries in one octave");
+    map.octave_bound[exponent & 31] = bound;
+    map.octave_part[exponent & 31] = below;
+  }
+}
+
 Quant8Map build(bool is_signed) {
   Quant8Map map{};
   map.is_signed = is_signed;
@@ -68,6 +103,7 @@ Quant8Map build(bool is_signed) {
     }
     map.index[top - kQuantIndexBase] = entry;
   }
+  build_parts(map, n);
   return map;
 }
 

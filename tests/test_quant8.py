@@ -163,6 +163,50 @@ def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
         np.testing.assert_array_equal(a, b, err_msg=f"{level} on {threads} threads")
 
 
+def values_next_to_every_midpoint(signed, ulps=2048):
+  """Every float32 within `ulps` of each midpoint of the map (where the
+  AVX-512 kernel's arithmetic could pick the wrong code), every 4099th one
+  in [2^-30, 1] (its tables' parts), and 0 and 1."""
+  mids = np.asarray(native.quant8_map(signed)[1], np.float32).view(np.int32)
+  near = (mids[:, None] + np.arange(-ulps, ulps + 1, dtype=np.int32)).ravel()
+  sweep = np.arange(np.float32(2.0**-30).view(np.int32), np.float32(1).view(np.int32), 4099,
+                    dtype=np.int32)
+  values = np.concatenate([near, sweep]).view(np.float32)
+  return np.concatenate([[0, 1], values[(values > 0) & (values <= 1)]]).astype(np.float32)
+
+
+def kernel_codes(g):
+  """The kernel's new codes for moments that equal g (mu) and g * g (nu):
+  b1 = b2 = 0 leaves nothing of the old moments, and a 1 at the start of
+  each block of g makes every scale 1, so the kernel quantizes the values
+  themselves."""
+  n = len(g)
+  g = np.insert(g, np.arange(0, n, quant8.QUANT_BLOCK - 1),
+                np.float32(1))
+  mu, nu = quant8.zeros(g.shape), quant8.zeros(g.shape)
+  kernels.adam_step_(np.zeros_like(g), g, mu, nu, count=1, learning_rate=1e-3, b1=0.0, b2=0.0)
+  np.testing.assert_array_equal(mu.scales, 1)
+  return g, mu.codes, nu.codes
+
+
+@pytest.mark.parametrize("level", kernels.supported_simd_levels())
+def test_every_instruction_set_picks_the_nearest_code_next_to_every_midpoint(level):
+  """The kernel's codes equal the reference's (the count of midpoints below
+  the value) on values packed around each midpoint, signs mixed: the
+  AVX-512 kernel computes most codes rather than looking them up, and redoes
+  those too close to a midpoint to trust."""
+  rng = np.random.default_rng(4)
+  signed = values_next_to_every_midpoint(True)
+  signed = signed * rng.choice(np.float32([-1, 1]), signed.shape)
+  signed[signed == 0] = 0  # no -0: its code would be the sign's alone
+  squares = np.sqrt(values_next_to_every_midpoint(False).astype(np.float64)).astype(np.float32)
+  with simd(level):
+    g, mu_codes, _ = kernel_codes(signed)
+    np.testing.assert_array_equal(mu_codes, quant8.quantize(g, signed=True).codes)
+    g, _, nu_codes = kernel_codes(squares)
+    np.testing.assert_array_equal(nu_codes, quant8.quantize(g * g, signed=False).codes)
+
+
 def bad_int8_inputs():
   p = np.zeros((2, 300), np.float32)
   g = np.zeros_like(p)
