@@ -41,7 +41,10 @@
 #   int8-tests     --help of each command; the int8 moments' and the kernel's tests, and
 #                  the optax drop-in's with the GPU as default backend (its XLA path)
 #   kernel-moments the C++ kernel by moment dtype (fp32, bf16, int8) and against torch's
-#                  fused AdamW, 2^16 .. 2^28 parameters, on the host CPU
+#                  fused AdamW, 2^SIZES (16 18 .. 28) parameters, on the host CPU; with
+#                  .snap-base, that commit first
+#   quant8-exhaustive the AVX-512 kernel's int8 codes against the index on every float32
+#                  in [0, 1] (experiments/quant8_exhaustive.cc)
 #   gather-cost    the host CPU's Gather Data Sampling mitigation, and what a vector
 #                  gather costs there beside a permute (experiments/gather_cost.cc)
 #   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
@@ -154,9 +157,17 @@ for part in "$@"; do
       JAX_PLATFORMS=cuda,cpu pytests int8-xla 300 tests/test_cpu_adam.py \
         tests/test_quant8.py -k "not engine and not streamed" ;;
     kernel-moments)
-      JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
-        --sizes 16 18 20 22 24 26 28 --json "$OUT/$part.json" >"$OUT/$part.log" 2>&1
-      echo "$part: exit $?"; grep -A12 "^ratio" "$OUT/$part.log" ;;
+      for tree in $base "$dir"; do
+        [ -n "$base" ] && use "$tree"
+        name=$part-$(basename "$tree")
+        (cd "$tree" && JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
+          --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
+        echo "$name: exit $?"; grep -A12 "^ratio" "$OUT/$name.log"
+      done ;;
+    quant8-exhaustive)
+      g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
+        experiments/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive 2>/dev/null &&
+        /tmp/quant8_exhaustive 2>&1 | tee "$OUT/$part.log" ;;
     gather-cost)
       { cat /sys/devices/system/cpu/vulnerabilities/gather_data_sampling; grep -m1 microcode /proc/cpuinfo
         g++ -O2 -mavx512f -mavx2 experiments/gather_cost.cc -o /tmp/gather_cost && /tmp/gather_cost
