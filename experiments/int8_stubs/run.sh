@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Where the AVX-512 int8 pass spends its time: the kernel built as it is and
+# with one part stubbed out at a time (patch.py), each timed on 2^E
+# parameters (default 26) at each thread count in THREADS (default 1 8 16);
+# "fp32 moments" is the same kernel's float32-moment pass. BASE: another
+# commit's ext folder, built and stubbed the same way (its gathers), e.g.
+#   git archive 092f856 ext | tar -x -C /tmp/base && BASE=/tmp/base/ext bash experiments/int8_stubs/run.sh
+# Stubbed kernels compute wrong numbers: they are for timing only.
+cd "$(dirname "$0")"
+flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c -w"
+build() {  # NAME EXT-FOLDER STUBS...
+  local name=$1 src=$2; shift 2
+  python3 patch.py "$src" "/tmp/v-$name" "$@" &&
+    g++ $flags -I"/tmp/v-$name" -c "/tmp/v-$name/adam_avx512.cc" -o "/tmp/v-$name.o" &&
+    g++ -O3 -std=c++17 -I"/tmp/v-$name" bench.cc "/tmp/v-$name/quant8.cc" "/tmp/v-$name.o" \
+      -o "/tmp/b-$name" -lpthread
+}
+variants="new new-noq new-nodeq new-nodiv new-bf16cvt new-nolowp"
+for v in $variants; do build "$v" ../../ext $(echo "${v#new}" | tr -d - | tr a-z A-Z) & done
+if [ -n "${BASE:-}" ]; then
+  for v in base base-nogather base-bf16cvt; do
+    build "$v" "$BASE" $(echo "${v#base}" | tr -d - | tr a-z A-Z) &
+  done
+  variants="base base-nogather base-bf16cvt $variants"
+fi
+wait
+e=${E:-26}
+for threads in ${THREADS:-1 8 16}; do
+  reps=$([ "$threads" = 1 ] && echo 3 || echo 9)
+  echo "threads $threads, 2^$e: fp32 moments $(/tmp/b-new "$e" 0 $reps "$threads")"
+  for v in $variants; do
+    echo "threads $threads, 2^$e: int8 $v $(/tmp/b-$v "$e" 1 $reps "$threads")"
+  done
+done
