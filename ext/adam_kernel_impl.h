@@ -241,7 +241,7 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
   block_scale(v_max, &b.nu_scale[block], &v_inv);
   const F m_to_code = V::set1(m_inv), v_to_code = V::set1(v_inv);
   // Lanes V::quant8 leaves to quant8_exact, by vector: redone after the
-  // loop, whose body then has no branch (a branch in it cost a sixth of the pass).
+  // loop, so that its body has no branch.
   uint32_t redo_mu[kB / kW], redo_nu[kB / kW], any = 0;
   for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);

@@ -24,16 +24,18 @@
 // the low 16 bits of that midpoint (0xFFFF: none), and x's low 16 bits
 // decide (quant8_exact). Every instruction set computes the same bits.
 //
-// The AVX-512 kernel finds most codes without that lookup (a vector gather
-// cost about 0.3 ns an element, a third of the int8 pass): the midpoints
+// The AVX-512 kernel finds most codes without that lookup (on AMD's Zen 4
+// the vector gather took a third of the int8 pass; on Intel's Sapphire Rapids
+// it is cheap, and computing the codes costs about as much): the midpoints
 // between decades, and the last one (below 1), split [0, 1] into parts; in
 // the part of decade e the midpoints are equally spaced, so the code is
 // ceil(a x + b), capped at the part's top code. Each binary octave of x holds
 // at most one part boundary: the part comes from x's exponent through two
 // in-register tables and one comparison. Float32 rounding can move a code
-// across a midpoint only where a x + b lies within kQuantUnsure of an integer
-// (differences up to 2^-16 were found exact on every float32 in [0, 1]);
-// those values, about 1 in 4000, are redone by quant8_exact.
+// across a midpoint only where a x + b lies within kQuantUnsure of an integer:
+// those values (1 in 4096 where a x + b is spread evenly) are redone by
+// quant8_exact. experiments/quant8_exhaustive.cc checks the kernel's codes on
+// every float32 in [0, 1]; they stay exact down to a margin of 2^-16.
 #pragma once
 
 #include <cstdint>

@@ -181,8 +181,7 @@ def kernel_codes(g):
   each block of g makes every scale 1, so the kernel quantizes the values
   themselves."""
   n = len(g)
-  g = np.insert(g, np.arange(0, n, quant8.QUANT_BLOCK - 1),
-                np.float32(1))
+  g = np.insert(g, np.arange(0, n, quant8.QUANT_BLOCK - 1), np.float32(1))
   mu, nu = quant8.zeros(g.shape), quant8.zeros(g.shape)
   kernels.adam_step_(np.zeros_like(g), g, mu, nu, count=1, learning_rate=1e-3, b1=0.0, b2=0.0)
   np.testing.assert_array_equal(mu.scales, 1)
