@@ -44,7 +44,7 @@
 #                  fused AdamW, 2^SIZES (16 18 .. 28) parameters, on the host CPU; with
 #                  .snap-base, that commit first
 #   quant8-exhaustive the AVX-512 kernel's int8 codes against the index on every float32
-#                  in [0, 1] (experiments/quant8_exhaustive.cc)
+#                  in [0, 1] (tests/quant8_exhaustive.cc)
 #   gather-cost    the host CPU's Gather Data Sampling mitigation, and what a vector
 #                  gather costs there beside a permute (experiments/gather_cost.cc)
 #   moments-quality gpt2-124m, 2000 steps (STEPS) on the embedded corpus, fp32, bf16 and
@@ -166,7 +166,7 @@ for part in "$@"; do
       done ;;
     quant8-exhaustive)
       g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
-        experiments/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive 2>/dev/null &&
+        tests/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive 2>/dev/null &&
         /tmp/quant8_exhaustive 2>&1 | tee "$OUT/$part.log" ;;
     gather-cost)
       { cat /sys/devices/system/cpu/vulnerabilities/gather_data_sampling; grep -m1 microcode /proc/cpuinfo

@@ -34,7 +34,7 @@
 // in-register tables and one comparison. Float32 rounding can move a code
 // across a midpoint only where a x + b lies within kQuantUnsure of an integer:
 // those values (1 in 4096 where a x + b is spread evenly) are redone by
-// quant8_exact. experiments/quant8_exhaustive.cc checks the kernel's codes on
+// quant8_exact. tests/quant8_exhaustive.cc checks the kernel's codes on
 // every float32 in [0, 1]; they stay exact down to a margin of 2^-16.
 #pragma once
 

@@ -2,6 +2,11 @@
 reference, determinism, the optax drop-in, the offload engine, checkpoints
 and bad input."""
 
+import pathlib
+import re
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -204,6 +209,25 @@ def test_every_instruction_set_picks_the_nearest_code_next_to_every_midpoint(lev
     np.testing.assert_array_equal(mu_codes, quant8.quantize(g, signed=True).codes)
     g, _, nu_codes = kernel_codes(squares)
     np.testing.assert_array_equal(nu_codes, quant8.quantize(g * g, signed=False).codes)
+
+
+def test_the_avx512_codes_are_exact_on_every_float32(tmp_path):
+  """quant8_exhaustive.cc: the AVX-512 kernel's quantizer against the index
+  on every float32 in [0, 1], both maps."""
+  if "avx512" not in kernels.supported_simd_levels():
+    pytest.skip("this CPU has no AVX-512")
+  compiler = shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    pytest.skip("no C++ compiler to build tests/quant8_exhaustive.cc")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  program = tmp_path / "quant8_exhaustive"
+  subprocess.run([compiler, "-O2", "-std=c++17", f"-I{root / 'ext'}", "-mavx512f", "-mavx512bw",
+                  "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
+                  str(root / "tests" / "quant8_exhaustive.cc"), str(root / "ext" / "quant8.cc"),
+                  "-o", str(program)], check=True, capture_output=True)
+  run = subprocess.run([str(program)], capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert len(re.findall(r"values in \[0, 1\], 0 codes differ", run.stdout)) == 2, run.stdout
 
 
 def bad_int8_inputs():

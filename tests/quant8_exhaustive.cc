@@ -1,9 +1,10 @@
 // The AVX-512 kernel's quantizer (ext/quant8.h: codes computed by parts,
 // lanes too close to a midpoint redone by the index) against the index alone
 // on every float32 in [0, 1], both maps; and how many lanes it redoes.
-//
+// Exits non-zero if a code differs. test_quant8.py builds and runs it;
+// by hand:
 //   g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
-//     experiments/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive && /tmp/quant8_exhaustive
+//     tests/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive && /tmp/quant8_exhaustive
 #include "../ext/adam_avx512.cc"  // the kernel's V, as it is compiled there
 
 #include <cstdio>
