@@ -102,11 +102,14 @@ class ZeroEngine:
       host parts are more, one set with delayed_update; under host
       accumulation one micro-batch's set, or a ring of two leaves where the
       host lacks room.
-    grads_in_params: stage 3 with layers= and offload=True, no delayed
-      update: the model's `jzo.scan_layers` writes each layer's gradient
-      over its weights in the backward pass, so the layers' gradients take
-      no device memory of their own; the host update writes the new
-      weights back (jzo.layer_scan). With grad_accum > 1 the backward adds
+    grads_in_params: stage 3 with layers= and offload (True, a fraction or
+      "auto"), no delayed update: the model's `jzo.scan_layers` writes each
+      layer's gradient over its weights in the backward pass, so the
+      layers' gradients take no device memory of their own; the step
+      writes the device parts' new weights over their gradients and the
+      host update writes the host parts' back (jzo.layer_scan). A device
+      part costs its masters and moments in device memory (12 B a
+      parameter with fp32 moments) and takes its update off the host. With grad_accum > 1 the backward adds
       the layers' gradients into float32 sums on the device (4 B a
       parameter) and the last micro-batch's writes the sums over the
       weights (accumulation "auto" or "device"; not "host").

@@ -97,17 +97,23 @@ class EngineOptions:
 
 def _check_grads_in_params(options: EngineOptions, name: str) -> None:
   """grads_in_params (and offload_params, `name`, which implies it) writes
-  the layers' gradients over their weights, which only the host's masters
-  can then restore: every leaf's state on the host, nothing that reads the
-  weights after the last micro-batch's backward pass."""
+  the layers' gradients over their weights, which only the masters can
+  then remake: jzo's Adam (offload), whose device part writes its weights
+  back in the step and whose host part's come up after it; nothing that
+  reads the weights after the last micro-batch's backward pass. Weights in
+  host memory are updated there by the host kernel, so offload_params
+  keeps every leaf's state on the host."""
   if options.grads_in_params is not True:
     raise ValueError(f"grads_in_params must be True or False, got {options.grads_in_params!r}")
   if options.stage != 3 or options.layers is None:
     raise ValueError(f"{name} needs stage=3 and layers= (the stacked layers whose "
                      "gradients take their weights' place)")
-  if options.offload is not True and options.offload != 1:
-    raise ValueError(f"{name} needs offload=True (the host's masters remake the "
-                     f"weights), got offload={options.offload!r}")
+  if options.offload_params and options.offload is not True and options.offload != 1:
+    raise ValueError(f"{name} needs offload=True (the host kernel updates the weights in host "
+                     f"memory where they are), got offload={options.offload!r}")
+  if not options.offloading:
+    raise ValueError(f"{name} needs offload=True, a fraction or 'auto' (jzo's Adam, whose "
+                     "masters remake the weights the gradients overwrote), got offload=False")
   if options.grad_accum != 1 and options.accumulation == "host":
     raise ValueError(f"{name} sums the layers' micro-batches on the device, in the backward "
                      "pass (the last writes the sums over the weights): it cannot take "

@@ -36,9 +36,10 @@ and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
 (experiments/RESULTS.md works these bytes through for gpt2-4b, -10b and
 -13b on one H100.)
 
-grads_in_params (stage 3, everything on the host) writes the stacked layers'
-gradients over their weights (jzo.layer_scan): the step's peak holds one
-layer's gradient of them, and the exchange none beside the weights. With
+grads_in_params (stage 3) writes the stacked layers' gradients over their
+weights (jzo.layer_scan): the step's peak holds one layer's gradient of
+them, and the exchange none beside the weights; the device parts' new
+weights go over their gradients in the step. With
 grad_accum > 1 it sums the micro-batches on the device: float32 sums of
 every leaf (4 B a parameter) beside the weights, the last micro-batch's
 gradients written over them.

@@ -72,7 +72,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
       offload_params: as for `ZeroEngine` (offload_params "auto": as many of
       the layers' arrays in host memory as the device needs).
     offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
-      means True with int8 moments, grads_in_params or offload_params).
+      means True with int8 moments or offload_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
       int8 ones are kept on the host, so offload "auto" means True).
     precision: "bf16" or "fp16" compute (or "fp32").
@@ -93,7 +93,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
       raise ValueError(f"int8 moments are kept in host memory: offload must be True or "
                        f"'auto', got {offload!r}")
   grads_in_params = True if offload_params else grads_in_params
-  if grads_in_params and offload == "auto":  # the host's masters remake the weights
+  if offload_params and offload == "auto":  # the host kernel updates the weights in host memory
     offload = True
   dtypes = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
   if precision not in dtypes:

@@ -322,10 +322,11 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
                         else x[..., :l.on_device], shard)
   # Offload ships each shard's host part in the compute dtype: accumulated
   # fp32 sums are rounded once (the precision one large batch's gradient
-  # has), at half the bytes on the copy that follows the step.
+  # has), at half the bytes on the copy that follows the step. Gradients
+  # written over the weights stay whole: their array is the weights' too.
   if plan.cpu_adam:
-    buffer = flatten(lambda l, x: (x if l.on_host else x[..., :0]).astype(plan.grad_dtype),
-                     shard)
+    buffer = flatten(lambda l, x: (x if l.on_host or plan.grads_over_weights(l)
+                                   else x[..., :0]).astype(plan.grad_dtype), shard)
   else:
     buffer = jax.tree.map(lambda x: x.astype(plan.grad_dtype), buffer)
 
@@ -424,9 +425,16 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
   master = jax.tree.map(keep_if_skipped, optax.apply_updates(state.master, updates),
                         state.master)
   opt_state = jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state)
-  params = jax.tree.map(
-      lambda l, p, m: write_part(plan, l, p, m.astype(plan.compute_dtype), 0),
-      layouts, state.params, master, is_leaf=is_layout)
+  # The new weights of the device parts; where the layers' gradients took
+  # their weights' memory (grads_in_params), they go there, over the device
+  # part's gradient, and the host's come up into the rest after the step.
+  lowp = jax.tree.map(lambda m: m.astype(plan.compute_dtype), master)
+  in_params = plan.grads_over_weights
+  params = kept_params(plan, jax.tree.map(lambda l, p, w: write_part(plan, l, p, w, 0),
+                                          layouts, state.params, lowp, is_leaf=is_layout))
+  if buffer is not None:
+    buffer = jax.tree.map(lambda l, b, w: write_part(plan, l, b, w, 0) if in_params(l) else b,
+                          layouts, buffer, lowp, is_leaf=is_layout)
   return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
 
 

@@ -30,7 +30,7 @@ def loss_fn(params, batch):
 
 
 def engine(mesh_size=1, **kw):
-  kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size), **kw)
+  kw = dict(dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size)), **kw)
   return jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
 
 
@@ -65,6 +65,25 @@ def test_training_matches_the_gradients_apart(mesh_size, landing_limit, compute_
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("offload", [0.5, 0.0])
+@pytest.mark.parametrize("mesh_size, landing_limit", [(1, None), (8, 2048)],
+                         ids=["1dev", "8dev-streamed"])
+def test_a_device_part_of_the_state_trains_as_the_gradients_apart(mesh_size, landing_limit,
+                                                                  offload):
+  """With part of every leaf's state on the device (offload=0.5; 0: all of
+  it), the step writes the device parts' new weights over their gradients
+  and the host's come up into the rest: the same losses and weights as the
+  engine that keeps the gradients apart, bit for bit."""
+  kw = dict(offload=offload, landing_limit=landing_limit, max_grad_norm=1.0)
+  apart, inside = engine(mesh_size, **kw), engine(mesh_size, grads_in_params=True, **kw)
+  assert inside.plan.offloaded_fraction == apart.plan.offloaded_fraction < 1
+  for b in batches(6):
+    assert float(inside.step(b).loss) == float(apart.step(b).loss)
+  assert_close(inside.params, apart.params, rtol=0, atol=0)
+  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_the_layers_gradients_take_no_memory_of_their_own():
   """XLA writes the layers' gradients into the donated weights: the compiled
   step needs (temporaries and outputs beyond the donated arguments) a
@@ -83,12 +102,14 @@ def test_the_layers_gradients_take_no_memory_of_their_own():
   assert need[True] <= need[False] - layer_bytes, need
 
 
-def test_a_skipped_step_puts_the_weights_back():
+@pytest.mark.parametrize("offload", [True, 0.5], ids=["host", "split"])
+def test_a_skipped_step_puts_the_weights_back(offload):
   """Non-finite gradients skip the step: the weights they overwrote are
-  made again from the masters, and training goes on as the engine that
-  keeps its gradients apart."""
-  apart, inside = engine(8, landing_limit=2048), engine(8, landing_limit=2048,
-                                                        grads_in_params=True)
+  made again from the masters (a device part's in the step, the host
+  part's after it), and training goes on as the engine that keeps its
+  gradients apart."""
+  kw = dict(landing_limit=2048, offload=offload)
+  apart, inside = engine(8, **kw), engine(8, grads_in_params=True, **kw)
   data = batches(4)
   bad = dict(data[1], x=data[1]["x"].at[0, 0].set(jnp.nan))
   for b in [data[0], bad, data[2], data[3]]:
@@ -129,6 +150,25 @@ def test_accumulation_matches_the_device_sums(mesh_size, grad_accum, landing_lim
   assert_close(inside.params, apart.params, rtol=rtol, atol=0)
   for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+
+
+@pytest.mark.parametrize("mesh_size", [1, 8])
+def test_accumulation_with_a_device_part_matches_the_device_sums(mesh_size):
+  """grad_accum = 2 with half of every leaf's state on the device, in
+  float32: the device part is updated from the layers' sums written over
+  the weights, and trains as the engine that sums every gradient apart, to
+  float32 rounding (bit for bit on one device; on eight XLA fuses the two
+  programs' device updates differently). In bfloat16 it reads the sums
+  rounded once, as the host part does, where the engine apart updates its
+  device part from the float32 sums."""
+  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0, grad_accum=2, offload=0.5,
+            landing_limit=2048)
+  apart = engine(mesh_size, accumulation="device", **kw)
+  inside = engine(mesh_size, grads_in_params=True, **kw)
+  rtol = 0 if mesh_size == 1 else 1e-6
+  for b in batches(4):
+    np.testing.assert_allclose(float(inside.step(b).loss), float(apart.step(b).loss), rtol=rtol)
+  assert_close(inside.params, apart.params, rtol=10 * rtol, atol=0)
 
 
 def test_accumulation_keeps_no_gradient_of_the_layers_beside_the_sums():
@@ -188,11 +228,12 @@ def test_fp16_loss_scaling_over_accumulated_micro_batches():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_an_accumulating_run_resumes_from_its_checkpoint_exactly():
+@pytest.mark.parametrize("offload", [True, 0.5], ids=["host", "split"])
+def test_an_accumulating_run_resumes_from_its_checkpoint_exactly(offload):
   """state_dict after accumulated steps (the weights written back over the
   last micro-batch's sums) loads into a new engine, which goes on as the
   uninterrupted one, bit for bit."""
-  kw = dict(grad_accum=2, landing_limit=2048, grads_in_params=True)
+  kw = dict(grad_accum=2, landing_limit=2048, grads_in_params=True, offload=offload)
   data = batches(5)
   first = engine(8, **kw)
   for b in data[:2]:
@@ -206,19 +247,23 @@ def test_an_accumulating_run_resumes_from_its_checkpoint_exactly():
   assert_close(resumed.params, first.params, rtol=0, atol=0)
 
 
-def test_a_device_step_run_alone_leaves_the_weights_whole():
-  inside = engine(1, grads_in_params=True)
+@pytest.mark.parametrize("offload", [True, 0.5], ids=["host", "split"])
+def test_a_device_step_run_alone_leaves_the_weights_whole(offload):
+  """(With a device part, the step updates it: only the host part's
+  weights, which no update wrote, are as before.)"""
+  inside = engine(1, grads_in_params=True, offload=offload)
+  layouts = inside.plan.leaves
   before = [np.asarray(x) for x in jax.tree.leaves(inside.state.params)]
   inside.run_device_step(batches(1)[0])
-  for a, b in zip(jax.tree.leaves(inside.state.params), before):
-    np.testing.assert_array_equal(np.asarray(a), b)
+  for l, a, b in zip(layouts, jax.tree.leaves(inside.state.params), before):
+    c = l.on_device  # of a flat shard (one device), or of each layer's row
+    np.testing.assert_array_equal(np.asarray(a)[..., c:], b[..., c:])
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(stage=2, layers=None), "needs stage=3 and layers="),
     (dict(layers=None), "needs stage=3 and layers="),
-    (dict(offload=0.5), "needs offload=True"),
-    (dict(offload=False), "needs offload=True"),
+    (dict(offload=False), "needs offload=True, a fraction or 'auto'"),
     (dict(grad_accum=2, accumulation="host"), "cannot take accumulation='host'"),
     (dict(delayed_update=True), "cannot delay"),
     (dict(grads_in_params=1), "must be True or False"),

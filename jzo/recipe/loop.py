@@ -49,8 +49,8 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
   (CPUs share the host's memory)."""
   if not cfg.offload:
     return False
-  if (cfg.grads_in_params or cfg.offload_params) and cfg.offload_fraction == "auto":
-    return True  # the host's masters remake the weights the gradients overwrote
+  if cfg.offload_params and cfg.offload_fraction == "auto":
+    return True  # the host kernel updates the weights in host memory where they are
   if cfg.offload_fraction == "auto":
     return "auto" if jzo.plan.device_memory_limit(distributed.own_device(devices)) else True
   return float(cfg.offload_fraction)

@@ -159,9 +159,12 @@ def _check_grads_in_params(cfg: TrainConfig, flag: str) -> None:
   if cfg.stage != 3:
     raise UserError(f"{flag} needs --stage 3 (the layers gathered one at a time), "
                     f"got --stage {cfg.stage}")
-  if not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
-    raise UserError(f"{flag} needs --offload with --offload-fraction auto or 1 (the "
-                    "host's masters remake the weights)")
+  if not cfg.offload:
+    raise UserError(f"{flag} needs --offload (jzo's Adam, whose masters remake the weights "
+                    "the gradients overwrote)")
+  if cfg.offload_params and cfg.offload_fraction not in ("auto", "1", "1.0"):
+    raise UserError(f"{flag} needs --offload-fraction auto or 1 (the host kernel updates the "
+                    f"weights in host memory where they are), got {cfg.offload_fraction}")
   if cfg.delayed_update:
     raise UserError(f"{flag} cannot take --delayed-update: the next step needs the "
                     "weights the update writes back")
