@@ -62,7 +62,11 @@
 #                  (default 32 96); with .snap-base, that commit first
 #   accum-layers   stage 3 + grads_in_params, MODEL (gpt2-10b) with MOMENTS (fp32), RUNS of
 #                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
-#                  layers' backward pass; each engine in its own process
+#                  layers' backward pass; each engine in its own process; CONFIGS of
+#                  offload_bench.py (default offload: all the state on the host; auto: as
+#                  much of it on the GPU as fits), each run in each
+#   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
+#                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
 #   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
 #                  optimized HLO of the step (where the host-to-device copies start and
 #                  end among the compute), in $OUT/hlo/, with XLA_EXTRA flags if set
@@ -228,13 +232,18 @@ for part in "$@"; do
     accum-layers)
       model=${MODEL:-gpt2-10b}; moments=${MOMENTS:-fp32}
       for run in ${RUNS:-4:8 1:32}; do
+      for config in ${CONFIGS:-offload}; do
         accum=${run%:*} micro=${run#*:}
-        name=$part-$model-$moments-${accum}x$micro
-        timeout 500 python3 experiments/offload_bench.py --config offload --model $model \
+        name=$part-$model-$moments-${accum}x$micro-$config
+        timeout 500 python3 experiments/offload_bench.py --config $config --model $model \
           --moments $moments --stage 3 --grads-in-params --grad-accum $accum --batch $micro \
           --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
-        echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
-      done ;;
+        echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror|optimizer state" \
+          "$OUT/$name.log" | cut -c1-400 | tail -12
+      done; done ;;
+    kernel-torch)
+      JAX_PLATFORMS=cpu python3 experiments/kernel_vs_torch.py --pairs ${PAIRS:-5} \
+        --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log" ;;
     params-flags)
       default=";--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
       default+=";--xla_gpu_enable_pipelined_host_offloading=true;--xla_gpu_enable_command_buffer="
