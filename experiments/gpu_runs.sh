@@ -21,6 +21,8 @@
 #   recipe-10b     gpt2-10b, fp32 moments, through `python -m jzo.train` (offload auto +
 #                  delayed update); BATCH, STEPS override 8 and 22
 #   recipe-13b     gpt2-13b, bf16 moments, the same
+#   recipe-13b-32  gpt2-13b, bf16 moments, global batch 32 in the micro-batch the planner
+#                  picks, stage 3 + --grads-in-params, the state placed by the planner
 #   bench-10b      gpt2-10b in offload_bench.py: the step's parts, planned against measured
 #   peers-4b       gpt2-4b: jzo on the GPU alone and offload auto; DeepSpeed ZeRO-2 offload
 #   figure-P       experiments/figure_runs.py's part P (1.5b 4b 10b 13b edges check dpu):
@@ -123,7 +125,7 @@ recipe() {  # PART MODEL STEPS FLAGS...: the recipe, with its peak host memory
   local part=$1 model=$2 steps=$3; shift 3
   /usr/bin/time -v timeout 560 python3 -m jzo.train --model "$model" --seq-len 1024 \
     --batch-size "${BATCH:-8}" --steps "$steps" --warmup 2 --log-every 2 --eval-every 1000 \
-    --checkpoint-every 0 --sample-tokens 0 --lr 1e-4 --delayed-update --out "/tmp/run-$part" \
+    --checkpoint-every 0 --sample-tokens 0 --lr 1e-4 ${DPU---delayed-update} --out "/tmp/run-$part" \
     "$@" >"$OUT/$part.log" 2>&1
   echo "$part: exit $?"; grep -v "step/s\]" "$OUT/$part.log" | grep -E "^step|Maximum resident" | tail -4
   cp "/tmp/run-$part/metrics.jsonl" "$OUT/$part-metrics.jsonl" 2>/dev/null
@@ -281,6 +283,8 @@ for part in "$@"; do
       done ;;
     recipe-10b) recipe $part gpt2-10b "${STEPS:-22}" ;;
     recipe-13b) recipe $part gpt2-13b "${STEPS:-14}" --moments bf16 ;;
+    recipe-13b-32) BATCH=32 DPU= recipe $part gpt2-13b "${STEPS:-10}" --moments bf16 --stage 3 \
+                     --grads-in-params ;;
     bench-10b) record $part offload_bench.py --model gpt2-10b --configs auto_dpu --steps 6 ;;
     peers-4b)
       record $part offload_bench.py --model gpt2-4b --configs device auto --steps 4

@@ -212,6 +212,19 @@ def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
 
 
+def test_grads_in_params_keeps_what_fits_of_the_state_on_the_device(tmp_path):
+  """--grads-in-params with --device-memory-gb places the optimizer state
+  (--offload-fraction auto): part of it on the device, whose new weights
+  the step writes over their gradients, and the run trains."""
+  done = run_module("jzo.train", *SHORT, "--stage", "3", "--grads-in-params",
+                    "--device-memory-gb", "0.004", "--out", str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  share = re.search(r"optimizer state ([\d.]+)% on the device", done.stdout + done.stderr)
+  assert share and 0 < float(share.group(1)) < 100, done.stdout
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
+
+
 def snapshot(folder: pathlib.Path) -> dict[str, bytes | None]:
   """Every path under `folder`, with a file's bytes (None: a folder)."""
   return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None

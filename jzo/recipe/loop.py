@@ -45,14 +45,15 @@ def pick_devices(cfg: TrainConfig) -> list:
 
 def placement(cfg: TrainConfig, devices) -> bool | float | str:
   """The engine's offload= from --offload and --offload-fraction: "auto"
-  where the devices report their memory, all on the host where they do not
-  (CPUs share the host's memory)."""
+  where the devices report their memory or --device-memory-gb gives it,
+  all on the host where neither does (CPUs share the host's memory)."""
   if not cfg.offload:
     return False
   if cfg.offload_params and cfg.offload_fraction == "auto":
     return True  # the host kernel updates the weights in host memory where they are
   if cfg.offload_fraction == "auto":
-    return "auto" if jzo.plan.device_memory_limit(distributed.own_device(devices)) else True
+    known = cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices))
+    return "auto" if known else True
   return float(cfg.offload_fraction)
 
 
