@@ -217,6 +217,7 @@ class ZeroEngine:
     if self.plan.has_host_state:
       self.host_update = HostUpdate(self.trained, transfer)
     self._step_fns: dict = {}
+    self._eval_fns: dict = {}
     self._closed = False
 
   @property
@@ -374,18 +375,7 @@ class ZeroEngine:
         self.host_update.close()
 
   def _step_fn(self, batch):
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-      raise ValueError("batch has no arrays")
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-    if len(sizes) != 1 or None in sizes:
-      raise ValueError(f"every batch array needs the same leading (example) axis, got {sizes}")
-    (size,) = sizes
-    devices = len(self.positions)  # this process's (all with one process)
-    if size % (devices * self.plan.grad_accum):
-      whose = "" if devices == self.plan.n_devices else "this process's "
-      raise ValueError(f"{whose}batch of {size} examples does not split into {devices} "
-                       f"devices x {self.plan.grad_accum} micro-batches")
+    self._check_batch(batch)
     key = jax.tree.structure(batch)
     if key in self._step_fns:
       return self._step_fns[key]
@@ -399,6 +389,37 @@ class ZeroEngine:
       self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn,
                                                self.trained.tx, batch)
     return self._step_fns[key]
+
+  def _check_batch(self, batch) -> None:
+    """Raises ValueError unless the batch's arrays share a leading axis
+    that splits into this process's devices x grad_accum micro-batches."""
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+      raise ValueError("batch has no arrays")
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
+    if len(sizes) != 1 or None in sizes:
+      raise ValueError(f"every batch array needs the same leading (example) axis, got {sizes}")
+    (size,) = sizes
+    devices = len(self.positions)  # this process's (all with one process)
+    if size % (devices * self.plan.grad_accum):
+      whose = "" if devices == self.plan.n_devices else "this process's "
+      raise ValueError(f"{whose}batch of {size} examples does not split into {devices} "
+                       f"devices x {self.plan.grad_accum} micro-batches")
+
+  def evaluate(self, batch) -> jax.Array:
+    """The mean loss of `batch` (as `step` takes it) under the current
+    weights, without a step: the compute-dtype params as the step uses
+    them (stage 3 gathers them a layer at a time), so no float32 copy of
+    the model is made on the host or a device; the rows run in grad_accum
+    micro-batches. A delayed update in flight is applied first."""
+    if self._closed:
+      raise RuntimeError("this engine is closed: it evaluates no more batches")
+    self._check_batch(batch)
+    self.wait()
+    key = jax.tree.structure(batch)
+    if key not in self._eval_fns:
+      self._eval_fns[key] = step_lib.make_eval(self.plan, self.mesh, self.loss_fn, batch)
+    return self._eval_fns[key](self.state.params, self._global_batch(batch))
 
   def local_batch(self, batch):
     """This process's rows of a global batch (leading axis: examples), what

@@ -111,7 +111,7 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
   """PartitionSpecs of every part of the state."""
   device_state = plan.has_device_state
   return EngineState(
-      params=_on_layouts(plan, lambda l: lowp_spec(plan, l)),
+      params=state_specs_params(plan),
       master=_on_layouts(plan, lambda l: l.spec(plan.axis)) if device_state else None,
       opt_state=opt_state_specs(plan, tx) if device_state else None,
       grads=_on_layouts(plan, lambda l: grad_spec(plan, l)),
@@ -273,6 +273,30 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
                                check_vma=False)
   return jax.jit(fn, donate_argnums=0,
                  compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
+
+
+def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:
+  """The jitted `(params, batch) -> mean loss` over batches shaped like
+  `batch`, with the compute-dtype params as the step uses them (stage 3
+  gathers a layer at a time, offloaded weights come up a layer at a time):
+  no float32 copy of the model is made anywhere. Each device's rows run
+  as grad_accum micro-batches, one after the other, so the forward holds
+  no more activations than a training micro-batch's."""
+  batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
+
+  def local(params, batch):
+    micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
+    losses = jax.lax.map(lambda mb: scaled_loss(plan, loss_fn, params, mb, jnp.float32(1))[1],
+                         micro)
+    return jax.lax.psum(losses.mean(), plan.axis) / plan.n_devices
+  fn = shard_map_without_empty(local, mesh=mesh, in_specs=(state_specs_params(plan), batch_specs),
+                               out_specs=P(), check_vma=False)
+  return jax.jit(fn, compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
+
+
+def state_specs_params(plan: Plan):
+  """PartitionSpecs of the compute-dtype params (`EngineState.params`)."""
+  return _on_layouts(plan, lambda l: lowp_spec(plan, l))
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,

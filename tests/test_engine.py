@@ -83,6 +83,28 @@ def test_stages_match_single_device(stage, layers, opt):
   assert int(engine.state.step) == 20 and int(engine.state.skipped) == 0
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("stage, layers", STAGES, ids=lambda x: str(x))
+def test_evaluate_is_the_loss_of_the_weights(stage, layers, offload):
+  """engine.evaluate(batch) is loss_fn's mean over the batch with the
+  trained weights (in float32 here: the compute dtype), run by devices and
+  micro-batches, and changes nothing."""
+  kw = dict(stage=stage, layers=layers, compute_dtype=jnp.float32, mesh=mesh_of(8),
+            grad_accum=2)
+  tx = jzo.cpu_adamw(1e-2) if offload else optax.adam(1e-2)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), tx, offload=offload and stage > 0, **kw)
+  data = batches(3)
+  for b in data[:2]:
+    engine.step(b)
+  weights = engine.params
+  got = float(engine.evaluate(data[2]))
+  np.testing.assert_allclose(got, float(jax.jit(loss_fn)(weights, data[2])), rtol=1e-6)
+  assert_close(engine.params, weights, rtol=0, atol=0)
+  assert int(engine.state.step) == 2
+  with pytest.raises(ValueError, match="does not split into 8 devices x 2 micro-batches"):
+    engine.evaluate(batches(1, size=12)[0])
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_grad_accumulation_and_clipping(stage):
   params, data = init_params(), batches(6, size=32)

@@ -84,6 +84,19 @@ def test_a_device_part_of_the_state_trains_as_the_gradients_apart(mesh_size, lan
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("where", ["grads_in_params", "offload_params"])
+def test_evaluate_reads_the_weights_where_they_are(where):
+  """engine.evaluate with the layers' weights written back by the host (and
+  with offload_params fetched from host memory a layer at a time) gives the
+  loss of the weights, as the engine that keeps its gradients apart does."""
+  apart, inside = engine(8, grad_accum=2), engine(8, grad_accum=2, **{where: True})
+  data = batches(3)
+  for b in data[:2]:
+    apart.step(b), inside.step(b)
+  np.testing.assert_allclose(float(inside.evaluate(data[2])), float(apart.evaluate(data[2])),
+                             rtol=1e-6)
+
+
 def test_the_layers_gradients_take_no_memory_of_their_own():
   """XLA writes the layers' gradients into the donated weights: the compiled
   step needs (temporaries and outputs beyond the donated arguments) a

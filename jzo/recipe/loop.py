@@ -188,10 +188,10 @@ def build_engine(cfg: TrainConfig, model: models.Model, params, devices,
     raise UserError(str(e)) from e
 
 
-def evaluate(model: models.Model, params, val, n: int) -> float:
-  """Mean loss of n held-out batches with `params` (see eval_params)."""
-  loss = jax.jit(model.loss_fn)  # compiled once: jit caches by the function's identity
-  return float(np.mean([loss(params, val(i)) for i in range(n)]))
+def evaluate(engine: jzo.ZeroEngine, val, n: int) -> float:
+  """Mean loss of n held-out batches under the engine's weights as its step
+  uses them (`ZeroEngine.evaluate`: no float32 copy of a large model)."""
+  return float(np.mean([float(engine.evaluate(engine.local_batch(val(i)))) for i in range(n)]))
 
 
 def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainConfig):
@@ -288,8 +288,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
         if is_eval or done % cfg.log_every == 0:
           last.update(meter.rates())
           if is_eval:
-            last["eval_loss"] = evaluate(model, eval_params(engine, cfg), data.val,
-                                         cfg.eval_batches)
+            last["eval_loss"] = evaluate(engine, data.val, cfg.eval_batches)
           if primary:
             bar.write(log_line(last))
         history.append(last)
@@ -320,18 +319,6 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   if primary:
     print(f"\nmetrics: {out / 'metrics.jsonl'}, loss curve: {out / 'loss.png'}")
   return last
-
-
-def eval_params(engine: jzo.ZeroEngine, cfg: TrainConfig):
-  """The weights to evaluate: the compute-dtype params already on the
-  devices (stages 0-2: full; no float32 copy of a large model goes up), the
-  float32 masters for stage 3's shards."""
-  if cfg.stage == 3:
-    return engine.params
-  engine.wait()  # a delayed update in flight belongs to these weights
-  if jax.process_count() > 1:  # replicated: this process's copy, evaluated locally
-    return jax.tree.map(lambda x: x.addressable_data(0), engine.state.params)
-  return engine.state.params
 
 
 def start_processes(cfg: TrainConfig) -> None:
