@@ -109,10 +109,11 @@ class ZeroEngine:
       writes the device parts' new weights over their gradients and the
       host update writes the host parts' back (jzo.layer_scan). A device
       part costs its masters and moments in device memory (12 B a
-      parameter with fp32 moments) and takes its update off the host. With grad_accum > 1 the backward adds
-      the layers' gradients into float32 sums on the device (4 B a
-      parameter) and the last micro-batch's writes the sums over the
-      weights (accumulation "auto" or "device"; not "host").
+      parameter with fp32 moments) and takes its update off the host.
+      With grad_accum > 1 the backward adds the layers' gradients into
+      float32 sums on the device (4 B a parameter) and the last
+      micro-batch's writes the sums over the weights (accumulation "auto"
+      or "device"; not "host").
     offload_params: grads_in_params (implied, with its conditions) with the
       layers' low-precision weights in pinned host memory (ZeRO-3 offload
       of parameters): each layer comes up to the device for its forward

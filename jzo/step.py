@@ -107,11 +107,16 @@ def opt_state_specs(plan: Plan, tx: optax.GradientTransformation):
   return jax.tree.map(spec, shapes)
 
 
+def params_specs(plan: Plan):
+  """PartitionSpecs of the compute-dtype params (`EngineState.params`)."""
+  return _on_layouts(plan, lambda l: lowp_spec(plan, l))
+
+
 def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
   """PartitionSpecs of every part of the state."""
   device_state = plan.has_device_state
   return EngineState(
-      params=state_specs_params(plan),
+      params=params_specs(plan),
       master=_on_layouts(plan, lambda l: l.spec(plan.axis)) if device_state else None,
       opt_state=opt_state_specs(plan, tx) if device_state else None,
       grads=_on_layouts(plan, lambda l: grad_spec(plan, l)),
@@ -289,14 +294,9 @@ def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:
     losses = jax.lax.map(lambda mb: scaled_loss(plan, loss_fn, params, mb, jnp.float32(1))[1],
                          micro)
     return jax.lax.psum(losses.mean(), plan.axis) / plan.n_devices
-  fn = shard_map_without_empty(local, mesh=mesh, in_specs=(state_specs_params(plan), batch_specs),
+  fn = shard_map_without_empty(local, mesh=mesh, in_specs=(params_specs(plan), batch_specs),
                                out_specs=P(), check_vma=False)
   return jax.jit(fn, compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
-
-
-def state_specs_params(plan: Plan):
-  """PartitionSpecs of the compute-dtype params (`EngineState.params`)."""
-  return _on_layouts(plan, lambda l: lowp_spec(plan, l))
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
