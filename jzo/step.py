@@ -299,6 +299,25 @@ def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:
   return jax.jit(fn, compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
 
 
+def make_full_params(plan: Plan, mesh: Mesh) -> Callable:
+  """The jitted `params -> the same weights in full shapes`, compute dtype,
+  replicated on every device (stage 3 gathers the shards; weights in host
+  memory come up)."""
+  def full(l: LeafLayout, x):
+    x = layer_scan.on_device(x)
+    if not l.per_layer:
+      return full_params(plan, l, x)
+    if l.shards > 1:  # (L, k) shards -> (L, S k)
+      x = jax.lax.all_gather(x, plan.axis, axis=1, tiled=True)
+    return l.unflatten(x)
+
+  out_specs = _on_layouts(plan, lambda l: P())
+  fn = shard_map_without_empty(
+      lambda params: jax.tree.map(full, plan.layouts, params, is_leaf=is_layout), mesh=mesh,
+      in_specs=(params_specs(plan),), out_specs=out_specs, check_vma=False)
+  return jax.jit(fn)
+
+
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
                state: EngineState, batch):
   """One device's step inside shard_map (see the module docstring)."""

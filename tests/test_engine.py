@@ -105,6 +105,20 @@ def test_evaluate_is_the_loss_of_the_weights(stage, layers, offload):
     engine.evaluate(batches(1, size=12)[0])
 
 
+@pytest.mark.parametrize("stage, layers", STAGES, ids=lambda x: str(x))
+def test_compute_params_are_the_weights_in_the_compute_dtype(stage, layers):
+  """compute_params(): the masters rounded to bf16, in full shapes, on the
+  devices (replicated)."""
+  engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-2), stage=stage, layers=layers,
+                          mesh=mesh_of(8))
+  engine.step(batches(1)[0])
+  got = engine.compute_params()
+  want = jax.tree.map(lambda x: x.astype(jnp.bfloat16), engine.params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == jnp.bfloat16 and a.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_grad_accumulation_and_clipping(stage):
   params, data = init_params(), batches(6, size=32)

@@ -97,6 +97,18 @@ def test_evaluate_reads_the_weights_where_they_are(where):
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["grads_in_params", "offload_params"])
+def test_compute_params_bring_the_weights_from_where_they_are(where):
+  """compute_params() with the weights written back by the host, or kept in
+  host memory: the masters in bf16, full shapes, on the devices."""
+  inside = engine(8, **{where: True})
+  inside.step(batches(1)[0])
+  want = jax.tree.map(lambda x: x.astype(jnp.bfloat16), inside.params)
+  for a, b in zip(jax.tree.leaves(inside.compute_params()), jax.tree.leaves(want)):
+    assert a.sharding.memory_kind != "pinned_host" and a.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_layers_gradients_take_no_memory_of_their_own():
   """XLA writes the layers' gradients into the donated weights: the compiled
   step needs (temporaries and outputs beyond the donated arguments) a

@@ -194,6 +194,13 @@ def evaluate(engine: jzo.ZeroEngine, val, n: int) -> float:
   return float(np.mean([float(engine.evaluate(engine.local_batch(val(i)))) for i in range(n)]))
 
 
+def sample_params(engine: jzo.ZeroEngine):
+  """The weights the sample is drawn with: the compute-dtype params in full
+  shapes on this process's first device (not the float32 masters on the
+  host, which would not fit beside a large model's state)."""
+  return jax.tree.map(lambda x: x.addressable_data(0), engine.compute_params())
+
+
 def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainConfig):
   """Generates from a prompt taken from the held-out split."""
   prompt = data.val_tokens[:32]
@@ -244,7 +251,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
     with checkpoint.open_manager(out / "checkpoints") as manager:
       engine = build_engine(cfg, model, params, devices, micro)
       restore_run(manager, engine, cfg, out)
-      params = engine.params  # every process takes part in the gather
+      params = sample_params(engine)  # every process takes part in the gather
       if primary:
         print_sample(model, params, data, cfg)
       engine.close()
@@ -313,7 +320,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   if primary:
     plot(history, out / "loss.png")
   if cfg.sample_tokens:
-    params = engine.params  # every process takes part in the gather
+    params = sample_params(engine)  # every process takes part in the gather
     if primary:
       print_sample(model, params, data, cfg)
   if primary:
