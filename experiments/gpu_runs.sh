@@ -21,6 +21,8 @@
 #   recipe-10b     gpt2-10b, fp32 moments, through `python -m jzo.train` (offload auto +
 #                  delayed update); BATCH, STEPS override 8 and 22
 #   recipe-13b     gpt2-13b, bf16 moments, the same
+#   sample-check   gpt2-350m through the recipe at stage 3, 4 steps, with --grads-in-params
+#                  then --offload-params: the evaluation and the sample on the GPU
 #   recipe-13b-32  gpt2-13b, bf16 moments, global batch 32 in the micro-batch the planner
 #                  picks, stage 3 + --grads-in-params, the state placed by the planner
 #   bench-10b      gpt2-10b in offload_bench.py: the step's parts, planned against measured
@@ -283,6 +285,13 @@ for part in "$@"; do
       done ;;
     recipe-10b) recipe $part gpt2-10b "${STEPS:-22}" ;;
     recipe-13b) recipe $part gpt2-13b "${STEPS:-14}" --moments bf16 ;;
+    sample-check)
+      for flag in --grads-in-params --offload-params; do
+        timeout 100 python3 -m jzo.train --model gpt2-350m --stage 3 $flag --steps 4 \
+          --batch-size 8 --seq-len 512 --eval-every 4 --eval-batches 1 --checkpoint-every 0 \
+          --sample-tokens 20 --out "/tmp/run-$part$flag" >"$OUT/$part$flag.log" 2>&1
+        echo "$part $flag: exit $?"; tr '\r' '\n' <"$OUT/$part$flag.log" | grep -E "^step|sample|rror" | tail -3
+      done ;;
     recipe-13b-32) BATCH=32 DPU= recipe $part gpt2-13b "${STEPS:-10}" --moments bf16 --stage 3 \
                      --grads-in-params ;;
     bench-10b) record $part offload_bench.py --model gpt2-10b --configs auto_dpu --steps 6 ;;
