@@ -305,11 +305,9 @@ def make_full_params(plan: Plan, mesh: Mesh) -> Callable:
   memory come up)."""
   def full(l: LeafLayout, x):
     x = layer_scan.on_device(x)
-    if not l.per_layer:
-      return full_params(plan, l, x)
-    if l.shards > 1:  # (L, k) shards -> (L, S k)
-      x = jax.lax.all_gather(x, plan.axis, axis=1, tiled=True)
-    return l.unflatten(x)
+    if l.per_layer:  # (L, k): each layer's row as gather_layer gathers it
+      return jax.vmap(lambda row: l.gather_inner(row, plan.axis))(x)
+    return full_params(plan, l, x)
 
   out_specs = _on_layouts(plan, lambda l: P())
   fn = shard_map_without_empty(
