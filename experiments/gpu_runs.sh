@@ -77,6 +77,9 @@
 #   params-flags   params-10b at micro-batch BATCH (32), once for each set of XLA flags in
 #                  FLAGSETS (';' between sets; default: none, the while loop double-buffered,
 #                  the host offload pipelined, no command buffers), each in its own process
+#   checkpoint     checkpoint_bench.py: MODEL (gpt2-4b), OFFLOAD (true: all the state on
+#                  the host; auto) trained 2 steps, saved, restored: time, disk, host RSS,
+#                  exact; with .snap-base, that commit first (with this tree's script)
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -171,6 +174,17 @@ for part in "$@"; do
         (cd "$tree" && JAX_PLATFORMS=cpu python3 experiments/cpu_adam_bench.py --systems kernel \
           --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
         echo "$name: exit $?"; grep -A12 "^ratio" "$OUT/$name.log"
+      done ;;
+    checkpoint)
+      for tree in $base "$dir"; do
+        [ -n "$base" ] && use "$tree"
+        name=$part-$(basename "$tree"); check=""
+        [ "$tree" = "$base" ] && check=--no-check
+        (cd "$tree" && timeout 500 python3 "$dir/experiments/checkpoint_bench.py" \
+          --model "${MODEL:-gpt2-4b}" --offload "${OFFLOAD:-true}" $check \
+          --peak-file "$OUT/$name.peak" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
+        echo "$name: exit $?, peak RSS $(cat "$OUT/$name.peak" 2>/dev/null) B"
+        tail -c 700 "$OUT/$name.log"; echo; free -g | head -2
       done ;;
     quant8-exhaustive)
       g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \

@@ -28,13 +28,14 @@ checkpoint like any other.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jzo import state_dict
+from jzo import state_dict, state_spans
 from jzo.partition import LeafLayout
 
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
@@ -57,7 +58,18 @@ class CheckpointError(ValueError):
 
 class UnreadableCheckpointError(CheckpointError):
   """A complete checkpoint whose files cannot be read (damaged, cut short,
-  missing): unlike one of another model, an earlier one may still serve."""
+  missing): unlike one of another model, an earlier one may still serve.
+
+  Attributes:
+    engine_changed: the failure came while the engine's state was being
+      written, span by span: it holds part of this checkpoint's values, so
+      it must load another one or be built again before it trains.
+  """
+
+  def __init__(self, message: str, directory: pathlib.Path, step: int | None = None,
+               engine_changed: bool = False):
+    super().__init__(message, directory, step)
+    self.engine_changed = engine_changed
 
 
 def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.CheckpointManager:
@@ -77,26 +89,29 @@ def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.Che
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep),
       # Declared up front so that a fresh manager can read a checkpoint's
       # metadata (the tree of shapes) before anything was restored through it.
-      item_handlers=ocp.StandardCheckpointHandler())
+      item_handlers=ocp.PyTreeCheckpointHandler(type_handler_registry=state_spans.registry()))
 
 
 def save(manager: ocp.CheckpointManager, engine, step: int) -> None:
-  """Writes `engine.state_dict()` as the checkpoint of `step`, and waits for it.
+  """Writes `engine.state_dict(streamed=True)` as the checkpoint of `step`,
+  and waits for it.
 
-  Waiting matters: the state dict may hold the engine's live host arrays
-  (offload), which the next step updates in place; and a run that dies after
-  this returns finds the checkpoint complete.
+  Waiting matters: the state dict reads the engine's live state span by
+  span (jzo.state_spans: no copy of it on the host), which the next step
+  updates in place; and a run that dies after this returns finds the
+  checkpoint complete.
 
   Args:
     manager: from `open_manager`.
-    engine: a `ZeroEngine` (anything with `state_dict()`).
+    engine: a `ZeroEngine` (anything with `state_dict(streamed=...)`).
     step: the optimizer steps done; later than every checkpoint already there.
 
   Raises:
     CheckpointError: `step` is not later than the latest checkpoint (orbax
       only adds later steps and would skip it without a word).
   """
-  if not manager.save(step, args=ocp.args.StandardSave(engine.state_dict())):
+  saved = engine.state_dict(streamed=True)
+  if not manager.save(step, args=ocp.args.PyTreeSave(saved)):
     raise CheckpointError(f"checkpoint {step} in {_folder(manager)} was not written: the "
                           f"latest there is step {manager.latest_step()}",
                           _folder(manager), step)
@@ -134,14 +149,23 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
   if misfit:  # before any array is read
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",
                           folder, step)
-  try:
+  args = ocp.checkpoint_utils.construct_restore_args(target)
+  if state_dict.outline(target) != saved:
     # Not strict where a flat leaf's padding is another device count's: orbax
     # cuts or pads it (every other entry has the saved shape, checked above).
-    restored = manager.restore(step, args=ocp.args.StandardRestore(
-        target, strict=state_dict.outline(target) == saved))
+    args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False)
+                        if hasattr(a, "strict") else a, args)
+  for name in state_dict.streamed_entries(engine.trained, target):
+    args[name] = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=state_spans.SavedLeaf),
+                              args[name])
+  try:
+    restored = manager.restore(step, args=ocp.args.PyTreeRestore(target, restore_args=args))
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
     raise _unreadable(e, folder, step) from e
-  engine.load_state_dict(restored)
+  try:
+    engine.load_state_dict(restored)
+  except state_dict.StateChanged as e:  # a span that did not read
+    raise _unreadable(e.__cause__, folder, step, engine_changed=True) from e
   return step
 
 
@@ -267,10 +291,11 @@ def _complete_step(manager: ocp.CheckpointManager, step: int | None) -> int:
   return step
 
 
-def _unreadable(e: Exception, folder: pathlib.Path, step: int) -> UnreadableCheckpointError:
+def _unreadable(e: Exception, folder: pathlib.Path, step: int,
+                engine_changed: bool = False) -> UnreadableCheckpointError:
   """The error for a checkpoint that orbax failed to read with `e`."""
   detail = str(e).splitlines()[0] if str(e) else ""
   if len(detail) > _MAX_DETAIL:
     detail = detail[:_MAX_DETAIL] + "..."
   return UnreadableCheckpointError(f"checkpoint {step} in {folder} is unreadable: "
-                                  f"{type(e).__name__}: {detail}", folder, step)
+                                  f"{type(e).__name__}: {detail}", folder, step, engine_changed)

@@ -468,16 +468,21 @@ class ZeroEngine:
       self._full_params = step_lib.make_full_params(self.plan, self.mesh)
     return self._full_params(self.state.params)
 
-  def state_dict(self) -> dict:
+  def state_dict(self, streamed: bool = False) -> dict:
     """Everything needed to continue training exactly, as host numpy arrays:
     with Adam (jzo's or optax's) masters and moments in the params' full
     shapes, with another optimizer as the devices keep them (see
     jzo.state_dict). With several processes, what each process holds: the
     masters and moments as global arrays, flat and padded, whose shards
     each process wrote from its own. A delayed update in flight is applied
-    first."""
+    first.
+
+    streamed: in one process, Adam's masters and moments as
+    `jzo.state_spans.StreamedArray`s that read the live state a span at a
+    time when written (no copy of the state on the host: what
+    jzo.checkpoint saves), valid until the next step."""
     self.wait()
-    return state_dict.engine_state_dict(self.trained)
+    return state_dict.engine_state_dict(self.trained, streamed=streamed)
 
   def load_state_dict(self, saved: dict) -> None:
     """Restores `state_dict()` output into this engine: the same model; an

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax.experimental import multihost_utils
 
-from jzo import quant8, step as step_lib
+from jzo import quant8, state_spans, step as step_lib
 from jzo.cpu_adam import CpuAdamState
 from jzo.distributed import local_positions
 from jzo.partition import LeafLayout, is_layout
@@ -52,7 +52,7 @@ from jzo.plan import Plan
 from jzo.precision import LossScaleState
 from jzo.state import ZeroState
 from jzo.step import EngineState
-from jzo.transfer import host_memory_kind
+from jzo.transfer import host_memory_kind, host_pieces
 
 # Differences between a saved state and an engine that a message lists at most.
 _MAX_DIFFERENCES = 4
@@ -161,12 +161,6 @@ def _full(plan: Plan, flat_tree):
   """Full-shape numpy leaves from flat padded ones (global arrays, `flat_shape`)."""
   return jax.tree.map(lambda l, x: np.asarray(l.unflatten(x)), plan.layouts,
                       jax.device_get(flat_tree), is_leaf=is_layout)
-
-
-def _flat(plan: Plan, full_tree):
-  """Flat padded numpy leaves (`flat_shape`) from full-shape (or flat) ones."""
-  return jax.tree.map(lambda l, x: l.flatten(np.asarray(x)), plan.layouts, full_tree,
-                      is_leaf=is_layout)
 
 
 def _device_part(mesh: Mesh, layout: LeafLayout, pieces: list[np.ndarray], axis: str):
@@ -305,11 +299,15 @@ def format_of(trained: ZeroState) -> str:
   return ADAM_FLAT if _several_processes() else ADAM
 
 
-def engine_state_dict(trained: ZeroState) -> dict:
+def engine_state_dict(trained: ZeroState, streamed: bool = False) -> dict:
   """Host numpy arrays of everything needed to continue exactly, in the
   engine's format (`format_of`): masters, optimizer state, loss scale and
   counters; in ADAM_FLAT and with several processes, global arrays of each
   process's shards.
+
+  streamed: in ADAM, the masters and moments as `state_spans.StreamedArray`s
+  that read the live state a span at a time (what jzo.checkpoint writes:
+  no copy of the state on the host), valid until the next step.
 
   The counters all come from the engine's one: `step` (Adam's `count` is
   the same number) and `skipped` (`steps_run` is their sum)."""
@@ -322,7 +320,10 @@ def engine_state_dict(trained: ZeroState) -> dict:
   if form == OPTIMIZER:
     saved = {**common, "master": state.master, "opt_state": state.opt_state}
     return saved if _several_processes() else jax.device_get(saved)
-  adam = _adam_flat(trained) if form == ADAM_FLAT else _adam_full(trained)
+  if form == ADAM_FLAT:
+    adam = _adam_flat(trained)
+  else:
+    adam = _adam_streamed(trained) if streamed else _adam_full(trained)
   return {**common, **adam, "count": np.asarray(common["step"], np.int64)}
 
 
@@ -338,6 +339,38 @@ def _adam_full(trained: ZeroState) -> dict:
   adam = _device_adam(plan, state)
   return {"master": _full(plan, state.master), "mu": _full(plan, adam.mu),
           "nu": _full(plan, adam.nu)}
+
+
+def _adam_pieces(trained: ZeroState) -> dict:
+  """ADAM's masters and moments as the engine holds them: per name, a list
+  of `state_spans.Pieces` a leaf, and the dtype each is saved in."""
+  plan, state, host = trained.plan, trained.device, trained.host
+  if plan.cpu_adam:
+    opt = state.opt_state
+    device = {"master": state.master, "mu": opt.mu if opt else None,
+              "nu": opt.nu if opt else None}
+    hosts = {name: quant8.leaves(getattr(host, name)) for name in ("master", "mu", "nu")}
+    dtypes = {"master": np.dtype(np.float32),
+              **{name: _saved_moment_dtype(host, name) for name in ("mu", "nu")}}
+  else:
+    adam = _device_adam(plan, state)
+    device = {"master": state.master, "mu": adam.mu, "nu": adam.nu}
+    hosts = {name: [None] * len(plan.leaves) for name in device}
+    dtypes = {name: np.dtype(jax.tree.leaves(device[name])[0].dtype) for name in device}
+  out = {}
+  for name, tree in device.items():
+    leaves = jax.tree.leaves(tree) if tree is not None else [None] * len(plan.leaves)
+    out[name] = ([state_spans.Pieces(l, d if l.on_device else None, h, signed=name == "mu")
+                  for l, d, h in zip(plan.leaves, leaves, hosts[name])], dtypes[name])
+  return out
+
+
+def _adam_streamed(trained: ZeroState) -> dict:
+  """ADAM's masters and moments as StreamedArrays in the params' tree."""
+  structure = jax.tree.structure(trained.plan.layouts, is_leaf=is_layout)
+  return {name: jax.tree.unflatten(structure, [state_spans.StreamedArray(p, dtype)
+                                               for p in pieces])
+          for name, (pieces, dtype) in _adam_pieces(trained).items()}
 
 
 def _adam_flat(trained: ZeroState) -> dict:
@@ -426,6 +459,16 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
   return target, accepted
 
 
+def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:
+  """The entries of `expected`'s target that `load_engine_state` reads span
+  by span from `state_spans.SavedLeaf`s: Adam's masters and moments in one
+  process; none otherwise (another optimizer's state, or several processes,
+  whose global arrays orbax reads shard by shard)."""
+  if _several_processes() or "opt_state" in target:
+    return ()
+  return ("master", "mu", "nu")
+
+
 def _padded_otherwise(saved_leaf: str | None, layout: LeafLayout, dtype) -> bool:
   """Whether a saved leaf (its outline) is this leaf flat and padded for
   another device count: rows as this layout's (one per layer, or one), each
@@ -442,19 +485,113 @@ def _padded_otherwise(saved_leaf: str | None, layout: LeafLayout, dtype) -> bool
           and shape[-1] >= math.prod(layout.inner_shape))
 
 
+class StateChanged(RuntimeError):
+  """A load that failed part-way: the engine's state holds part of the
+  saved values (its `__cause__` is the failure)."""
+
+
+def _load_adam(trained: ZeroState, saved: dict) -> EngineState:
+  """ADAM's masters and moments (in one process: full shapes, or flat and
+  padded; arrays, or SavedLeafs) into the engine's pieces, a leaf and a
+  span at a time, in place: the device parts, the compute-dtype weights
+  made from the masters, and the host parts. The host never holds more
+  than a few spans beside the state; the devices, one span."""
+  plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
+  positions = local_positions(mesh)
+  pieces = _adam_pieces(trained)
+  structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+  lowp = jax.tree.leaves(state.params)
+  device = {name: [p.device for p in leaf_pieces] for name, (leaf_pieces, _) in pieces.items()}
+  saved_leaves = {name: jax.tree.leaves(saved[name]) for name in pieces}
+
+  def assembled() -> EngineState:
+    tree = lambda leaves: jax.tree.unflatten(structure, leaves)
+    new = state._replace(params=tree(lowp))
+    if plan.cpu_adam and not plan.has_device_state:
+      return new
+    fill = lambda name, old: tree([d if d is not None else o for d, o in
+                                   zip(device[name], jax.tree.leaves(old))])
+    master = fill("master", state.master)
+    adam = state.opt_state if plan.cpu_adam else _device_adam(plan, state)
+    mu, nu = fill("mu", adam.mu), fill("nu", adam.nu)
+    if plan.cpu_adam:
+      return new._replace(master=master, opt_state=state.opt_state._replace(mu=mu, nu=nu))
+    return new._replace(master=master, opt_state=_replace_adam(state.opt_state, mu, nu))
+
+  for i, layout in enumerate(plan.leaves):
+    for name, (leaf_pieces, _) in pieces.items():
+      p = leaf_pieces[i]
+      targets = []  # (target, where its global array goes)
+      if p.device is not None:
+        targets.append((state_spans.target_for(layout, p.device, positions),
+                        lambda a, name=name: device[name].__setitem__(i, a), p.device))
+      if p.host is not None and layout.on_host:
+        targets.append((state_spans.Target(layout, [], [], 0, host=p.host, signed=p.signed),
+                        None, None))
+      if name == "master" and not plan.params_on_host(layout):
+        weights = state_spans.target_for(layout, lowp[i], positions, part=False,
+                                         full=not plan.sharded_lowp)
+        targets.append((weights, lambda a: lowp.__setitem__(i, a), lowp[i]))
+      try:
+        state_spans.load_leaf(state_spans.as_saved_leaf(saved_leaves[name][i]),
+                              [t for t, _, _ in targets], positions)
+      except Exception as e:
+        for t, put, like in targets:  # their last buffers are whole arrays
+          if put is not None:
+            put(state_spans.global_array(t, like))
+        trained.device = assembled()
+        raise StateChanged(f"loading {name} of leaf {i} failed: {e}") from e
+      for t, put, like in targets:
+        if put is not None:
+          put(state_spans.global_array(t, like))
+    if plan.params_on_host(layout):  # made from the host's masters, as the engine makes them
+      host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
+  new = assembled()
+  count = int(np.asarray(saved["count"]))
+  scalar = lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P()))
+  if new.opt_state is not None:
+    new = new._replace(opt_state=_with_count(new.opt_state, scalar, count))
+  return new._replace(
+      loss_scale=LossScaleState(scalar(np.float32(saved["loss_scale"])),
+                                scalar(np.int32(saved["good_steps"]))),
+      step=scalar(np.int32(saved["step"])), skipped=scalar(np.int32(saved["skipped"])))
+
+
+def _replace_adam(opt_state, mu, nu):
+  """opt_state (see `_device_adam`) with its Adam state's moments replaced."""
+  return jax.tree.map(lambda x: x._replace(mu=mu, nu=nu) if _is_adam(x) else x, opt_state,
+                      is_leaf=_is_adam)
+
+
+def _with_count(opt_state, scalar, count: int):
+  """opt_state with every step count (Adam's, a schedule's) set to `count`,
+  replicated on the devices."""
+  def one(path, x):
+    if _is_adam(x):
+      return x._replace(count=scalar(np.asarray(count, x.count.dtype)))
+    return scalar(np.asarray(count, x.dtype)) if _is_count(path, x) else x
+  return jax.tree_util.tree_map_with_path(one, opt_state, is_leaf=_is_adam)
+
+
 def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
   """The device state from `engine_state_dict` output (of one process or
   several); the host arrays are written in place. The saved `step` sets
-  the engine's counter (Adam's counts are the same number).
+  the engine's counter (Adam's counts are the same number). In one
+  process Adam's masters and moments may be `state_spans.SavedLeaf`s
+  (a checkpoint open for reading), read a span at a time.
 
   Raises:
     ValueError: the saved tree does not fit this engine, naming the first
       entries that differ.
+    StateChanged: reading a saved leaf failed after part of the state was
+      written; `trained.device` is a whole state again, of mixed values.
   """
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
   differences = misfit(outline(saved), outline(expected(trained, saved, prefer_full=True)[0]))
   if differences:
     raise ValueError(f"checkpoint does not fit this engine: {differences}")
+  if not _several_processes() and "opt_state" not in saved:
+    return _load_adam(trained, saved)
   specs = step_lib.state_specs(plan, trained.tx)
   # Numpy is every process's whole value; a global array (several processes'
   # checkpoint) moves shard by shard into the devices' memory.
@@ -482,13 +619,9 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
   else:
     if "opt_state" in saved:
       masters, opt_state = saved["master"], saved["opt_state"]
-    elif _several_processes():  # flat global arrays, sharded as the engine's
+    else:  # several processes' Adam: flat global arrays, sharded as the engine's
       masters = saved["master"]
       opt_state = _with_adam(state.opt_state, int(saved["count"]), saved["mu"], saved["nu"])
-    else:  # Adam in full shapes: into this engine's flat shards
-      masters = _flat(plan, saved["master"])
-      opt_state = _with_adam(state.opt_state, int(saved["count"]), _flat(plan, saved["mu"]),
-                             _flat(plan, saved["nu"]))
     master = jax.tree.map(put, masters, specs.master)
     opt_state = jax.tree.map(put, opt_state, specs.opt_state)
   lowp = jax.tree.map(lambda l, m, spec: _lowp(plan, mesh, l, m, spec), plan.layouts,

@@ -139,7 +139,7 @@ def test_an_adam_engine_without_offload_loads_its_older_flat_checkpoints(tmp_pat
   older = {**{k: v for k, v in full.items() if k not in ("master", "mu", "nu", "count")},
            **jax.device_get({"master": engine.state.master, "opt_state": engine.state.opt_state})}
   with checkpoint.open_manager(tmp_path) as manager:
-    assert manager.save(2, args=ocp.args.StandardSave(older))
+    assert manager.save(2, args=ocp.args.PyTreeSave(older))
     manager.wait_until_finished()
     fresh = make("device-optax.adam-bf16", seed=1)
     assert checkpoint.restore(manager, fresh) == 2

@@ -26,9 +26,9 @@ from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 check_for_model, lr_schedule)
-from jzo.recipe.runs import (barrier, check_checkpoint_to_continue, check_no_earlier_run,
-                             keep_model_files, remove_partial_checkpoints, restore_run,
-                             start_log)
+from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
+                             check_no_earlier_run, keep_model_files, remove_partial_checkpoints,
+                             restore_run, start_log)
 from jzo.recipe.signals import Interrupted, Interrupts
 
 
@@ -261,7 +261,12 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   barrier("jzo: partial checkpoints removed")
   with checkpoint.open_manager(out / "checkpoints") as manager:
     engine = build_engine(cfg, model, params, devices, micro)
-    first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
+    try:
+      first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
+    except EngineChanged:  # a checkpoint failed part-way through the engine's state
+      engine.close()
+      del engine  # its device memory is the new engine's
+      engine, first = build_engine(cfg, model, params, devices, micro), 0
     stop.defer()  # from here a signal waits for a step boundary, and a checkpoint
     history = start_log(cfg, out, first) if primary else []
     if primary and not first:

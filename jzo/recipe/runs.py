@@ -33,9 +33,15 @@ def check_same_run(cfg: TrainConfig, out: pathlib.Path) -> None:
                       f"{saved_cfg.get(key)!r}, not {getattr(cfg, key)!r}")
 
 
+class EngineChanged(Exception):
+  """No checkpoint could be read, and one failed while its values were
+  being written into the engine: to start at step 0, build a new one."""
+
+
 def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.Path) -> int:
   """Loads the run's last complete checkpoint that reads into `engine`;
-  returns its step (0: none, or with --resume --fresh-start-ok none readable).
+  returns its step (0: none, or with --resume --fresh-start-ok none readable;
+  EngineChanged then if reading one changed the engine's state).
 
   An unreadable checkpoint (damaged files) is passed over for an earlier
   one, with a warning; to train on, the passed-over ones move to
@@ -69,6 +75,8 @@ def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.
   if step is None:
     if primary:
       print(f"--resume: no checkpoint in {folder} can be read: starting at step 0")
+    if any(e.engine_changed for e in unreadable):
+      raise EngineChanged()
     return 0
   if primary:
     print(f"{'sampling' if cfg.sample else 'resuming'} from checkpoint {step} in {folder}")

@@ -1,0 +1,401 @@
+"""The optimizer state read and written a span at a time, so that a
+checkpoint of a model as large as the host never holds a second copy of it.
+
+A leaf's masters or moments live in pieces: each shard's device part (on
+its device) and host part (in host RAM; int8 moments as codes and scales).
+A checkpoint keeps them in the params' full shapes (jzo.state_dict's ADAM
+format). `StreamedArray` reads a rectangle of the full shape (one layer's
+rows [a, b) of its first axis, or a leaf's) from the pieces; jzo.checkpoint
+writes one rectangle after another (`SpanHandler`). `load` goes the other
+way: it reads the saved leaves (`SavedLeaf`, or arrays held whole) span by
+span and writes the engine's pieces in place. Either way the host holds a
+few spans of SPAN_BYTES beside the state, whatever the model's size.
+
+Positions: a leaf is a stack of rows (one a layer for stage 3's per-layer
+leaves, else one row), each row flattened and padded to S*k values, of
+which shard d holds [d*k, (d+1)*k): [0, c) on its device, [c, k) on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import math
+import weakref
+from typing import AsyncIterator
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from jzo import quant8
+from jzo.partition import LeafLayout
+
+# Bytes of one span: what the host holds for each write or read in flight.
+SPAN_BYTES = 64 * 2**20
+# Spans written to the checkpoint at once (tensorstore compresses them in parallel).
+WRITES_IN_FLIGHT = 8
+
+
+def rectangles(layout: LeafLayout, itemsize: int) -> list[tuple[tuple[slice, ...], int, int, int]]:
+  """The spans of a leaf, in order: (index into the full shape, row, first
+  flat position, last + 1). Each is rows [a, b) of the inner shape's first
+  axis within one row of the leaf, of about SPAN_BYTES (at least one row)."""
+  inner = layout.inner_shape
+  rest = math.prod(inner[1:])
+  per_span = max(1, SPAN_BYTES // (itemsize * max(rest, 1)))
+  lead = layout.shape[0] if layout.per_layer else 1
+  out = []
+  for row in range(lead):
+    first = (slice(row, row + 1),) if layout.per_layer else ()
+    if not inner:  # a scalar leaf
+      out.append((first, row, 0, 1))
+      continue
+    for a in range(0, inner[0], per_span):
+      b = min(a + per_span, inner[0])
+      out.append((first + (slice(a, b),), row, a * rest, b * rest))
+  return out
+
+
+def span_shape(layout: LeafLayout, index: tuple[slice, ...]) -> tuple[int, ...]:
+  """The shape of the rectangle `index` (from `rectangles`) of the leaf."""
+  return tuple(len(range(*s.indices(n))) for s, n in zip(index, layout.shape)) \
+      + layout.shape[len(index):]
+
+
+# ------------------------------------------------------------ the pieces
+@dataclasses.dataclass
+class Pieces:
+  """One leaf's master or moment as the engine holds it.
+
+  device: the global device part (`part_shape(c)`), or None when c = 0.
+  host: the host parts over this process's shards ((n, *rows, k - c) numpy,
+    or a quant8.Int8Moment), or None without offload.
+  signed: an int8 host part is a first moment (the signed map).
+  """
+  layout: LeafLayout
+  device: jax.Array | None
+  host: object | None
+  signed: bool = False
+
+  def device_pieces(self, positions: range) -> list[jax.Array]:
+    """The device part's single-device arrays at `positions` of the data axis."""
+    return shard_arrays(self.device, self.layout, positions)
+
+  def read(self, row: int, x0: int, x1: int, dtype) -> np.ndarray:
+    """Flat positions [x0, x1) of `row` (one process: every shard is its own)."""
+    layout = self.layout
+    k, c = layout.shard_size, layout.on_device
+    out = np.empty(x1 - x0, dtype)
+    devices = self.device_pieces(range(layout.shards)) if c else None
+    for d in range(x0 // k, -(-x1 // k)):
+      lo, hi = max(x0, d * k) - d * k, min(x1, (d + 1) * k) - d * k
+      at = d * k + lo - x0
+      if lo < c:
+        n = min(hi, c) - lo
+        out[at:at + n] = np.asarray(_take(devices[d], _at(layout, row, lo), n))
+        at, lo = at + n, lo + n
+      if lo < hi:
+        out[at:at + hi - lo] = _host_values(self.host, d, layout, row, lo - c, hi - c,
+                                             self.signed)
+    return out
+
+
+def _at(layout: LeafLayout, row: int, column: int) -> tuple[int, ...]:
+  return (row, column) if layout.per_layer else (column,)
+
+
+def _host_values(host, d: int, layout: LeafLayout, row: int, lo: int, hi: int,
+                 signed: bool) -> np.ndarray:
+  """Host part columns [lo, hi) of shard d's `row`, as stored or dequantized."""
+  pick = (lambda x: x[d, row]) if layout.per_layer else (lambda x: x[d])
+  if not isinstance(host, quant8.Int8Moment):
+    return pick(host)[lo:hi]
+  first, last = lo // quant8.QUANT_BLOCK, -(-hi // quant8.QUANT_BLOCK)
+  codes = pick(host.codes)[first * quant8.QUANT_BLOCK:last * quant8.QUANT_BLOCK]
+  block = quant8.Int8Moment(codes, pick(host.scales)[first:last])
+  values = quant8.dequantize(block, signed=signed)
+  return values[lo - first * quant8.QUANT_BLOCK:hi - first * quant8.QUANT_BLOCK]
+
+
+def _x64_for(*sizes: int):
+  """64-bit indices where an offset may pass int32's range (a leaf of a
+  10B model has 3.4B elements), else nothing."""
+  return jax.enable_x64(True) if max(sizes) >= 2**31 else contextlib.nullcontext()
+
+
+def _take(x: jax.Array, at: tuple[int, ...], n: int) -> jax.Array:
+  """n elements of x's last axis from position `at` (a single-device array)."""
+  with _x64_for(*x.shape):
+    return _take_jit(x, tuple(np.asarray(i, np.int64 if x.shape[-1] >= 2**31 else np.int32)
+                              for i in at), n)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take_jit(x, at, n):
+  return jax.lax.dynamic_slice(x, at, (1,) * (x.ndim - 1) + (n,)).reshape(-1)
+
+
+def _put(buffer: jax.Array, values: np.ndarray, at: tuple[int, ...]) -> jax.Array:
+  """`values` written into the single-device `buffer` at `at` (donated: in
+  place); values has buffer's rank, or is flat along its last axis."""
+  values = values.reshape((1,) * (buffer.ndim - values.ndim) + values.shape)
+  with _x64_for(*buffer.shape):
+    index = tuple(np.asarray(i, np.int64 if max(buffer.shape) >= 2**31 else np.int32)
+                  for i in at)
+    return _put_jit(buffer, jax.device_put(values, next(iter(buffer.devices()))), index)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_jit(buffer, values, at):
+  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), at)
+
+
+# ------------------------------------------------------------ saving
+@dataclasses.dataclass
+class StreamedArray:
+  """A leaf's master or moment in its full shape, read span by span from
+  the live state when jzo.checkpoint writes it (valid until the next step)."""
+  pieces: Pieces
+  dtype: np.dtype
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.pieces.layout.shape
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def span_shape(self) -> tuple[int, ...]:
+    """The shape of the first (largest) span: the chunks of the saved array."""
+    return span_shape(self.pieces.layout, rectangles(self.pieces.layout, self.dtype.itemsize)[0][0])
+
+  async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
+    """(index into the full shape, the values there), one span after
+    another, each read after `await before_each()`."""
+    layout = self.pieces.layout
+    for index, row, x0, x1 in rectangles(layout, self.dtype.itemsize):
+      await before_each()
+      values = self.pieces.read(row, x0, x1, self.dtype)
+      yield index, values.reshape(span_shape(layout, index))
+
+
+class SavedLeaf:
+  """A saved master or moment, open for reading spans (what `load` reads):
+  in its full shape, or flat and padded with a row per layer (several
+  processes' checkpoints); the values of each row are at its start."""
+
+  def __init__(self, store: ts.TensorStore):
+    self.store = store
+    self.shape = tuple(store.shape)
+    self.dtype = np.dtype(store.dtype.numpy_dtype)
+
+  def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
+    """Starts reading flat positions [x0, x1) of the span `index` of
+    `rectangles` (a row, and rows [a, b) of the inner shape's first axis);
+    the result (`.result()`) is flat, in the saved dtype."""
+    return self.store[self._index(layout, index, x0, x1)].read()
+
+  def _index(self, layout, index, x0, x1) -> tuple[slice, ...]:
+    if self.shape == layout.shape:
+      return index
+    return ((index[0],) if layout.per_layer else ()) + (slice(x0, x1),)
+
+
+class _HeldLeaf(SavedLeaf):
+  """A saved leaf held whole in memory (state_dict() output), read as a SavedLeaf."""
+
+  def __init__(self, array: np.ndarray):
+    self.store, self.shape, self.dtype = array, tuple(array.shape), array.dtype
+
+  def fetch(self, layout, index, x0, x1):
+    done = concurrent.futures.Future()
+    done.set_result(self.store[self._index(layout, index, x0, x1)])
+    return done
+
+
+def as_saved_leaf(x) -> SavedLeaf:
+  """A SavedLeaf of a restored leaf (already one) or an array held whole."""
+  return x if isinstance(x, SavedLeaf) else _HeldLeaf(np.asarray(x))
+
+
+class SpanHandler(ocp.type_handlers.NumpyHandler):
+  """Orbax's numpy handler, which also writes StreamedArrays span by span
+  (never a copy of the whole) and opens saved arrays as SavedLeafs
+  (restore_type=SavedLeaf). The files are a numpy array's: any reader of
+  the checkpoint reads them as one."""
+
+  def __init__(self):
+    # Our arrays are read while the save runs, and saving waits for it:
+    # no defensive copy of a live array.
+    super().__init__(deepcopy_host_arrays=False)
+    self._in_flight = weakref.WeakKeyDictionary()  # event loop -> Semaphore(WRITES_IN_FLIGHT)
+
+  async def _open_and_write(self, value, tspec, ts_context):
+    if not isinstance(value, StreamedArray):
+      return await super()._open_and_write(value, tspec, ts_context)
+    _set_chunk_shape(tspec, value.span_shape)
+    store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+    # Orbax writes all leaves at once: one limit over all of them bounds the
+    # spans held (each until tensorstore has written it).
+    loop = asyncio.get_running_loop()
+    in_flight = self._in_flight.setdefault(loop, asyncio.Semaphore(WRITES_IN_FLIGHT))
+    writes = []
+    async for index, values in value.spans(before_each=in_flight.acquire):
+      write = store[index].write(values)
+      write.add_done_callback(lambda _: loop.call_soon_threadsafe(in_flight.release))
+      writes.append(write)
+    for write in writes:
+      await write
+
+  async def deserialize(self, infos, args=None):
+    args = list(args) if args else [ocp.type_handlers.RestoreArgs()] * len(infos)
+    lazy = [a.restore_type is SavedLeaf for a in args]
+    held = iter(await super().deserialize([i for i, x in zip(infos, lazy) if not x],
+                                          [a for a, x in zip(args, lazy) if not x])
+                if not all(lazy) else [])
+    opened = []
+    for info in (i for i, x in zip(infos, lazy) if x):
+      await info.await_path_creation()
+      spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+      opened.append(ts.open(ts.Spec(spec), open=True, context=info.ts_context))
+    stores = iter(await asyncio.gather(*opened))
+    return [SavedLeaf(next(stores)) if x else next(held) for x in lazy]
+
+
+def registry() -> ocp.type_handlers.TypeHandlerRegistry:
+  """Orbax's standard type handlers, with SpanHandler for numpy arrays,
+  StreamedArrays and SavedLeafs (jzo.checkpoint's managers use it)."""
+  spans = SpanHandler()
+  standard = [(ty, ocp.type_handlers.get_type_handler(ty))
+              for ty in ocp.type_handlers.supported_types() if ty is not np.ndarray]
+  return ocp.type_handlers.create_type_handler_registry(
+      *standard, (np.ndarray, spans), (StreamedArray, spans), (SavedLeaf, spans))
+
+
+def _set_chunk_shape(tspec: dict, shape: tuple[int, ...]) -> None:
+  """Makes each span one chunk of the zarr array orbax's spec describes
+  (orbax would chunk a numpy array whole, or in chunks of its own, so
+  that a span's write would rewrite a larger chunk)."""
+  spec = tspec.get("base", tspec)  # under a cast driver, when one converts the dtype
+  metadata = spec["metadata"]
+  if "chunk_grid" in metadata:  # zarr v3
+    metadata["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": list(shape)}}
+  else:  # zarr v2
+    metadata["chunks"] = list(shape)
+
+
+# ------------------------------------------------------------ loading
+@dataclasses.dataclass
+class Target:
+  """Where loaded values go for one leaf: device buffers (single-device
+  arrays, per local device, each the flat positions [start, start + width)
+  of every row, or the full shape when `full`) and host parts."""
+  layout: LeafLayout
+  buffers: list[jax.Array]  # per local device (empty: none)
+  starts: list[int]  # each buffer's first flat position of a row
+  width: int  # flat positions a buffer holds of each row
+  full: bool = False  # the buffers are the leaf's full shape (replicated weights)
+  host: object | None = None  # (n, *rows, k - c) numpy or Int8Moment, as Pieces.host
+  signed: bool = False
+  pending: dict = dataclasses.field(default_factory=dict)  # int8: (shard, row) -> values
+
+
+def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None:
+  """Writes one saved leaf into `targets` (all of the same leaf), span by
+  span: device buffers through in-place updates, host parts in place
+  (int8 moments quantized block by block as their values arrive)."""
+  layout = targets[0].layout
+  k, c, S = layout.shard_size, layout.on_device, layout.shards
+  size = math.prod(layout.inner_shape)
+  spans = rectangles(layout, 4)
+  if S * k > size:  # the padding: zeros, as the engine keeps it
+    lead = layout.shape[0] if layout.per_layer else 1
+    spans = [s for row in range(lead) for s in
+             [x for x in spans if x[1] == row] + [(None, row, size, S * k)]]
+  fetch = lambda n: (saved.fetch(layout, *spans[n][:1], *spans[n][2:])
+                     if n < len(spans) and spans[n][0] is not None else None)
+  ahead = fetch(0)
+  for n, (index, row, x0, x1) in enumerate(spans):
+    reading, ahead = ahead, fetch(n + 1)  # the next span reads while this one is written
+    values = (np.zeros(x1 - x0, np.float32) if reading is None
+              else np.asarray(reading.result()).reshape(-1))
+    for t in targets:
+      if t.full and index is not None:
+        shape = span_shape(layout, index)
+        at = tuple(s.start for s in index) + (0,) * (len(layout.shape) - len(index))
+        t.buffers[:] = [_put(b, values.reshape(shape), at) for b in t.buffers]
+        continue
+      for j, d in enumerate(positions):
+        if t.buffers and not t.full:
+          lo, hi = max(x0, t.starts[j]), min(x1, t.starts[j] + t.width)
+          if lo < hi:
+            t.buffers[j] = _put(t.buffers[j], values[lo - x0:hi - x0],
+                                _at(layout, row, lo - t.starts[j]))
+        if t.host is not None:
+          lo, hi = max(x0, d * k + c), min(x1, (d + 1) * k)
+          if lo < hi:
+            _write_host(t, j, row, lo - d * k - c, values[lo - x0:hi - x0])
+
+
+def _write_host(t: Target, j: int, row: int, at: int, values: np.ndarray) -> None:
+  """Host part columns [at, at + len(values)) of local shard j's `row`."""
+  layout = t.layout
+  pick = (lambda x: x[j, row]) if layout.per_layer else (lambda x: x[j])
+  if not isinstance(t.host, quant8.Int8Moment):
+    pick(t.host)[at:at + values.size] = values
+    return
+  # Blocks start at the host part's column 0: quantize each once whole.
+  held = t.pending.pop((j, row), np.empty(0, np.float32))
+  start = at - held.size
+  values = np.concatenate([held, values.astype(np.float32)])
+  end = start + values.size
+  done = end if end == layout.on_host else end // quant8.QUANT_BLOCK * quant8.QUANT_BLOCK
+  if done > start:
+    q = quant8.quantize(values[:done - start], signed=t.signed)
+    pick(t.host.codes)[start:done] = q.codes
+    first = start // quant8.QUANT_BLOCK
+    pick(t.host.scales)[first:first + q.scales.size] = q.scales
+  if done < end:
+    t.pending[(j, row)] = values[done - start:]
+
+
+def shard_arrays(x: jax.Array, layout: LeafLayout, positions: range) -> list[jax.Array]:
+  """The single-device arrays of a global array of a leaf (flat: sharded
+  over the data axis, or whole on every device) at `positions` of the data
+  axis, in that order."""
+  shards = x.addressable_shards
+  if layout.shards == 1 or len({repr(s.index) for s in shards}) == 1:  # whole on each device
+    mesh_devices = x.sharding.mesh.devices.flat
+    by_device = {s.device: s.data for s in shards}
+    return [by_device[mesh_devices[d]] for d in positions]
+  width = x.shape[-1] // layout.shards
+  by_position = {(s.index[-1].start or 0) // width: s.data for s in shards}
+  return [by_position[d] for d in positions]
+
+
+def target_for(layout: LeafLayout, x: jax.Array, positions: range, *, full: bool = False,
+               part: bool = True) -> Target:
+  """A Target over the device arrays of x: a device part (`part`: each
+  shard's [0, c)), flat shards of the compute-dtype weights (each shard's
+  [0, k)), or (`full`) the weights in full shape on every device."""
+  k = layout.shard_size
+  shard = lambda d: d if layout.shards > 1 else 0
+  width = layout.on_device if part else k
+  return Target(layout, shard_arrays(x, layout, positions), [shard(d) * k for d in positions],
+                width, full=full)
+
+
+def global_array(t: Target, like: jax.Array) -> jax.Array:
+  """The global array of `like`'s shape and sharding over t's buffers."""
+  return jax.make_array_from_single_device_arrays(like.shape, like.sharding, t.buffers)

@@ -1,0 +1,204 @@
+"""jzo.state_spans: checkpoints written and read a span at a time. Spans
+cut small here cross the shards' edges, the device and host parts' and
+int8 blocks'; what is restored is the state as it was, bit for bit, and
+saving or restoring holds no second copy of the state on the host."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jzo
+from jzo import checkpoint, state_spans
+from jzo.partition import LeafLayout
+from test_engine import batches, mesh_of
+from test_grads_in_params import loss_fn
+
+LAYERS, HIDDEN = 3, 40  # a layer's row of w: 1,600 values, several int8 blocks of 256
+
+
+def init_params(seed=0):
+  k = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return {"embed": jax.random.normal(k[0], (5, HIDDEN)) * 0.3,
+          "blocks": {"w": jax.random.normal(k[1], (LAYERS, HIDDEN, HIDDEN)) * 0.1,
+                     "b": jnp.zeros((LAYERS, HIDDEN))},
+          "head": jax.random.normal(k[2], (HIDDEN, 3)) * 0.3}
+
+
+SETUPS = {
+    # stage 3 per layer: int8 moments on the host; half of each shard's state on the devices
+    "int8-8": dict(devices=8, stage=3, layers="blocks", offload=True,
+                   tx=lambda: jzo.cpu_adamw(1e-2, mu_dtype="int8", nu_dtype="int8")),
+    "half-bf16-8": dict(devices=8, stage=3, layers="blocks", offload=0.5,
+                        tx=lambda: jzo.cpu_adamw(1e-2, mu_dtype=jnp.bfloat16)),
+    "host-fp32-1": dict(devices=1, stage=3, layers="blocks", offload=True,
+                        tx=lambda: jzo.cpu_adamw(1e-2)),
+    "flat-fp32-8": dict(devices=8, stage=2, offload=0.3, tx=lambda: jzo.cpu_adamw(1e-2)),
+    "optax-8": dict(devices=8, stage=3, layers="blocks", offload=False,
+                    tx=lambda: optax.adamw(1e-2)),
+    "weights-on-host-1": dict(devices=1, stage=3, layers="blocks", offload=True,
+                              offload_params=True,
+                              tx=lambda: jzo.cpu_adamw(1e-2, mu_dtype=jnp.bfloat16)),
+}
+
+
+def make(setup, seed=0):
+  options = dict(SETUPS[setup])
+  devices, tx = options.pop("devices"), options.pop("tx")()
+  return jzo.ZeroEngine(loss_fn, init_params(seed), tx, mesh=mesh_of(devices),
+                        max_grad_norm=1.0, **options)
+
+
+def assert_same(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.fixture
+def small_spans(monkeypatch):
+  """Spans of 1 KiB: 256 float32 values, so that every leaf has several."""
+  monkeypatch.setattr(state_spans, "SPAN_BYTES", 1024)
+
+
+def test_rectangles_cover_each_row_in_order():
+  layout = LeafLayout((3, 40, 40), shards=8, per_layer=True)
+  spans = state_spans.rectangles(layout, 4)
+  for row in range(3):
+    mine = [(x0, x1) for _, r, x0, x1 in spans if r == row]
+    assert mine[0][0] == 0 and mine[-1][1] == 1600
+    assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+  index, row, x0, x1 = spans[1]
+  assert state_spans.span_shape(layout, index) == (1, (x1 - x0) // 40, 40)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_checkpoint_in_spans_restores_the_state_exactly(tmp_path, small_spans, setup):
+  trained = make(setup)
+  steps = batches(4)
+  for b in steps[:3]:
+    trained.step(b)
+  want = jax.tree.map(np.array, trained.state_dict())
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, trained, 3)
+  fresh = make(setup, seed=1)
+  with pytest.raises(AssertionError):  # so that the comparison below can fail
+    assert_same(fresh.state_dict(), want)
+  with checkpoint.open_manager(tmp_path) as manager:
+    assert checkpoint.restore(manager, fresh) == 3
+  assert_same(fresh.state_dict(), want)
+  got, expected = fresh.step(steps[3]), trained.step(steps[3])
+  assert float(got.loss) == float(expected.loss)
+  assert_same(fresh.state_dict(), trained.state_dict())
+  trained.close()
+  fresh.close()
+
+
+@pytest.mark.parametrize("saver, loader", [("int8-8", "host-fp32-1"),
+                                           ("flat-fp32-8", "optax-8"),
+                                           ("half-bf16-8", "weights-on-host-1")])
+def test_spans_load_into_another_placement(tmp_path, small_spans, saver, loader):
+  """The masters move to another device count, stage and placement exactly."""
+  trained = make(saver)
+  for b in batches(2):
+    trained.step(b)
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, trained, 2)
+  other = make(loader, seed=1)
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.restore(manager, other)
+  assert_same(other.params, trained.params)
+  trained.close()
+  other.close()
+
+
+def test_a_span_that_does_not_read_leaves_a_whole_engine(tmp_path, small_spans, monkeypatch):
+  """A read that fails part-way through the state: the error says the engine
+  changed, and the engine is whole (it loads the earlier checkpoint)."""
+  engine = make("half-bf16-8")
+  steps = batches(2)
+  with checkpoint.open_manager(tmp_path) as manager:
+    engine.step(steps[0])
+    checkpoint.save(manager, engine, 1)
+    want = jax.tree.map(np.array, engine.state_dict())
+    engine.step(steps[1])
+    checkpoint.save(manager, engine, 2)
+  reads = {"n": 0}
+  real = state_spans.SavedLeaf.fetch
+
+  def failing(self, *args):  # checkpoint 2's fifth span, and every one after it
+    if f"{tmp_path}/2/" in json.dumps(self.store.spec().to_json()):
+      reads["n"] += 1
+      if reads["n"] >= 5:
+        raise OSError("disk went away")
+    return real(self, *args)
+  monkeypatch.setattr(state_spans.SavedLeaf, "fetch", failing)
+  with checkpoint.open_manager(tmp_path) as manager:
+    with pytest.raises(checkpoint.UnreadableCheckpointError, match="disk went away") as e:
+      checkpoint.restore(manager, engine, 2)
+    assert e.value.engine_changed
+    step, passed = checkpoint.restore_readable(manager, engine)  # 2 fails again
+  assert step == 1 and [p.step for p in passed] == [2]
+  assert_same(engine.state_dict(), want)
+  engine.close()
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    import jax, jax.numpy as jnp, psutil
+    import jzo
+    from jzo import checkpoint, state_spans
+
+    state_spans.SPAN_BYTES = 2**20  # at most 8 MiB in flight
+
+    def loss(p, b):
+      return jnp.mean((b @ p["w"]).astype(jnp.float32) ** 2)
+
+    def peak_rss(fn):
+      \"\"\"(RSS before fn, the largest RSS seen while it ran), sampled every ms.\"\"\"
+      process, seen, done = psutil.Process(), [], threading.Event()
+      def sample():
+        while not done.is_set():
+          seen.append(process.memory_info().rss)
+          time.sleep(0.001)
+      before = process.memory_info().rss
+      watcher = threading.Thread(target=sample)
+      watcher.start()
+      try:
+        fn()
+      finally:
+        done.set()
+        watcher.join()
+      return before, max(seen + [process.memory_info().rss])
+
+    params = {"w": jnp.zeros((4096, 8192), jnp.float32)}  # 32M parameters
+    engine = jzo.ZeroEngine(loss, params, jzo.cpu_adamw(1e-3), offload=True, stage=2)
+    engine.step(jnp.ones((8, 4096)))
+    with checkpoint.open_manager(sys.argv[1]) as manager:
+      checkpoint.save(manager, engine, 1)  # compiles what a save and a restore run
+      checkpoint.restore(manager, engine)
+      save = peak_rss(lambda: checkpoint.save(manager, engine, 2))
+      restore = peak_rss(lambda: checkpoint.restore(manager, engine))
+    print(json.dumps({"state": 12 * 4096 * 8192, "save": save, "restore": restore}))
+""")
+
+
+def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
+  """RSS of a fresh process, sampled while it saves and restores a
+  checkpoint of 384 MiB of host state in spans of 1 MiB: it rises by under
+  an eighth of the state (a copy of it, as orbax's numpy path makes, would
+  add all of it)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rss = json.loads(done.stdout.strip().splitlines()[-1])
+  for before, peak in (rss["save"], rss["restore"]):
+    assert peak - before < rss["state"] / 8, rss
