@@ -163,6 +163,11 @@ class StreamedArray:
   pieces: Pieces
   dtype: np.dtype
 
+  def __deepcopy__(self, memo):
+    # Orbax copies what it saves before writing it in the background; this
+    # is read from the live state while jzo.checkpoint.save waits for it.
+    return self
+
   @property
   def shape(self) -> tuple[int, ...]:
     return self.pieces.layout.shape
@@ -231,14 +236,12 @@ def as_saved_leaf(x) -> SavedLeaf:
 
 class SpanHandler(ocp.type_handlers.NumpyHandler):
   """Orbax's numpy handler, which also writes StreamedArrays span by span
-  (never a copy of the whole) and opens saved arrays as SavedLeafs
+  (never a copy of the whole: see StreamedArray.__deepcopy__) and opens saved arrays as SavedLeafs
   (restore_type=SavedLeaf). The files are a numpy array's: any reader of
   the checkpoint reads them as one."""
 
   def __init__(self):
-    # Our arrays are read while the save runs, and saving waits for it:
-    # no defensive copy of a live array.
-    super().__init__(deepcopy_host_arrays=False)
+    super().__init__()
     self._in_flight = weakref.WeakKeyDictionary()  # event loop -> Semaphore(WRITES_IN_FLIGHT)
 
   async def _open_and_write(self, value, tspec, ts_context):
