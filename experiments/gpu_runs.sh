@@ -80,6 +80,7 @@
 #   checkpoint     checkpoint_bench.py: MODEL (gpt2-4b), OFFLOAD (true: all the state on
 #                  the host; auto) trained 2 steps, saved, restored: time, disk, host RSS,
 #                  exact; with .snap-base, that commit first (with this tree's script)
+#   checkpoint-tests the checkpoints' CPU tests on this machine's Python and orbax
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -175,6 +176,8 @@ for part in "$@"; do
           --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
         echo "$name: exit $?"; grep -A12 "^ratio" "$OUT/$name.log"
       done ;;
+    checkpoint-tests)
+      JAX_PLATFORMS=cpu pytests "$part" 400 tests/test_state_spans.py tests/test_checkpoint.py ;;
     checkpoint)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"

@@ -19,6 +19,7 @@ which shard d holds [d*k, (d+1)*k): [0, c) on its device, [c, k) on the host.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -37,8 +38,9 @@ from jzo.partition import LeafLayout
 
 # Bytes of one span: what the host holds for each write or read in flight.
 SPAN_BYTES = 64 * 2**20
-# Spans written to the checkpoint at once (tensorstore compresses them in parallel).
-WRITES_IN_FLIGHT = 8
+# Spans written or read at once (tensorstore compresses and decompresses
+# them in parallel).
+SPANS_IN_FLIGHT = 8
 
 
 def rectangles(layout: LeafLayout, itemsize: int) -> list[tuple[tuple[slice, ...], int, int, int]]:
@@ -242,7 +244,7 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
 
   def __init__(self):
     super().__init__()
-    self._in_flight = weakref.WeakKeyDictionary()  # event loop -> Semaphore(WRITES_IN_FLIGHT)
+    self._in_flight = weakref.WeakKeyDictionary()  # event loop -> Semaphore(SPANS_IN_FLIGHT)
 
   async def _open_and_write(self, value, tspec, ts_context):
     if not isinstance(value, StreamedArray):
@@ -252,7 +254,7 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
     loop = asyncio.get_running_loop()
-    in_flight = self._in_flight.setdefault(loop, asyncio.Semaphore(WRITES_IN_FLIGHT))
+    in_flight = self._in_flight.setdefault(loop, asyncio.Semaphore(SPANS_IN_FLIGHT))
     writes = []
     async for index, values in value.spans(before_each=in_flight.acquire):
       write = store[index].write(values)
@@ -328,9 +330,11 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
              [x for x in spans if x[1] == row] + [(None, row, size, S * k)]]
   fetch = lambda n: (saved.fetch(layout, *spans[n][:1], *spans[n][2:])
                      if n < len(spans) and spans[n][0] is not None else None)
-  ahead = fetch(0)
+  # The next spans read while this one is written.
+  ahead = collections.deque(fetch(n) for n in range(SPANS_IN_FLIGHT))
   for n, (index, row, x0, x1) in enumerate(spans):
-    reading, ahead = ahead, fetch(n + 1)  # the next span reads while this one is written
+    reading = ahead.popleft()
+    ahead.append(fetch(n + SPANS_IN_FLIGHT))
     values = (np.zeros(x1 - x0, np.float32) if reading is None
               else np.asarray(reading.result()).reshape(-1))
     for t in targets:

@@ -51,7 +51,8 @@ TIMEOUT = 120  # seconds any one wait may take before the test fails
 # Tiny runs: a step takes ~50 ms, a checkpoint write ~100 ms.
 SMALL = ["--warmup", "2", "--log-every", "1", "--eval-batches", "1", "--batch-size", "4",
          "--seq-len", "32", "--sample-tokens", "0", "--devices", "2"]
-# Steps to spare: a kill after a write can land 4 steps on (20 kills: up to 80).
+# Steps to spare for 20 kills, each of which may let the run get a
+# checkpoint or two further (at 30, one sequence of kills ran out of steps).
 DELAYED = SMALL + ["--steps", "48", "--eval-every", "10", "--checkpoint-every", "2",
                    "--offload", "--delayed-update"]
 STAGE3 = SMALL + ["--steps", "10", "--eval-every", "5", "--checkpoint-every", "2",

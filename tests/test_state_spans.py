@@ -192,8 +192,8 @@ SCRIPT = textwrap.dedent("""
 def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
   """RSS of a fresh process, sampled while it saves and restores a
   checkpoint of 384 MiB of host state in spans of 1 MiB: it rises by under
-  an eighth of the state (a copy of it, as orbax's numpy path makes, would
-  add all of it)."""
+  a quarter of the state (orbax's B-tree cache takes up to 100 MB; a copy
+  of the state, as orbax's numpy path makes, would add all of it)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ckpt")], env=env,
@@ -201,4 +201,4 @@ def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   rss = json.loads(done.stdout.strip().splitlines()[-1])
   for before, peak in (rss["save"], rss["restore"]):
-    assert peak - before < rss["state"] / 8, rss
+    assert peak - before < rss["state"] / 4, rss
