@@ -521,29 +521,27 @@ def _load_adam(trained: ZeroState, saved: dict) -> EngineState:
   for i, layout in enumerate(plan.leaves):
     for name, (leaf_pieces, _) in pieces.items():
       p = leaf_pieces[i]
-      targets = []  # (target, where its global array goes)
+      # Where the leaf's values go: (target, the list of global arrays its own is in).
+      targets = []
       if p.device is not None:
-        targets.append((state_spans.target_for(layout, p.device, positions),
-                        lambda a, name=name: device[name].__setitem__(i, a), p.device))
+        targets.append((state_spans.target_for(layout, p.device, positions), device[name]))
       if p.host is not None and layout.on_host:
         targets.append((state_spans.Target(layout, [], [], 0, host=p.host, signed=p.signed),
-                        None, None))
+                        None))
       if name == "master" and not plan.params_on_host(layout):
-        weights = state_spans.target_for(layout, lowp[i], positions, part=False,
-                                         full=not plan.sharded_lowp)
-        targets.append((weights, lambda a: lowp.__setitem__(i, a), lowp[i]))
+        targets.append((state_spans.target_for(layout, lowp[i], positions, part=False,
+                                               full=not plan.sharded_lowp), lowp))
       try:
-        state_spans.load_leaf(state_spans.as_saved_leaf(saved_leaves[name][i]),
-                              [t for t, _, _ in targets], positions)
+        try:
+          state_spans.load_leaf(state_spans.as_saved_leaf(saved_leaves[name][i]),
+                                [t for t, _ in targets], positions)
+        finally:  # the buffers are whole arrays, every span read or not
+          for t, arrays in targets:
+            if arrays is not None:
+              arrays[i] = state_spans.global_array(t, arrays[i])
       except Exception as e:
-        for t, put, like in targets:  # their last buffers are whole arrays
-          if put is not None:
-            put(state_spans.global_array(t, like))
         trained.device = assembled()
         raise StateChanged(f"loading {name} of leaf {i} failed: {e}") from e
-      for t, put, like in targets:
-        if put is not None:
-          put(state_spans.global_array(t, like))
     if plan.params_on_host(layout):  # made from the host's masters, as the engine makes them
       host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
   new = assembled()

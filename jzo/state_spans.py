@@ -6,10 +6,11 @@ its device) and host part (in host RAM; int8 moments as codes and scales).
 A checkpoint keeps them in the params' full shapes (jzo.state_dict's ADAM
 format). `StreamedArray` reads a rectangle of the full shape (one layer's
 rows [a, b) of its first axis, or a leaf's) from the pieces; jzo.checkpoint
-writes one rectangle after another (`SpanHandler`). `load` goes the other
-way: it reads the saved leaves (`SavedLeaf`, or arrays held whole) span by
-span and writes the engine's pieces in place. Either way the host holds a
-few spans of SPAN_BYTES beside the state, whatever the model's size.
+writes one rectangle after another (`SpanHandler`). `load_leaf` goes the
+other way: it reads a saved leaf (`SavedLeaf`, or an array held whole) span
+by span and writes the engine's pieces in place (jzo.state_dict drives it).
+Either way the host holds a few spans of SPAN_BYTES beside the state,
+whatever the model's size.
 
 Positions: a leaf is a stack of rows (one a layer for stage 3's per-layer
 leaves, else one row), each row flattened and padded to S*k values, of
@@ -43,13 +44,15 @@ SPAN_BYTES = 64 * 2**20
 SPANS_IN_FLIGHT = 8
 
 
-def rectangles(layout: LeafLayout, itemsize: int) -> list[tuple[tuple[slice, ...], int, int, int]]:
+def rectangles(layout: LeafLayout, itemsize: int, per_span: int | None = None
+               ) -> list[tuple[tuple[slice, ...], int, int, int]]:
   """The spans of a leaf, in order: (index into the full shape, row, first
   flat position, last + 1). Each is rows [a, b) of the inner shape's first
-  axis within one row of the leaf, of about SPAN_BYTES (at least one row)."""
+  axis within one row of the leaf: `per_span` of them, by default about
+  SPAN_BYTES (at least one)."""
   inner = layout.inner_shape
   rest = math.prod(inner[1:])
-  per_span = max(1, SPAN_BYTES // (itemsize * max(rest, 1)))
+  per_span = per_span or max(1, SPAN_BYTES // (itemsize * max(rest, 1)))
   lead = layout.shape[0] if layout.per_layer else 1
   out = []
   for row in range(lead):
@@ -183,9 +186,10 @@ class StreamedArray:
     return len(self.shape)
 
   @property
-  def span_shape(self) -> tuple[int, ...]:
+  def chunk_shape(self) -> tuple[int, ...]:
     """The shape of the first (largest) span: the chunks of the saved array."""
-    return span_shape(self.pieces.layout, rectangles(self.pieces.layout, self.dtype.itemsize)[0][0])
+    layout = self.pieces.layout
+    return span_shape(layout, rectangles(layout, self.dtype.itemsize)[0][0])
 
   async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
     """(index into the full shape, the values there), one span after
@@ -198,7 +202,7 @@ class StreamedArray:
 
 
 class SavedLeaf:
-  """A saved master or moment, open for reading spans (what `load` reads):
+  """A saved master or moment, open for reading spans (what `load_leaf` reads):
   in its full shape, or flat and padded with a row per layer (several
   processes' checkpoints); the values of each row are at its start."""
 
@@ -206,6 +210,23 @@ class SavedLeaf:
     self.store = store
     self.shape = tuple(store.shape)
     self.dtype = np.dtype(store.dtype.numpy_dtype)
+
+  def chunk_rows(self, layout: LeafLayout) -> int | None:
+    """Rows of the inner shape's first axis in each saved chunk, where the
+    chunks are whole rows of one layer (as SpanHandler writes them); None
+    where a span would not be whole chunks (orbax's own chunking, or flat
+    leaves), so that reading one would decode chunks again and again."""
+    chunk = tuple(self.store.chunk_layout.read_chunk.shape)
+    lead = 1 if layout.per_layer else 0
+    if self.shape != layout.shape or len(self.shape) <= lead:
+      return None
+    if (layout.per_layer and chunk[0] != 1) or chunk[lead + 1:] != self.shape[lead + 1:]:
+      return None
+    return chunk[lead]
+
+  def held(self) -> SavedLeaf:
+    """The whole leaf read into memory, as a SavedLeaf."""
+    return _HeldLeaf(self.store.read().result())
 
   def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
     """Starts reading flat positions [x0, x1) of the span `index` of
@@ -224,6 +245,12 @@ class _HeldLeaf(SavedLeaf):
 
   def __init__(self, array: np.ndarray):
     self.store, self.shape, self.dtype = array, tuple(array.shape), array.dtype
+
+  def chunk_rows(self, layout):
+    return None  # any span reads as fast
+
+  def held(self):
+    return self
 
   def fetch(self, layout, index, x0, x1):
     done = concurrent.futures.Future()
@@ -249,7 +276,7 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
   async def _open_and_write(self, value, tspec, ts_context):
     if not isinstance(value, StreamedArray):
       return await super()._open_and_write(value, tspec, ts_context)
-    _set_chunk_shape(tspec, value.span_shape)
+    _set_chunk_shape(tspec, value.chunk_shape)
     store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
@@ -323,7 +350,10 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
   layout = targets[0].layout
   k, c, S = layout.shard_size, layout.on_device, layout.shards
   size = math.prod(layout.inner_shape)
-  spans = rectangles(layout, 4)
+  rows = saved.chunk_rows(layout)
+  if rows is None:  # chunked otherwise (checkpoints before state_spans): a leaf at a time
+    saved = saved.held()
+  spans = rectangles(layout, 4, rows)
   if S * k > size:  # the padding: zeros, as the engine keeps it
     lead = layout.shape[0] if layout.per_layer else 1
     spans = [s for row in range(lead) for s in

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import jzo
@@ -78,8 +79,23 @@ def test_rectangles_cover_each_row_in_order():
   assert state_spans.span_shape(layout, index) == (1, (x1 - x0) // 40, 40)
 
 
+@pytest.fixture
+def whole_reads(monkeypatch):
+  """The saved leaves read whole (SavedLeaf.held), counted."""
+  count = {"n": 0}
+  real = state_spans.SavedLeaf.held
+
+  def held(self):
+    count["n"] += 1
+    return real(self)
+  monkeypatch.setattr(state_spans.SavedLeaf, "held", held)
+  return count
+
+
 @pytest.mark.parametrize("setup", SETUPS)
-def test_a_checkpoint_in_spans_restores_the_state_exactly(tmp_path, small_spans, setup):
+def test_a_checkpoint_in_spans_restores_the_state_exactly(tmp_path, small_spans, whole_reads,
+                                                          setup):
+  """Each span written is a chunk, and is read back as one: no leaf is read whole."""
   trained = make(setup)
   steps = batches(4)
   for b in steps[:3]:
@@ -92,6 +108,7 @@ def test_a_checkpoint_in_spans_restores_the_state_exactly(tmp_path, small_spans,
     assert_same(fresh.state_dict(), want)
   with checkpoint.open_manager(tmp_path) as manager:
     assert checkpoint.restore(manager, fresh) == 3
+  assert whole_reads["n"] == 0
   assert_same(fresh.state_dict(), want)
   got, expected = fresh.step(steps[3]), trained.step(steps[3])
   assert float(got.loss) == float(expected.loss)
@@ -202,3 +219,26 @@ def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
   rss = json.loads(done.stdout.strip().splitlines()[-1])
   for before, peak in (rss["save"], rss["restore"]):
     assert peak - before < rss["state"] / 4, rss
+
+
+def test_a_checkpoint_chunked_by_orbax_loads_a_leaf_at_a_time(tmp_path, small_spans,
+                                                             whole_reads):
+  """A checkpoint of numpy arrays (as jzo wrote them before state_spans,
+  in orbax's chunks, which a span would decode again and again) is read a
+  leaf at a time, into the same state."""
+  trained = make("half-bf16-8")
+  for b in batches(2):
+    trained.step(b)
+  want = jax.tree.map(np.array, trained.state_dict())
+  with checkpoint.open_manager(tmp_path) as manager:
+    assert manager.save(2, args=ocp.args.PyTreeSave(want))
+    manager.wait_until_finished()
+  fresh = make("half-bf16-8", seed=1)
+  with checkpoint.open_manager(tmp_path) as manager:
+    assert checkpoint.restore(manager, fresh) == 2
+  # Orbax chunked each small leaf whole: the stacked layers' two leaves (a
+  # chunk across layers) are read whole, each of master, mu and nu.
+  assert whole_reads["n"] == 2 * 3
+  assert_same(fresh.state_dict(), want)
+  trained.close()
+  fresh.close()
