@@ -358,13 +358,21 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
     lead = layout.shape[0] if layout.per_layer else 1
     spans = [s for row in range(lead) for s in
              [x for x in spans if x[1] == row] + [(None, row, size, S * k)]]
-  fetch = lambda n: (saved.fetch(layout, *spans[n][:1], *spans[n][2:])
-                     if n < len(spans) and spans[n][0] is not None else None)
-  # The next spans read while this one is written.
-  ahead = collections.deque(fetch(n) for n in range(SPANS_IN_FLIGHT))
+
+  def fetch(n: int):
+    """Starts reading span n (None: past the last, or the padding)."""
+    if n >= len(spans) or spans[n][0] is None:
+      return None
+    index, _, x0, x1 = spans[n]
+    return saved.fetch(layout, index, x0, x1)
+  # The next spans read while this one is written: SPANS_IN_FLIGHT of
+  # SPAN_BYTES' worth, fewer where the saved chunks are larger (one at least).
+  span_bytes = 4 * max(x1 - x0 for _, _, x0, x1 in spans)
+  depth = max(1, min(SPANS_IN_FLIGHT, SPANS_IN_FLIGHT * SPAN_BYTES // span_bytes))
+  ahead = collections.deque(fetch(n) for n in range(depth))
   for n, (index, row, x0, x1) in enumerate(spans):
     reading = ahead.popleft()
-    ahead.append(fetch(n + SPANS_IN_FLIGHT))
+    ahead.append(fetch(n + depth))
     values = (np.zeros(x1 - x0, np.float32) if reading is None
               else np.asarray(reading.result()).reshape(-1))
     for t in targets:
