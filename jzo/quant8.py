@@ -75,6 +75,33 @@ def _map(signed: bool) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(codes, np.float32), np.asarray(mids, np.float32)
 
 
+@functools.cache
+def _index(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+  """The kernel's quant8_exact index (ext/quant8.h), by the top 16 bits of a
+  magnitude in [0, 1] (patterns 0 .. 0x3F80): the midpoints below the
+  pattern's range, and the low 16 bits of the one midpoint inside it
+  (0x10000: none)."""
+  mids = _map(signed)[1]
+  tops = np.arange(0x3F81, dtype=np.uint32)
+  below = np.searchsorted(mids, (tops << 16).view(np.float32), side="left").astype(np.int16)
+  bits = mids.view(np.uint32)
+  if np.unique(bits >> 16).size != bits.size:
+    raise AssertionError("two midpoints share a bfloat16 pattern: the index needs one at most")
+  low = np.full(tops.size, 0x10000, np.int32)
+  low[bits >> 16] = bits & 0xFFFF
+  return below, low
+
+
+def _codes(magnitude: np.ndarray, signed: bool) -> np.ndarray:
+  """The midpoints below each magnitude (float32 in [0, 1], flat): the
+  nearest code, a tie to the lower, as a binary search finds it but looked
+  up as the kernel does (about ten times faster in numpy)."""
+  below, low = _index(signed)
+  bits = np.ascontiguousarray(magnitude, np.float32).view(np.uint32)
+  top = bits >> 16
+  return below[top] + ((bits & 0xFFFF).astype(np.int32) > low[top])
+
+
 def _xp(x):
   return np if isinstance(x, np.ndarray) else jnp
 
@@ -113,7 +140,10 @@ def quantize(x, *, signed: bool) -> Int8Moment:
   y = (block * inv[..., None]).reshape(block.shape[:-2] + (-1,))[..., :x.shape[-1]]
   magnitude = xp.minimum(xp.abs(y), xp.float32(1))
   magnitude = xp.where(xp.isnan(magnitude), xp.float32(1), magnitude)  # the kernel clamps NaN bits
-  k = xp.searchsorted(xp.asarray(_map(signed)[1]), magnitude.reshape(-1), side="left")
+  if xp is np:
+    k = _codes(magnitude.reshape(-1), signed)
+  else:
+    k = xp.searchsorted(xp.asarray(_map(signed)[1]), magnitude.reshape(-1), side="left")
   k = k.reshape(magnitude.shape).astype(xp.uint8)
   if signed:
     k = k | (xp.signbit(y).astype(xp.uint8) << 7)

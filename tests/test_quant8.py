@@ -76,6 +76,26 @@ def test_quantize_picks_the_nearest_code_per_block(shape):
                                   np.asarray(quant8.dequantize(qj, signed=signed)))
 
 
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_numpy_codes_by_index_equal_a_binary_search(signed):
+  """quantize's numpy path looks codes up by the top 16 bits (as the
+  kernel's quant8_exact); the jax path searches the midpoints. The same
+  codes on every midpoint and its 3 neighbours each way, random
+  magnitudes across the decades, 0 and 1."""
+  mids = quant8._map(signed)[1]
+  near, below, above = [mids], mids, mids
+  for _ in range(3):
+    below, above = np.nextafter(below, np.float32(0)), np.nextafter(above, np.float32(2))
+    near += [below, above]
+  rng = np.random.default_rng(0)
+  m = np.concatenate(near + [rng.random(2**16, np.float32),
+                             (10.0 ** rng.uniform(-9, 0, 2**16)).astype(np.float32),
+                             np.float32([0, 1e-30, 2**-27, 1])])
+  m = np.clip(m, 0, 1).astype(np.float32)
+  np.testing.assert_array_equal(quant8._codes(m, signed),
+                                np.searchsorted(mids, m, side="left"))
+
+
 def test_zeros_and_non_finite_blocks():
   x = np.zeros((2, 300), np.float32)
   x[1, 260] = np.nan
