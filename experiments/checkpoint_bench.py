@@ -2,7 +2,7 @@
 time, disk and host memory of saving and restoring it, and that it restores
 exactly.
 
-Builds the preset (stage 3, --offload True or auto, fp32 moments), trains
+Builds the preset (stage 3, --offload True or auto, --moments), trains
 two steps, saves (jzo.checkpoint.save), trains step 3 (its loss L), restores
 the checkpoint and runs step 3 again: its loss must be L exactly (it is
 the forward pass of the restored weights). A checksum of every master and
@@ -79,6 +79,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="gpt2-4b")
   parser.add_argument("--offload", default="true", choices=("true", "auto"))
+  parser.add_argument("--moments", default="fp32", choices=("fp32", "bf16", "int8"))
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=1024)
   parser.add_argument("--dir", default="/tmp/checkpoint-bench")
@@ -96,12 +97,14 @@ def main():
   from jzo.recipe.loop import claim_gpu_memory
 
   claim_gpu_memory()
+  moments = {"fp32": None, "bf16": "bfloat16", "int8": "int8"}[args.moments]
   config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
   jzo.plan.limit_pinned_pool(2 * config.n_params)
   engine = jzo.ZeroEngine(
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),
-      jzo.cpu_adamw(3e-4, weight_decay=0.1), stage=3, layers="blocks",
+      jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments),
+      stage=3, layers="blocks",
       mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)), max_grad_norm=1.0,
       offload=True if args.offload == "true" else "auto",
       activation_memory=gpt.activation_bytes(config, args.batch, args.seq_len))
@@ -111,6 +114,7 @@ def main():
   for b in batches[:2]:
     engine.step(b)
   result = {"model": args.model, "n_params": config.n_params, "offload": args.offload,
+            "moments": args.moments,
             "on_device": round(1 - engine.plan.offloaded_fraction, 4),
             "host_state_gib": round((engine.plan.host_bytes()["master"]
                                      + engine.plan.host_bytes()["moments"]) / 2**30, 2)}

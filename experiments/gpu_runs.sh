@@ -78,8 +78,8 @@
 #                  FLAGSETS (';' between sets; default: none, the while loop double-buffered,
 #                  the host offload pipelined, no command buffers), each in its own process
 #   checkpoint     checkpoint_bench.py: MODEL (gpt2-4b), OFFLOAD (true: all the state on
-#                  the host; auto) trained 2 steps, saved, restored: time, disk, host RSS,
-#                  exact; with .snap-base, that commit first (with this tree's script)
+#                  the host; auto), MOMENTS (fp32) trained 2 steps, saved, restored: time,
+#                  disk, host RSS, exact; with .snap-base, that commit first (this tree's script)
 #   checkpoint-tests the checkpoints' CPU tests on this machine's Python and orbax
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
@@ -181,10 +181,10 @@ for part in "$@"; do
     checkpoint)
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
-        name=$part-$(basename "$tree"); check=""
+        name=$part-${MOMENTS:-fp32}-$(basename "$tree"); check=""
         [ "$tree" = "$base" ] && check=--no-check
         (cd "$tree" && timeout 500 python3 "$dir/experiments/checkpoint_bench.py" \
-          --model "${MODEL:-gpt2-4b}" --offload "${OFFLOAD:-true}" $check \
+          --model "${MODEL:-gpt2-4b}" --offload "${OFFLOAD:-true}" --moments "${MOMENTS:-fp32}" $check \
           --peak-file "$OUT/$name.peak" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
         echo "$name: exit $?, peak RSS $(cat "$OUT/$name.peak" 2>/dev/null) B"
         tail -c 700 "$OUT/$name.log"; echo; free -g | head -2

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jzo
-from jzo import checkpoint, state_spans
+from jzo import checkpoint, quant8, state_spans
 from jzo.partition import LeafLayout
 from test_engine import batches, mesh_of
 from test_grads_in_params import loss_fn
@@ -90,6 +90,18 @@ def whole_reads(monkeypatch):
     return real(self)
   monkeypatch.setattr(state_spans.SavedLeaf, "held", held)
   return count
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["mu", "nu"])
+def test_quantizing_in_parts_over_threads_gives_the_same_moment(monkeypatch, signed):
+  monkeypatch.setattr(state_spans, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
+  values = np.random.default_rng(0).standard_normal(9 * quant8.QUANT_BLOCK + 100,
+                                                    np.float32) * 1e-3
+  values = np.abs(values) if not signed else values
+  values[5 * quant8.QUANT_BLOCK + 7] = np.nan  # a block of its own: scale NaN
+  got, want = state_spans._quantize(values, signed), quant8.quantize(values, signed=signed)
+  np.testing.assert_array_equal(got.codes, want.codes)
+  np.testing.assert_array_equal(got.scales, want.scales)
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -170,7 +182,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
     import jax, jax.numpy as jnp, psutil
     import jzo
-    from jzo import checkpoint, state_spans
+    from jzo import checkpoint, quant8, state_spans
 
     state_spans.SPAN_BYTES = 2**20  # at most 8 MiB in flight
 
