@@ -11,8 +11,11 @@ optimizer state, loss scale and counters, as host arrays) in the folder
 it when complete, so a run killed while saving leaves the previous one intact
 and an unfinished one is never restored.
 
-The engine is used through `state_dict()` and `load_state_dict(saved)`,
-and `restore` reads the shapes of what it loads from its state (`state_dict.expected`).
+The engine is used through `state_dict(streamed=True)` and
+`load_state_dict(saved)`, and `restore` reads the shapes of what it loads
+from its state (`state_dict.expected`). In one process Adam's masters and
+moments go to disk and back a span at a time (jzo.state_spans): the host
+holds a few spans beside the state, never a copy of it.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
 fit the engine is refused before any array is read, naming the first
