@@ -116,28 +116,28 @@ def main():
   result = {"model": args.model, "n_params": config.n_params, "offload": args.offload,
             "moments": args.moments,
             "on_device": round(1 - engine.plan.offloaded_fraction, 4),
-            "host_state_gib": round((engine.plan.host_bytes()["master"]
-                                     + engine.plan.host_bytes()["moments"]) / 2**30, 2)}
+            "host_state_gib": round(sum(engine.plan.host_bytes()[k] for k in ("master", "moments"))
+                                    / 2**30, 2)}
   peak_file = pathlib.Path(args.peak_file) if args.peak_file else None
   folder = pathlib.Path(args.dir)
   shutil.rmtree(folder, ignore_errors=True)
   before = None if args.no_check else checksum(engine)
-  with checkpoint.open_manager(folder) as manager:
+
+  def measured(name: str, fn) -> None:
+    """Runs fn, adding its seconds and host RSS (before, peak) to result."""
     with PeakRSS(peak_file) as rss:
       start = time.perf_counter()
-      checkpoint.save(manager, engine, 2)
-      result["save_s"] = round(time.perf_counter() - start, 2)
-    result.update(rss_before_save_gib=round(rss.before / 2**30, 2),
-                  rss_peak_save_gib=round(rss.peak / 2**30, 2))
+      fn()
+      result[f"{name}_s"] = round(time.perf_counter() - start, 2)
+    result[f"rss_before_{name}_gib"] = round(rss.before / 2**30, 2)
+    result[f"rss_peak_{name}_gib"] = round(rss.peak / 2**30, 2)
+
+  with checkpoint.open_manager(folder) as manager:
+    measured("save", lambda: checkpoint.save(manager, engine, 2))
     du = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     result["disk_gib"] = round(du / 2**30, 2)
     loss = float(engine.step(batches[2]).loss)
-    with PeakRSS(peak_file) as rss:
-      start = time.perf_counter()
-      checkpoint.restore(manager, engine, 2)
-      result["restore_s"] = round(time.perf_counter() - start, 2)
-    result.update(rss_before_restore_gib=round(rss.before / 2**30, 2),
-                  rss_peak_restore_gib=round(rss.peak / 2**30, 2))
+    measured("restore", lambda: checkpoint.restore(manager, engine, 2))
   if before is not None:
     result["checksums_equal"] = checksum(engine) == before
   again = float(engine.step(batches[2]).loss)

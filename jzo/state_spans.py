@@ -88,16 +88,12 @@ class Pieces:
   host: object | None
   signed: bool = False
 
-  def device_pieces(self, positions: range) -> list[jax.Array]:
-    """The device part's single-device arrays at `positions` of the data axis."""
-    return shard_arrays(self.device, self.layout, positions)
-
   def read(self, row: int, x0: int, x1: int, dtype) -> np.ndarray:
     """Flat positions [x0, x1) of `row` (one process: every shard is its own)."""
     layout = self.layout
     k, c = layout.shard_size, layout.on_device
     out = np.empty(x1 - x0, dtype)
-    devices = self.device_pieces(range(layout.shards)) if c else None
+    devices = shard_arrays(self.device, layout, range(layout.shards)) if c else None
     for d in range(x0 // k, -(-x1 // k)):
       lo, hi = max(x0, d * k) - d * k, min(x1, (d + 1) * k) - d * k
       at = d * k + lo - x0
@@ -128,17 +124,20 @@ def _host_values(host, d: int, layout: LeafLayout, row: int, lo: int, hi: int,
   return values[lo - first * quant8.QUANT_BLOCK:hi - first * quant8.QUANT_BLOCK]
 
 
-def _x64_for(*sizes: int):
-  """64-bit indices where an offset may pass int32's range (a leaf of a
-  10B model has 3.4B elements), else nothing."""
-  return jax.enable_x64(True) if max(sizes) >= 2**31 else contextlib.nullcontext()
+def _offsets(at: tuple[int, ...], shape: tuple[int, ...]):
+  """(a context, the offsets `at` as index arrays within it): 64-bit where
+  an offset into `shape` may pass int32's range (a leaf of a 10B model has
+  3.4B elements), else 32-bit with no context."""
+  if max(shape) < 2**31:
+    return contextlib.nullcontext(), tuple(np.int32(i) for i in at)
+  return jax.enable_x64(True), tuple(np.int64(i) for i in at)
 
 
 def _take(x: jax.Array, at: tuple[int, ...], n: int) -> jax.Array:
   """n elements of x's last axis from position `at` (a single-device array)."""
-  with _x64_for(*x.shape):
-    return _take_jit(x, tuple(np.asarray(i, np.int64 if x.shape[-1] >= 2**31 else np.int32)
-                              for i in at), n)
+  context, offsets = _offsets(at, x.shape)
+  with context:
+    return _take_jit(x, offsets, n)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -150,10 +149,9 @@ def _put(buffer: jax.Array, values: np.ndarray, at: tuple[int, ...]) -> jax.Arra
   """`values` written into the single-device `buffer` at `at` (donated: in
   place); values has buffer's rank, or is flat along its last axis."""
   values = values.reshape((1,) * (buffer.ndim - values.ndim) + values.shape)
-  with _x64_for(*buffer.shape):
-    index = tuple(np.asarray(i, np.int64 if max(buffer.shape) >= 2**31 else np.int32)
-                  for i in at)
-    return _put_jit(buffer, jax.device_put(values, next(iter(buffer.devices()))), index)
+  context, offsets = _offsets(at, buffer.shape)
+  with context:
+    return _put_jit(buffer, jax.device_put(values, next(iter(buffer.devices()))), offsets)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
