@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Where the AVX-512 int8 pass spends its time: the kernel built as it is and
 # with one part stubbed out at a time (patch.py), each timed on 2^E
-# parameters (default 26) at each thread count in THREADS (default 1 8 16);
-# "fp32 moments" is the same kernel's float32-moment pass. BASE: another
+# parameters (default 26) at each thread count in THREADS (default 1 8 16),
+# ROUNDS times in turn (default 1); "fp32 moments" is the same kernel's
+# float32-moment pass. VARIANTS: "new" and its stubs joined by "-" (default
+# below; e.g. new-gather-bf16cvt is GATHER and BF16CVT together). BASE: another
 # commit's ext folder, built and stubbed the same way (its gathers), e.g.
 #   git archive 092f856 ext | tar -x -C /tmp/base && BASE=/tmp/base/ext bash experiments/int8_stubs/run.sh
 # Stubbed kernels compute wrong numbers: they are for timing only.
@@ -15,8 +17,8 @@ build() {  # NAME EXT-FOLDER STUBS...
     g++ -O3 -std=c++17 -I"/tmp/v-$name" bench.cc "/tmp/v-$name/quant8.cc" "/tmp/v-$name.o" \
       -o "/tmp/b-$name" -lpthread
 }
-variants="new new-noq new-nodeq new-nodiv new-bf16cvt new-nolowp"
-for v in $variants; do build "$v" ../../ext $(echo "${v#new}" | tr -d - | tr a-z A-Z) & done
+variants=${VARIANTS:-new new-noq new-nodeq new-nodiv new-bf16cvt new-nolowp}
+for v in $variants; do build "$v" ../../ext $(echo "${v#new}" | tr - ' ' | tr a-z A-Z) & done
 if [ -n "${BASE:-}" ]; then
   for v in base base-nogather base-bf16cvt; do
     build "$v" "$BASE" $(echo "${v#base}" | tr -d - | tr a-z A-Z) &
@@ -25,10 +27,12 @@ if [ -n "${BASE:-}" ]; then
 fi
 wait
 e=${E:-26}
+for round in $(seq ${ROUNDS:-1}); do
 for threads in ${THREADS:-1 8 16}; do
   reps=$([ "$threads" = 1 ] && echo 3 || echo 9)
   echo "threads $threads, 2^$e: fp32 moments $(/tmp/b-new "$e" 0 $reps "$threads")"
   for v in $variants; do
     echo "threads $threads, 2^$e: int8 $v $(/tmp/b-$v "$e" 1 $reps "$threads")"
   done
+done
 done
