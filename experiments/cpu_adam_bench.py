@@ -322,7 +322,6 @@ def machine_info(threads: int) -> dict:
       "cpus": os.cpu_count(),
       "threads": threads,
       "simd_level": kernels.simd_level(),
-      "quant8_method": kernels.quant8_method(),
       "torch_threads": torch.get_num_threads() if torch is not None else None,
       "python": platform.python_version(),
       **{name: package_version(name) for name in

@@ -1,6 +1,5 @@
-// AVX-512 (F, BW, VL, DQ) Adam and accumulation kernels, 16 floats a vector.
-// Compiled with AVX-512 target flags and only called after a CPUID check;
-// the BF16 instruction only where jzo::isa::g_avx512_bf16 says the CPU has it.
+// AVX-512 (F, BW, VL) Adam and accumulation kernels, 16 floats a vector.
+// Compiled with AVX-512 target flags and only called after a CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -9,12 +8,6 @@
 #include "quant8.h"
 
 namespace {
-// Whether V::quant8 gathers (jzo::set_quant8_method; chosen at first use).
-JZO_INLINE bool quant8_by_gather() {
-  const int set = __atomic_load_n(&jzo::isa::g_quant8_gather, __ATOMIC_RELAXED);
-  return set < 0 ? jzo::isa::choose_quant8_gather() : set;
-}
-
 struct V {
   static constexpr int kWidth = 16;
   using F = __m512;
@@ -24,13 +17,9 @@ struct V {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  // Round to nearest even. VCVTNEPS2BF16 (AVX512_BF16: Cooper Lake, Sapphire
-  // Rapids, Zen 4) does it in one instruction, but flushes denormals: a
-  // vector that holds one, and every CPU without it, rounds in integers, as
-  // the scalar and AVX2 versions do. Either way the bits are the same.
+  // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
+  // which flushes denormals: the scalar and AVX2 versions give the same bits.
   static JZO_INLINE __m256i to_bf16(F x) {
-    if (jzo::isa::g_avx512_bf16 && !_mm512_fpclass_ps_mask(x, 0x20))  // 0x20: denormal
-      return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -89,35 +78,9 @@ struct V {
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
     return value;
   }
-  // Writes the codes of y's 16 lanes (a magnitude at most 1) by the method
-  // set_quant8_method chose; returns the lanes to redo with quant8_exact.
+  // Writes the codes of y's 16 lanes by the map's parts (quant8.h); returns
+  // the lanes to redo with quant8_exact.
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
-    if (quant8_by_gather()) {
-      quant8_gather(p, y, map);
-      return 0;
-    }
-    return quant8_by_parts(p, y, map);
-  }
-  // The codes by the index (quant8_exact), one vector gather: exact.
-  static JZO_INLINE void quant8_gather(uint8_t* p, F y, const jzo::Quant8Map& map) {
-    const __m512i bits = _mm512_castps_si512(y);
-    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512i top = _mm512_sub_epi32(
-        _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
-                         _mm512_set1_epi32(jzo::kQuantIndexBase)),
-        _mm512_set1_epi32(jzo::kQuantIndexBase));
-    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
-    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-    const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(mag, low16),
-                                                 _mm512_and_si512(e, low16));
-    const __m512i below = _mm512_srli_epi32(e, 16);
-    __m512i k = _mm512_mask_add_epi32(below, up, below, _mm512_set1_epi32(1));
-    if (map.is_signed)
-      k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
-  }
-  // The codes by the map's parts (quant8.h); returns the lanes to redo.
-  static JZO_INLINE uint32_t quant8_by_parts(uint8_t* p, F y, const jzo::Quant8Map& map) {
     const __m512i bits = _mm512_castps_si512(y);
     // |y|, at most 1 (NaN too); its octave slot (the exponent's low 5 bits,
     // all below 2^-27 in 2^-27's).
@@ -149,34 +112,6 @@ struct V {
 
 #include "adam_kernel_impl.h"
 #include "accumulate_impl.h"
-
-// Times both quantizers over 4096 values spread over [2^-27, 1]'s octaves
-// (the unsigned map), the best of 16 runs each, in TSC cycles (no std::
-// templates here: see adam_kernel_impl.h).
-bool jzo::isa::quant8_gather_is_faster_avx512() {
-  alignas(64) float y[4096];
-  alignas(16) uint8_t codes[4096];
-  uint32_t r = 1;
-  for (float& x : y) {
-    r = r * 1664525u + 1013904223u;
-    const uint32_t bits = (kQuantIndexBase << 16) + r % (0x3f800000u - (kQuantIndexBase << 16));
-    std::memcpy(&x, &bits, 4);
-  }
-  const Quant8Map& map = quant8_unsigned();
-  auto best = [&](auto quantize) {
-    uint64_t fastest = UINT64_MAX;
-    for (int run = 0; run < 16; ++run) {
-      const uint64_t start = __rdtsc();
-      for (int i = 0; i < 4096; i += 16) quantize(codes + i, _mm512_load_ps(y + i), map);
-      asm volatile("" : : "r"(codes) : "memory");  // the codes count as used
-      const uint64_t took = __rdtsc() - start;
-      fastest = took < fastest ? took : fastest;
-    }
-    return fastest;
-  };
-  const uint64_t parts = best(V::quant8_by_parts);
-  return best(V::quant8_gather) < parts;
-}
 
 void jzo::isa::adam_range_avx512(const AdamBuffers& b, const AdamScalars& s,
                                  int64_t begin, int64_t end) {

@@ -104,29 +104,12 @@ const char* simd_level();
 // returns false if the CPU lacks it or the name is unknown.
 bool set_simd_level(const char* level);
 
-// How the AVX-512 kernel finds int8 codes (quant8.h): "gather" (the index by
-// one vector gather a vector; fast on Intel's recent cores) or "parts"
-// (computed; fast where gathers are slow, as on AMD's Zen 4). Both give the
-// same codes. Unless set (or JZO_QUANT8 names one), the faster on this CPU,
-// timed once at first use. Other instruction sets always use the index.
-const char* quant8_method();
-
-// "gather", "parts" or "auto" (time both again); false if unknown.
-bool set_quant8_method(const char* method);
-
 namespace isa {
 // One entry point per instruction set, each compiled in its own translation
 // unit with its own target flags.
 void adam_range_scalar(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
 void adam_range_avx2(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
 void adam_range_avx512(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
-// Whether the CPU has AVX512_BF16 (set once, at load, by dispatch.cc).
-extern const bool g_avx512_bf16;
-// The AVX-512 quantizer: 1 gather, 0 parts, -1 not chosen yet (read with
-// __atomic builtins); choose_quant8_gather chooses (once a process).
-extern int g_quant8_gather;
-int choose_quant8_gather();
-bool quant8_gather_is_faster_avx512();
 }  // namespace isa
 
 }  // namespace jzo

@@ -16,7 +16,7 @@ Level detect() {
 #if defined(JZO_HAVE_X86_KERNELS)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512vl"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
@@ -26,14 +26,6 @@ Level detect() {
 }
 
 const Level kBest = detect();
-
-bool has_avx512_bf16() {
-#if defined(JZO_HAVE_X86_KERNELS)
-  return kBest == kAvx512 && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
 
 Level parse(const char* name, bool* ok) {
   *ok = true;
@@ -57,47 +49,7 @@ Level initial() {
 
 std::atomic<int> g_level{initial()};
 
-// JZO_QUANT8 fixes the AVX-512 quantizer for a whole process (benchmarks).
-int quant8_code(const char* name) {
-  if (name && std::strcmp(name, "gather") == 0) return 1;
-  if (name && std::strcmp(name, "parts") == 0) return 0;
-  if (name && std::strcmp(name, "auto") == 0) return -1;
-  return -2;
-}
-
-int initial_quant8() {
-  const int code = quant8_code(std::getenv("JZO_QUANT8"));
-  return code == -2 ? -1 : code;
-}
-
 }  // namespace
-
-const bool isa::g_avx512_bf16 = has_avx512_bf16();
-int isa::g_quant8_gather = initial_quant8();
-
-int isa::choose_quant8_gather() {
-#if defined(JZO_HAVE_X86_KERNELS)
-  static const int faster = kBest == kAvx512 && isa::quant8_gather_is_faster_avx512();
-#else
-  static const int faster = 1;
-#endif
-  int unset = -1;
-  __atomic_compare_exchange_n(&g_quant8_gather, &unset, faster, false, __ATOMIC_RELAXED,
-                              __ATOMIC_RELAXED);
-  return __atomic_load_n(&g_quant8_gather, __ATOMIC_RELAXED);
-}
-
-const char* quant8_method() {
-  const int set = __atomic_load_n(&isa::g_quant8_gather, __ATOMIC_RELAXED);
-  return (set < 0 ? isa::choose_quant8_gather() : set) ? "gather" : "parts";
-}
-
-bool set_quant8_method(const char* method) {
-  const int code = quant8_code(method);
-  if (code == -2) return false;
-  __atomic_store_n(&isa::g_quant8_gather, code, __ATOMIC_RELAXED);
-  return true;
-}
 
 const char* simd_level() {
   switch (g_level.load(std::memory_order_relaxed)) {

@@ -228,8 +228,6 @@ NB_MODULE(native, m) {
   m.def("available_cpus", &jzo::available_cpus);
   m.def("simd_level", &jzo::simd_level);
   m.def("set_simd_level", &jzo::set_simd_level, nb::arg("level"));
-  m.def("quant8_method", &jzo::quant8_method);
-  m.def("set_quant8_method", &jzo::set_quant8_method, nb::arg("method"));
   m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
   m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
   m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });

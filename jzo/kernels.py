@@ -69,25 +69,6 @@ def set_simd_level(level: str) -> None:
     raise ValueError(f"SIMD level {level!r} is unknown or unsupported on this CPU")
 
 
-def quant8_method() -> str:
-  """How the AVX-512 kernel finds int8 codes: 'gather' (the index, one
-  vector gather for 16 values: fast on Intel's recent cores) or 'parts'
-  (computed: fast where gathers are slow, as on AMD's Zen 4). Both give the
-  same codes; unless set (or JZO_QUANT8 names one), it is the faster on this
-  CPU, timed once. Other instruction sets always use the index."""
-  return native.quant8_method()
-
-
-def set_quant8_method(method: str) -> None:
-  """Sets the AVX-512 quantizer: 'gather', 'parts' or 'auto' (the faster).
-
-  Raises:
-    ValueError: the name is unknown.
-  """
-  if not native.set_quant8_method(method):
-    raise ValueError(f"quant8 method must be 'gather', 'parts' or 'auto', got {method!r}")
-
-
 def num_threads() -> int:
   """Threads the host kernels use (the caller's thread included)."""
   return native.num_threads()

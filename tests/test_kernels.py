@@ -241,15 +241,6 @@ def test_thread_and_simd_settings():
   with pytest.raises(ValueError, match="SIMD level"):
     kernels.set_simd_level("sse9")
   assert kernels.simd_level() in ("avx512", "avx2", "scalar")
-  chosen = kernels.quant8_method()  # the faster on this CPU, timed once
-  assert chosen in ("gather", "parts")
-  for method in ("parts", "gather"):
-    kernels.set_quant8_method(method)
-    assert kernels.quant8_method() == method
-  kernels.set_quant8_method("auto")
-  assert kernels.quant8_method() == chosen
-  with pytest.raises(ValueError, match="quant8 method"):
-    kernels.set_quant8_method("lookup")
 
 
 def readonly(a):

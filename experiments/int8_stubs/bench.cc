@@ -12,11 +12,6 @@
 #include "adam_kernel.h"
 #include "quant8.h"
 using namespace jzo;
-// What dispatch.cc defines for the module; JZO_QUANT8=gather or parts picks
-// the quantizer (else the faster, timed as the module does).
-const bool jzo::isa::g_avx512_bf16 = __builtin_cpu_supports("avx512bf16");
-int jzo::isa::g_quant8_gather = getenv("JZO_QUANT8") ? strcmp(getenv("JZO_QUANT8"), "gather") == 0 : -1;
-int jzo::isa::choose_quant8_gather() { return g_quant8_gather = isa::quant8_gather_is_faster_avx512(); }
 int main(int argc, char** argv) {
   int64_t n = int64_t(1) << atoi(argv[1]);
   int q8 = atoi(argv[2]), reps = atoi(argv[3]), T = atoi(argv[4]);

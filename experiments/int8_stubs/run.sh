@@ -4,13 +4,12 @@
 # parameters (default 26) at each thread count in THREADS (default 1 8 16),
 # ROUNDS times in turn (default 1); "fp32 moments" is the same kernel's
 # float32-moment pass. VARIANTS: "new" and its stubs joined by "-" (default
-# below; e.g. new-nodeq-nodiv is NODEQ and NODIV together). JZO_QUANT8=gather
-# or parts fixes the quantizer (else each run times both and keeps the
-# faster, as the module does). Stubbed kernels compute wrong numbers: they
-# are for timing only. (Session 18's BASE option, another commit's kernel
-# beside this one's, is in the history: bench.cc now needs this commit's ext.)
+# below; e.g. new-gather-bf16cvt is GATHER and BF16CVT together). BASE: another
+# commit's ext folder, built and stubbed the same way (its gathers), e.g.
+#   git archive 092f856 ext | tar -x -C /tmp/base && BASE=/tmp/base/ext bash experiments/int8_stubs/run.sh
+# Stubbed kernels compute wrong numbers: they are for timing only.
 cd "$(dirname "$0")"
-flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx2 -mfma -mf16c -w"
+flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c -w"
 build() {  # NAME EXT-FOLDER STUBS...
   local name=$1 src=$2; shift 2
   python3 patch.py "$src" "/tmp/v-$name" "$@" &&
@@ -20,6 +19,12 @@ build() {  # NAME EXT-FOLDER STUBS...
 }
 variants=${VARIANTS:-new new-noq new-nodeq new-nodiv new-bf16cvt new-nolowp}
 for v in $variants; do build "$v" ../../ext $(echo "${v#new}" | tr - ' ' | tr a-z A-Z) & done
+if [ -n "${BASE:-}" ]; then
+  for v in base base-nogather base-bf16cvt; do
+    build "$v" "$BASE" $(echo "${v#base}" | tr -d - | tr a-z A-Z) &
+  done
+  variants="base base-nogather base-bf16cvt $variants"
+fi
 wait
 e=${E:-26}
 for round in $(seq ${ROUNDS:-1}); do
