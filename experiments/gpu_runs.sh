@@ -81,6 +81,8 @@
 #                  the host; auto), MOMENTS (fp32) trained 2 steps, saved, restored: time,
 #                  disk, host RSS, exact; with .snap-base, that commit first (this tree's script)
 #   checkpoint-tests the checkpoints' CPU tests on this machine's Python and orbax
+#   checkpoint-io  checkpoint_io_probe.py: GIB (12) of Adam-like state written and read by
+#                  tensorstore alone in jzo's spans, zstd and uncompressed, and dd's write speed
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
 # Parts on two GPUs (nvidia-h200-x2):
@@ -189,6 +191,9 @@ for part in "$@"; do
         echo "$name: exit $?, peak RSS $(cat "$OUT/$name.peak" 2>/dev/null) B"
         tail -c 700 "$OUT/$name.log"; echo; free -g | head -2
       done ;;
+    checkpoint-io)
+      timeout 500 python3 experiments/checkpoint_io_probe.py --gib "${GIB:-12}" \
+        --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log"; df -h /tmp | tail -1 ;;
     quant8-exhaustive)
       g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
         tests/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive 2>/dev/null &&
