@@ -403,6 +403,7 @@ TRAIN_MISTAKES = [
     ("remat", ["--remat", "some"], "invalid choice 'some' for argument '--remat'"),
     ("peak_tflops", ["--peak-tflops", "fast"], "Error parsing --peak-tflops"),
     ("checkpoint_every", ["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    ("keep_checkpoints", ["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1, got 0"),
     ("resume", ["--resume"], "--resume: no complete checkpoint in"),
     ("fresh_start_ok", ["--fresh-start-ok"], "--fresh-start-ok only applies with --resume"),
     ("sample", ["--sample"], "--sample: no complete checkpoint in"),

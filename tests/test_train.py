@@ -174,3 +174,46 @@ def test_partial_placement_and_bf16_moments(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "% on the device" in out and "% on the host" in out
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_checkpoints_that_will_not_fit_on_the_disk_are_refused_before_the_first_step(
+    tmp_path, monkeypatch, capsys):
+  """The refusal names each checkpoint's bytes, how many the run holds at
+  once (--keep-checkpoints + 1, or fewer when it saves fewer) and the free
+  space; --checkpoint-every 0 only warns."""
+  from jzo.recipe import runs
+  real = runs.shutil.disk_usage
+  free = {"bytes": 0}
+  monkeypatch.setattr(runs.shutil, "disk_usage",
+                      lambda path: real(path)._replace(free=free["bytes"]))
+  args = FAST + ["--sample-tokens", "0", "--checkpoint-every", "1"]
+  each = None
+  for keep, steps, at_once in [(2, 4, 3), (1, 4, 2), (3, 2, 2)]:
+    out = tmp_path / f"keep{keep}-steps{steps}"
+    assert train.main(args + ["--keep-checkpoints", str(keep), "--steps", str(steps),
+                              "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"this run holds up to {at_once} at once (--keep-checkpoints {keep}," in err, err
+    assert "against 0.0 MiB free" in err and not (out / "metrics.jsonl").exists()
+    each = float(err.split("each takes up to ")[1].split(" MiB")[0]) * 2**20
+  free["bytes"] = 1 << 40
+  out = tmp_path / "fits"
+  assert train.main(args + ["--keep-checkpoints", "1", "--out", str(out)]) == 0
+  assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["4"]  # one kept
+  written = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file())
+  assert 0.5 * each < written < each + 2**20  # zstd, and orbax's metadata files
+  free["bytes"] = 0
+  out = tmp_path / "signal-only"
+  assert train.main(args[:-1] + ["0", "--out", str(out)]) == 0
+  assert "one written on SIGINT or SIGTERM would not fit" in capsys.readouterr().err
+  assert train.main(args + ["--keep-checkpoints", "0", "--out", str(out)]) == 2
+  assert "--keep-checkpoints must be >= 1, got 0" in capsys.readouterr().err
+  # Resumed with fewer kept than are there: the first save still adds one
+  # to the two (steps 3 and 4) before any goes.
+  free["bytes"] = 1 << 40
+  out = tmp_path / "resumed"
+  assert train.main(args + ["--out", str(out)]) == 0
+  free["bytes"] = int(0.5 * each)
+  assert train.main(args + ["--keep-checkpoints", "1", "--steps", "6", "--resume",
+                            "--out", str(out)]) == 2
+  assert "holds up to 3 at once (--keep-checkpoints 1," in capsys.readouterr().err

@@ -27,7 +27,7 @@ from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, ste
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 check_for_model, lr_schedule)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
-                             check_no_earlier_run, keep_model_files, remove_partial_checkpoints,
+                             check_disk_for_checkpoints, check_no_earlier_run, keep_model_files, remove_partial_checkpoints,
                              restore_run, start_log)
 from jzo.recipe.signals import Interrupted, Interrupts
 
@@ -248,7 +248,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   micro, micro_line = micro_batch(cfg, model, devices)
   out.mkdir(parents=True, exist_ok=True)
   if cfg.sample:
-    with checkpoint.open_manager(out / "checkpoints") as manager:
+    with checkpoint.open_manager(out / "checkpoints", cfg.keep_checkpoints) as manager:
       engine = build_engine(cfg, model, params, devices, micro)
       restore_run(manager, engine, cfg, out)
       params = sample_params(engine)  # every process takes part in the gather
@@ -259,7 +259,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   if primary:
     remove_partial_checkpoints(out)
   barrier("jzo: partial checkpoints removed")
-  with checkpoint.open_manager(out / "checkpoints") as manager:
+  with checkpoint.open_manager(out / "checkpoints", cfg.keep_checkpoints) as manager:
     engine = build_engine(cfg, model, params, devices, micro)
     try:
       first = restore_run(manager, engine, cfg, out) if cfg.resume else 0
@@ -267,6 +267,11 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
       engine.close()
       del engine  # its device memory is the new engine's
       engine, first = build_engine(cfg, model, params, devices, micro), 0
+    try:
+      check_disk_for_checkpoints(cfg, manager, engine, first)
+    except UserError:
+      engine.close()
+      raise
     stop.defer()  # from here a signal waits for a step boundary, and a checkpoint
     history = start_log(cfg, out, first) if primary else []
     if primary and not first:

@@ -91,6 +91,8 @@ class TrainConfig:
   """peak bf16 TFLOPS of one device, for MFU (0: measure a bf16 matmul on GPUs, none on CPU)"""
   checkpoint_every: int = 100
   """steps between checkpoints, and one at the end (0: none but on SIGINT or SIGTERM)"""
+  keep_checkpoints: int = 2
+  """complete checkpoints kept in --out (the disk holds one more while a save writes it)"""
   resume: bool = False
   """continue from the last complete checkpoint in --out that reads (refused if there is none)"""
   fresh_start_ok: bool = False
@@ -108,7 +110,8 @@ class UserError(Exception):
 def check(cfg: TrainConfig) -> None:
   """Refuses option values out of range (types and choices: the parser's;
   what depends on the model: `check_for_model`)."""
-  for name in ("seq_len", "batch_size", "steps", "log_every", "eval_every", "eval_batches"):
+  for name in ("seq_len", "batch_size", "steps", "log_every", "eval_every", "eval_batches",
+               "keep_checkpoints"):
     if getattr(cfg, name) < 1:
       raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
   for name in ("checkpoint_every", "devices", "vocab_size", "sample_tokens", "seed"):

@@ -119,6 +119,41 @@ def latest_checkpoint(out: pathlib.Path) -> int | None:
     return manager.latest_step()
 
 
+def check_disk_for_checkpoints(cfg: TrainConfig, manager, engine: jzo.ZeroEngine,
+                               first: int) -> None:
+  """Refuses a run whose checkpoints will not fit on their disk, before its
+  first step rather than at its first save: each takes about the optimizer
+  state's bytes, and the run holds up to --keep-checkpoints of them plus
+  the one a save writes before the oldest goes (fewer if it saves fewer).
+  With --checkpoint-every 0 (a checkpoint only on a signal) it warns
+  instead. `manager`: the run's (jzo.checkpoint.open_manager); `first`:
+  the step the run starts at."""
+  folder = checkpoint.folder_of(manager)
+  each = checkpoint.saved_bytes(engine)
+  held = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+  free = shutil.disk_usage(folder).free
+  gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+  if not cfg.checkpoint_every:
+    if free < each and distributed.is_primary():
+      print(f"jzo: warning: a checkpoint takes up to {gib(each)} and {folder} has {gib(free)} "
+            "free: one written on SIGINT or SIGTERM would not fit", file=sys.stderr)
+    return
+  saves = cfg.steps // cfg.checkpoint_every - first // cfg.checkpoint_every \
+      + (cfg.steps % cfg.checkpoint_every != 0)
+  kept = len(manager.all_steps())
+  # The first save adds one to those there; then orbax keeps --keep-checkpoints.
+  at_once = min(max(cfg.keep_checkpoints, kept) + 1, kept + saves)
+  if at_once * each - held > free:
+    raise UserError(
+        f"checkpoints will not fit in {folder}: each takes up to {gib(each)} (the optimizer "
+        f"state; zstd saves about 8%), and this run holds up to {at_once} at once (--keep-"
+        f"checkpoints {cfg.keep_checkpoints}, and the one a save writes before the oldest "
+        f"goes): {gib(at_once * each)}, against {gib(free)} free"
+        + (f" and {gib(held)} in its checkpoints" if held else "")
+        + ". Free some disk, point --out at a larger one, or pass --keep-checkpoints 1 or "
+          "--checkpoint-every 0 (a checkpoint only on SIGINT or SIGTERM)")
+
+
 def check_checkpoint_to_continue(cfg: TrainConfig, out: pathlib.Path) -> None:
   """Refuses --resume and --sample with no complete checkpoint in `out`
   (--resume --fresh-start-ok starts at step 0 instead, and says so), before
