@@ -306,6 +306,7 @@ def _names(tree) -> set[str]:
 
 
 def folder_of(manager: ocp.CheckpointManager) -> pathlib.Path:
+  """The folder `manager` keeps its checkpoints in."""
   return pathlib.Path(str(manager.directory))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jzo import checkpoint, config as config_lib, train
-from jzo.recipe import data as data_lib, models, options
+from jzo.recipe import data as data_lib, models, options, runs
 
 FAST = ["--steps", "4", "--warmup", "1", "--log-every", "2", "--eval-every", "4",
         "--eval-batches", "1", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "8",
@@ -181,13 +181,11 @@ def test_checkpoints_that_will_not_fit_on_the_disk_are_refused_before_the_first_
   """The refusal names each checkpoint's bytes, how many the run holds at
   once (--keep-checkpoints + 1, or fewer when it saves fewer) and the free
   space; --checkpoint-every 0 only warns."""
-  from jzo.recipe import runs
   real = runs.shutil.disk_usage
   free = {"bytes": 0}
   monkeypatch.setattr(runs.shutil, "disk_usage",
                       lambda path: real(path)._replace(free=free["bytes"]))
   args = FAST + ["--sample-tokens", "0", "--checkpoint-every", "1"]
-  each = None
   for keep, steps, at_once in [(2, 4, 3), (1, 4, 2), (3, 2, 2)]:
     out = tmp_path / f"keep{keep}-steps{steps}"
     assert train.main(args + ["--keep-checkpoints", str(keep), "--steps", str(steps),

@@ -27,8 +27,8 @@ from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, ste
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 check_for_model, lr_schedule)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
-                             check_disk_for_checkpoints, check_no_earlier_run, keep_model_files, remove_partial_checkpoints,
-                             restore_run, start_log)
+                             check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
+                             remove_partial_checkpoints, restore_run, start_log)
 from jzo.recipe.signals import Interrupted, Interrupts
 
 
