@@ -215,3 +215,6 @@ def test_checkpoints_that_will_not_fit_on_the_disk_are_refused_before_the_first_
   assert train.main(args + ["--keep-checkpoints", "1", "--steps", "6", "--resume",
                             "--out", str(out)]) == 2
   assert "holds up to 3 at once (--keep-checkpoints 1," in capsys.readouterr().err
+  # A run resumed at its last step writes nothing more: a full disk is no matter.
+  free["bytes"] = 0
+  assert train.main(args + ["--resume", "--out", str(out)]) == 0

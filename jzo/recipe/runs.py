@@ -130,7 +130,6 @@ def check_disk_for_checkpoints(cfg: TrainConfig, manager, engine: jzo.ZeroEngine
   the step the run starts at."""
   folder = checkpoint.folder_of(manager)
   each = checkpoint.saved_bytes(engine)
-  held = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
   free = shutil.disk_usage(folder).free
   gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
   if not cfg.checkpoint_every:
@@ -143,15 +142,14 @@ def check_disk_for_checkpoints(cfg: TrainConfig, manager, engine: jzo.ZeroEngine
   kept = len(manager.all_steps())
   # The first save adds one to those there; then orbax keeps --keep-checkpoints.
   at_once = min(max(cfg.keep_checkpoints, kept) + 1, kept + saves)
-  if at_once * each - held > free:
+  if (at_once - kept) * each > free:  # those there already take their room
     raise UserError(
         f"checkpoints will not fit in {folder}: each takes up to {gib(each)} (the optimizer "
         f"state; zstd saves about 8%), and this run holds up to {at_once} at once (--keep-"
         f"checkpoints {cfg.keep_checkpoints}, and the one a save writes before the oldest "
-        f"goes): {gib(at_once * each)}, against {gib(free)} free"
-        + (f" and {gib(held)} in its checkpoints" if held else "")
-        + ". Free some disk, point --out at a larger one, or pass --keep-checkpoints 1 or "
-          "--checkpoint-every 0 (a checkpoint only on SIGINT or SIGTERM)")
+        f"goes): {at_once - kept} more, {gib((at_once - kept) * each)}, against {gib(free)} "
+        "free. Free some disk, point --out at a larger one, or pass --keep-checkpoints 1 or "
+        "--checkpoint-every 0 (a checkpoint only on SIGINT or SIGTERM)")
 
 
 def check_checkpoint_to_continue(cfg: TrainConfig, out: pathlib.Path) -> None:
