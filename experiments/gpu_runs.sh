@@ -81,6 +81,9 @@
 #                  the host; auto), MOMENTS (fp32) trained 2 steps, saved, restored: time,
 #                  disk, host RSS, exact; with .snap-base, that commit first (this tree's script)
 #   checkpoint-tests the checkpoints' CPU tests on this machine's Python and orbax
+#   checkpoint-host gpt2-10b, fp32 moments, all the state on the host at stage 3 with
+#                  --grads-in-params: jzo.estimate with and without a checkpoint's save
+#                  counted, and the recipe saving every step (refused before drawing)
 #   checkpoint-io  checkpoint_io_probe.py: GIB (12) of Adam-like state written and read by
 #                  tensorstore alone in jzo's spans, zstd and uncompressed, and dd's write speed
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
@@ -191,6 +194,16 @@ for part in "$@"; do
         echo "$name: exit $?, peak RSS $(cat "$OUT/$name.peak" 2>/dev/null) B"
         tail -c 700 "$OUT/$name.log"; echo; free -g | head -2
       done ;;
+    checkpoint-host)
+      on_host="--model gpt2-10b --stage 3 --grads-in-params --batch-size 32 --seq-len 1024"
+      for counted in --checkpoints --no-checkpoints; do
+        timeout 120 python3 -m jzo.estimate $on_host --offload true $counted >"$OUT/$part$counted.log" 2>&1
+        echo "estimate $counted: exit $?"; tail -4 "$OUT/$part$counted.log"
+      done
+      start=$SECONDS
+      timeout 300 python3 -m jzo.train $on_host --offload-fraction 1 --steps 2 \
+        --checkpoint-every 1 --sample-tokens 0 --out "/tmp/run-$part" >"$OUT/$part.log" 2>&1
+      echo "recipe: exit $?, $((SECONDS - start)) s"; tail -c 1500 "$OUT/$part.log" ;;
     checkpoint-io)
       timeout 500 python3 experiments/checkpoint_io_probe.py --gib "${GIB:-12}" \
         --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log"; df -h /tmp | tail -1 ;;

@@ -46,6 +46,14 @@ from jzo.partition import LeafLayout
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
 _MAX_DETAIL = 300
 
+# Host RAM a save takes beside the state while it writes: the spans in flight
+# (state_spans: 8 of 64 MiB), their compressed copies, tensorstore's buffers
+# and orbax's cache, and what glibc keeps of them until `release_freed_memory`.
+# Measured on the H100 machine (experiments/RESULTS.md, sessions 20 and 21):
+# host RSS rose 2.38-2.50 GiB in five saves of gpt2-4b's 47 GiB of host
+# state, 1.66 GiB for gpt2-1.5b's on its GPU; the spans bound it, not the model.
+SAVE_HOST_BYTES = int(2.5 * 2**30)
+
 
 class CheckpointError(ValueError):
   """No checkpoint, an unreadable one, or one that does not fit the engine.

@@ -79,6 +79,9 @@ class ZeroEngine:
     dpu_warmup: plain (not delayed) steps before delayed_update starts.
     host_memory: bytes of host RAM offload may use (default: what the OS
       reports available); the state is refused up front if it does not fit.
+    checkpoint_memory: bytes of host RAM to count beside the offloaded state
+      for a checkpoint's save while it writes (`jzo.checkpoint.SAVE_HOST_BYTES`
+      where the engine will be saved; 0: not counted).
     device_memory: bytes of one device's memory (default: what its
       allocator reports; none on CPU, where nothing is checked).
     activation_memory: bytes one device needs at the step's peak besides
@@ -149,7 +152,7 @@ class ZeroEngine:
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None, grads_in_params: bool = False,
-               offload_params: bool | str = False):
+               offload_params: bool | str = False, checkpoint_memory: int = 0):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -185,7 +188,8 @@ class ZeroEngine:
         shapes, state_bytes, options, n_devices=mesh.shape[axis], axis=axis,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
-        activations=activation_memory, processes=mesh.devices.size // len(self.positions))
+        activations=activation_memory, processes=mesh.devices.size // len(self.positions),
+        checkpoint_memory=checkpoint_memory)
     if int8 and self.plan.has_device_state:
       # The engine's device state is flat shards of float moments; int8
       # moments are for host RAM, where the C++ kernel runs them.

@@ -157,6 +157,9 @@ class Plan:
   # Stage 3 with layers: each layer's gradient is written over its weights
   # in the backward pass (jzo.scan_layers); the host update writes them back.
   grads_in_params: bool = False
+  # Host RAM a checkpoint's save takes beside the state while it writes (0:
+  # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them).
+  checkpoint_bytes: int = 0
 
   # ------------------------------------------------------------ structure
   @property
@@ -380,7 +383,10 @@ def format_plan(plan: Plan, activations: int | None = None,
     rounding = pinned_pool_bytes(plan.pinned_bytes()) - plan.pinned_bytes()
     rows.append(f"  {'pinned pool rounding':<22}{gib(rounding)}")
     rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(HOST_RUNTIME_BYTES)}")
-    rows.append(f"  {'total':<22}{gib(sum(host.values()) + rounding + HOST_RUNTIME_BYTES)}"
+    if plan.checkpoint_bytes:
+      rows.append(f"  {'checkpoint writes':<22}{gib(plan.checkpoint_bytes)}")
+    total = sum(host.values()) + rounding + HOST_RUNTIME_BYTES + plan.checkpoint_bytes
+    rows.append(f"  {'total':<22}{gib(total)}"
                 + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
     seconds = plan.host_elements / plan.processes / HOST_UPDATE_PARAMS_PER_S
     rows.append(f"  host update about {seconds:.2f} s a step at "
@@ -554,25 +560,32 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           "higher before JAX starts (jzo.plan.limit_pinned_pool)")
     need, parts = _total_and_parts({**host, "building": building,
                                     "pool rounding": pinned_pool_bytes(pinned) - pinned,
-                                    "runtime": HOST_RUNTIME_BYTES})
+                                    "runtime": HOST_RUNTIME_BYTES,
+                                    "checkpoint writes": plan.checkpoint_bytes})
     if need > host_memory:
+      without = ""
+      if need - plan.checkpoint_bytes <= host_memory:
+        without = (f"; it fits without the {plan.checkpoint_bytes / GiB:.2f} GiB a checkpoint's "
+                   "save takes while it writes: save none (jzo.train: --checkpoint-every 0), "
+                   "or keep more of the state on the devices")
       raise PlacementError(
           f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "
           f"({plan.host_elements:,} parameters incl. padding: {parts} GiB), "
-          f"{host_memory / GiB:.2f} GiB available")
+          f"{host_memory / GiB:.2f} GiB available{without}")
 
 
 def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
               axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              processes: int = 1) -> Plan:
+              processes: int = 1, checkpoint_memory: int = 0) -> Plan:
   """The plan of an engine with `options` over params of `shapes` (a tree
   of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
   `tx_state_bytes` of optimizer state per parameter besides the masters.
   `processes`: how many share the data axis, each with its own host memory
   (`host_memory` is one process's). Checks that the plan fits the memory
-  given (None: not checked) before anything is allocated; offload="auto"
-  needs `device_memory`.
+  given (None: not checked) before anything is allocated, on the host with
+  `checkpoint_memory` bytes for a checkpoint's save beside the state (see
+  `Plan.checkpoint_bytes`); offload="auto" needs `device_memory`.
 
   `options.accumulation` (grad_accum > 1 with offload): "device" sums the
   micro-batches' gradients in float32 on the device, "host" sums the host
@@ -590,7 +603,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
     PlacementError: the plan does not fit.
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
-            host_memory=host_memory, activations=activations, processes=processes)
+            host_memory=host_memory, activations=activations, processes=processes,
+            checkpoint_memory=checkpoint_memory)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
       or options.grads_in_params):  # which sums the layers in their backward pass
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
@@ -641,7 +655,7 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
                axis: str, device_memory: int | None, host_memory: int | None,
                activations: int, processes: int, host_accumulation: bool,
-               landing_limit: int = 0) -> Plan:
+               checkpoint_memory: int, landing_limit: int = 0) -> Plan:
   """make_plan with the accumulation decided."""
   stage, layers, offload = options.stage, options.layers, options.offload
   auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
@@ -662,7 +676,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
-        grads_in_params=options.grads_in_params)
+        grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

@@ -59,7 +59,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              precision: str = "bf16", grad_accum: int = 1, delayed_update: bool = False,
              layers: str | None = None, device_memory: int | None = None,
              host_memory: int | None = None, accumulation: str = "auto",
-             grads_in_params: bool = False, offload_params: bool | str = False) -> Estimate:
+             grads_in_params: bool = False, offload_params: bool | str = False,
+             checkpoint_memory: int = 0) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -79,6 +80,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     device_memory: bytes of one device (default: this machine's accelerator,
       else DEFAULT_DEVICE_GIB).
     host_memory: bytes of host RAM (default: what this machine has available).
+    checkpoint_memory: as for `ZeroEngine`: host RAM a checkpoint's save
+      takes beside the state (`jzo.checkpoint.SAVE_HOST_BYTES`), or 0.
 
   Returns:
     An Estimate; print it for the table.
@@ -107,7 +110,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   if host_memory is None:
     host_memory = plan_lib.available_host_memory()
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
-  kw = dict(n_devices=devices, activations=activations)
+  kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory)
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
                               device_memory=device_memory, host_memory=host_memory, **kw)
@@ -152,8 +155,8 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     global_batch: sequences per optimizer step over all devices.
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
       precision, delayed_update, layers, device_memory, host_memory,
-      accumulation, grads_in_params, offload_params); not grad_accum, which
-      this picks.
+      accumulation, grads_in_params, offload_params, checkpoint_memory);
+      not grad_accum, which this picks.
 
   Returns:
     A MicroBatch; its `line` reads e.g. "micro-batch 8 a device x 4

@@ -437,6 +437,7 @@ ESTIMATE_MISTAKES = [
                         "0.5"], "offload_params needs offload=True (the host kernel"),
     ("offload_params", ["--model", "tiny", "--offload-params"],
      "offload_params needs stage=3 and layers="),
+    ("checkpoints", ["--model", "tiny", "--checkpoints", "yes"], "Unrecognized options: yes"),
     ("host_gb", ["--model", "tiny", "--host-gb", "0"], "--host-gb must be > 0, got 0.0"),
     ("device_gb", ["--model", "tiny", "--device-gb", "lots"], "Error parsing --device-gb"),
 ]

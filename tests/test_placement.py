@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jzo
-from jzo import partition, plan as plan_lib
+from jzo import checkpoint, partition, plan as plan_lib
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
@@ -223,6 +223,14 @@ def test_estimate_cli_on_the_10b_model_and_an_h100():
   out = run_estimate(*h100[:3], "85", *h100[4:])
   assert out.returncode == 1 and "GiB of host RAM" in out.stdout
   assert "85.00 GiB available" in out.stdout
+  # All of the state on the host fits 123 GiB, but not beside a checkpoint's save
+  on_host = ("--host-gb", "123", "--stage", "3", "--grads-in-params", "--offload", "true",
+             "--batch-size", "32")
+  out = run_estimate(*h100[:2], *on_host)
+  assert out.returncode == 1 and "checkpoint writes         2.50" in out.stdout
+  assert "it fits without the 2.50 GiB a checkpoint's save takes" in out.stdout
+  out = run_estimate(*h100[:2], *on_host, "--no-checkpoints")
+  assert out.returncode == 0 and "checkpoint writes" not in out.stdout
 
 
 def test_estimate_cli_help_and_bad_input():
@@ -240,6 +248,31 @@ def test_estimate_cli_help_and_bad_input():
     out = run_estimate(*args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_the_host_check_counts_a_checkpoints_save():
+  """checkpoint_memory is counted beside the offloaded state; a plan it
+  alone pushes past the host says so, and the engine refuses the same
+  before drawing anything."""
+  params = init_params()
+  need = jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
+                      host_memory=1 << 40)
+  total = sum(need.plan.host_bytes().values()) + plan_lib.HOST_RUNTIME_BYTES
+  host = total + 2**30  # room for the state (and its build), not for 2.5 GiB more
+  assert jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
+                      host_memory=host).fits
+  saved = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=host,
+                       checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+  assert not saved.fits and saved.plan.checkpoint_bytes == checkpoint.SAVE_HOST_BYTES
+  assert "checkpoint writes 2.50 GiB" in saved.error
+  assert "it fits without the 2.50 GiB a checkpoint's save takes" in saved.error
+  with pytest.raises(jzo.PlacementError, match="checkpoint writes 2.50 GiB"):
+    jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(8),
+                   host_memory=host, checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+  # Where the state alone does not fit either, the message does not blame the save.
+  tight = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=2**30,
+                       checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+  assert not tight.fits and "it fits without" not in tight.error
 
 
 def test_estimate_agrees_with_the_engine():

@@ -1,11 +1,13 @@
 """`python -m jzo.train`: a few steps end to end, and what bad input gets."""
 
 import json
+import re
 import time
 
 import numpy as np
 import pytest
 
+import jzo
 from jzo import checkpoint, config as config_lib, train
 from jzo.recipe import data as data_lib, models, options, runs
 
@@ -174,6 +176,34 @@ def test_partial_placement_and_bf16_moments(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "% on the device" in out and "% on the host" in out
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_run_that_saves_checkpoints_counts_their_host_memory(tmp_path, monkeypatch, capsys):
+  """The plan counts a save's host memory beside the offloaded state when
+  the run saves every --checkpoint-every steps: a host with room for the
+  state but not for that is refused before any weight is drawn, naming it;
+  --checkpoint-every 0 (a checkpoint only on a signal) and --sample are not."""
+  runtime = jzo.plan.HOST_RUNTIME_BYTES  # the tiny model's state is a few MiB beside it
+  monkeypatch.setattr(jzo.plan, "available_host_memory",
+                      lambda: runtime + checkpoint.SAVE_HOST_BYTES // 2)
+  args = FAST + ["--steps", "2", "--sample-tokens", "0", "--checkpoint-every", "2"]
+  out = tmp_path / "saving"
+  assert train.main(args + ["--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "checkpoint writes 2.50 GiB" in err and "it fits without the 2.50 GiB a checkpoint's" \
+      " save takes while it writes: save none (jzo.train: --checkpoint-every 0)" in err, err
+  assert not (out / "metrics.jsonl").exists() and runs.latest_checkpoint(out) is None
+  out = tmp_path / "signal-only"
+  assert train.main(args[:-1] + ["0", "--out", str(out)]) == 0
+  assert "checkpoint writes" not in capsys.readouterr().out
+  monkeypatch.setattr(jzo.plan, "available_host_memory", lambda: 1 << 40)
+  out = tmp_path / "sampled"
+  assert train.main(args + ["--out", str(out)]) == 0
+  assert re.search(r"checkpoint writes +2\.50\n", capsys.readouterr().out)  # the plan's table
+  monkeypatch.setattr(jzo.plan, "available_host_memory",
+                      lambda: runtime + checkpoint.SAVE_HOST_BYTES // 2)
+  assert train.main(args + ["--out", str(out), "--sample"]) == 0
+  assert "--- sample" in capsys.readouterr().out
 
 
 def test_checkpoints_that_will_not_fit_on_the_disk_are_refused_before_the_first_step(

@@ -17,6 +17,7 @@ from unittest import mock
 import jax
 
 from jzo import config as config_lib
+from jzo.checkpoint import SAVE_HOST_BYTES
 from jzo.plan import GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
@@ -98,6 +99,8 @@ class EstimateConfig:
   """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
   offload_params: bool = False
   """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the device needs, fetched a layer at a time (implies --grads-in-params)"""
+  checkpoints: bool = True
+  """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None
   """GiB of host RAM (None: what this machine has available)"""
   device_gb: float | None = None
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                               grads_in_params=cfg.grads_in_params,
                               offload_params="auto" if cfg.offload_params else False,
                               device_memory=gib(cfg.device_gb),
-                              host_memory=gib(cfg.host_gb))
+                              host_memory=gib(cfg.host_gb),
+                              checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)
       table = str(result)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -148,7 +148,7 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
         offload_params=weights_placement(cfg, devices),
         layers=model.family.layers if cfg.stage == 3 else None,
-        device_memory=device_memory)
+        device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg))
   except jzo.PlacementError as e:
     raise UserError(str(e)) from e
   return picked.micro_batch, picked.line
@@ -175,7 +175,16 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
       grads_in_params=cfg.grads_in_params, offload_params=weights_placement(cfg, devices),
       layers=model.family.layers if cfg.stage == 3 else None,
       activation_memory=model.activation_bytes(micro, cfg.seq_len),
-      device_memory=int(cfg.device_memory_gb * 2**30) or None)
+      device_memory=int(cfg.device_memory_gb * 2**30) or None,
+      checkpoint_memory=checkpoint_memory(cfg))
+
+
+def checkpoint_memory(cfg: TrainConfig) -> int:
+  """Host RAM the plan counts for a checkpoint's save: a run that saves
+  every --checkpoint-every steps must have it. Neither one that saves only
+  on SIGINT or SIGTERM (--checkpoint-every 0) nor --sample, which saves
+  nothing, is refused for it."""
+  return checkpoint.SAVE_HOST_BYTES if cfg.checkpoint_every and not cfg.sample else 0
 
 
 def build_engine(cfg: TrainConfig, model: models.Model, params, devices,
