@@ -57,14 +57,16 @@ class PeakRSS:
 
 
 def checksum(engine) -> dict[str, int]:
-  """Per name (master, mu, nu), the sum of the bit patterns of every value,
-  read span by span from the live state."""
+  """Per entry saved (master, mu, nu; int8 moments' codes and scales), the
+  sum of the bit patterns of every value, read span by span from the live state."""
   import jax
   import numpy as np
   from jzo import state_spans
   saved = engine.state_dict(streamed=True)
   sums = {}
-  for name in ("master", "mu", "nu"):
+  for name in ("master", "mu", "nu", "mu_codes", "mu_scales", "nu_codes", "nu_scales"):
+    if name not in saved:
+      continue
     total = 0
     for leaf in jax.tree.leaves(saved[name]):
       layout = leaf.pieces.layout

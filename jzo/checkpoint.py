@@ -188,6 +188,9 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     engine.load_state_dict(restored)
   except state_dict.StateChanged as e:  # a span that did not read
     raise _unreadable(e.__cause__, folder, step, engine_changed=True) from e
+  except ValueError as e:  # refused before any value was written (int8 scales of other codes)
+    raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {e}",
+                          folder, step) from e
   finally:
     del restored
     release_freed_memory()

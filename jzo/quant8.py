@@ -114,12 +114,17 @@ def _blocked(x, xp):
   return x.reshape(x.shape[:-1] + (blocks(k), QUANT_BLOCK))
 
 
+def code_values(signed: bool) -> np.ndarray:
+  """The value of each of the 256 codes before its block's scale (float32)."""
+  return _map(signed)[0]
+
+
 def dequantize(q: Int8Moment, *, signed: bool):
   """The float32 values of q (numpy in, numpy out; jax in, jax out)."""
   xp = _xp(q.codes)
   shape = q.codes.shape
   codes = q.codes.reshape(shape or (1,))
-  values = xp.asarray(_map(signed)[0])[codes.astype(xp.int32)]
+  values = xp.asarray(code_values(signed))[codes.astype(xp.int32)]
   scaled = _blocked(values, xp) * q.scales[..., None]
   return scaled.reshape(scaled.shape[:-2] + (-1,))[..., :codes.shape[-1]].reshape(shape)
 

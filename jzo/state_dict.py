@@ -13,7 +13,15 @@ reads each into the engines it suits). Every one holds the loss scale
   and the step count, whatever lives where. They load into any Adam engine
   of the same model: any ZeRO stage, device count or placement, offload on
   or off (the re-sharding is a reshape on the host). The moments carry over
-  as they are; learning rate and weight decay are the loading engine's. No
+  as they are; learning rate and weight decay are the loading engine's.
+  int8 moments are saved as they are kept, at a quarter of float32's bytes:
+  `mu_codes`/`nu_codes` (uint8, the params' full shapes) and `mu_scales`/
+  `nu_scales` ((S, blocks) or (S, L, blocks): each shard's blocks, of the
+  leaf or of each layer) in place of `mu`/`nu`. They load into any Adam
+  engine in one process as their values (an int8 engine of the same shards
+  gets the same codes and scales back; another quantizes the values in its
+  own blocks), not into several processes (whose format has float32
+  moments); an int8 engine loads the float32 moments of before too. No
   optimizer name is saved: optax's others that keep a ScaleByAdamState
   (adamax, yogi, radam, lamb) save this format too, and would load into Adam.
 - ADAM_FLAT: the same optimizers over several processes. The masters and
@@ -34,6 +42,7 @@ naming the first entries that differ, before any array is read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -328,8 +337,13 @@ def engine_state_dict(trained: ZeroState, streamed: bool = False) -> dict:
 
 
 def _adam_full(trained: ZeroState) -> dict:
-  """ADAM's masters and moments: numpy arrays in the params' full shapes."""
+  """ADAM's masters and moments: numpy arrays in the params' full shapes
+  (int8 moments as their codes and scales)."""
   plan, state, host = trained.plan, trained.device, trained.host
+  if _int8(trained):
+    structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+    return {name: jax.tree.unflatten(structure, [_read_whole(p, dtype) for p in pieces])
+            for name, (pieces, dtype) in _saved_pieces(trained).items()}
   if plan.cpu_adam:
     opt = state.opt_state
     moments = {name: _parts(plan, getattr(opt, name) if opt else None,
@@ -339,6 +353,16 @@ def _adam_full(trained: ZeroState) -> dict:
   adam = _device_adam(plan, state)
   return {"master": _full(plan, state.master), "mu": _full(plan, adam.mu),
           "nu": _full(plan, adam.nu)}
+
+
+def _read_whole(pieces, dtype) -> np.ndarray:
+  """A leaf's pieces (state_spans.Pieces or HeldPieces) read into a new
+  array of its full shape, span by span."""
+  layout = pieces.layout
+  out = np.empty(layout.shape, dtype)
+  for index, row, x0, x1 in state_spans.rectangles(layout, np.dtype(dtype).itemsize):
+    out[index] = pieces.read(row, x0, x1, dtype).reshape(state_spans.span_shape(layout, index))
+  return out
 
 
 def _adam_pieces(trained: ZeroState) -> dict:
@@ -366,11 +390,43 @@ def _adam_pieces(trained: ZeroState) -> dict:
 
 
 def _adam_streamed(trained: ZeroState) -> dict:
-  """ADAM's masters and moments as StreamedArrays in the params' tree."""
+  """ADAM's masters and moments as StreamedArrays in the params' tree
+  (int8 moments as their codes and scales)."""
   structure = jax.tree.structure(trained.plan.layouts, is_leaf=is_layout)
   return {name: jax.tree.unflatten(structure, [state_spans.StreamedArray(p, dtype)
                                                for p in pieces])
-          for name, (pieces, dtype) in _adam_pieces(trained).items()}
+          for name, (pieces, dtype) in _saved_pieces(trained).items()}
+
+
+def _saved_pieces(trained: ZeroState) -> dict:
+  """`_adam_pieces` as the ADAM format saves them: int8 moments as two
+  entries, `{name}_codes` (uint8, read from the host's codes) and
+  `{name}_scales` (float32, the host's (S, [L,] blocks) scales whole)."""
+  out = {}
+  for name, (pieces, dtype) in _adam_pieces(trained).items():
+    if name == "master" or not _int8(trained):
+      out[name] = (pieces, dtype)
+      continue
+    out[codes_entry(name)] = ([dataclasses.replace(p, codes=True) for p in pieces],
+                              np.dtype(np.uint8))
+    out[scales_entry(name)] = ([state_spans.HeldPieces(p.host.scales) for p in pieces],
+                               np.dtype(np.float32))
+  return out
+
+
+def codes_entry(name: str) -> str:
+  """The entry of an int8 moment's codes in the ADAM format (name: mu or nu)."""
+  return f"{name}_codes"
+
+
+def scales_entry(name: str) -> str:
+  """The entry of an int8 moment's scales in the ADAM format."""
+  return f"{name}_scales"
+
+
+def _int8(trained: ZeroState) -> bool:
+  """The engine keeps int8 moments (on the host, with jzo's Adam)."""
+  return trained.plan.cpu_adam and quant8.is_int8(trained.host.hyper.mu_dtype)
 
 
 def _adam_flat(trained: ZeroState) -> dict:
@@ -451,12 +507,50 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
         is_leaf=quant8.is_moment) for name in ("mu", "nu")}
   else:
     masters, moments = state.master, {"mu": device_adam.mu, "nu": device_adam.nu}
-  entries = {"master": entry("master", masters),
-             **{name: entry(name, like) for name, like in moments.items()}}
+  entries = {"master": entry("master", masters)}
+  for name, like in moments.items():
+    if not several and _reads_codes(trained, name, saved_outline):
+      entries.update(_int8_entries(trained, name, saved_outline))
+    else:
+      entries[name] = entry(name, like)
   target = {**tree, **{k: t for k, (t, _) in entries.items()},
             "count": jax.ShapeDtypeStruct((), np.int64)}
   accepted = {**outline(target), **{k: a for k, (_, a) in entries.items()}}
   return target, accepted
+
+
+def _reads_codes(trained: ZeroState, name: str, saved_outline) -> bool:
+  """Whether moment `name` is read as int8 codes and scales (one process):
+  the checkpoint has them so, or this int8 engine's own format where the
+  checkpoint has the moment neither way (or there is none)."""
+  if codes_entry(name) in saved_outline:
+    return True
+  return _int8(trained) and name not in saved_outline
+
+
+def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
+  """(target, accepted outline) of an int8 moment's codes and scales: the
+  codes in the params' full shapes; the scales as saved (any shard count:
+  state_spans.SavedInt8Leaf checks them against the codes), else as this
+  engine keeps them."""
+  plan = trained.plan
+  structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+  saved = jax.tree.leaves(saved_outline.get(scales_entry(name)),
+                          is_leaf=lambda x: isinstance(x, str))
+  if len(saved) != len(plan.leaves):
+    saved = [None] * len(plan.leaves)
+
+  def scales(layout, saved_leaf):
+    found = re.fullmatch(r"float32\[([\d, ]*)\]", saved_leaf or "")
+    if found:
+      shape = tuple(int(n) for n in found[1].split(",") if n.strip())
+    else:  # this engine's own: every shard's (and layer's) blocks
+      shape = (layout.shards,) + layout.local_shape[:-1] + (quant8.blocks(layout.shard_size),)
+    return jax.ShapeDtypeStruct(shape, np.float32)
+  codes = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(l.shape, np.uint8)
+                                         for l in plan.leaves])
+  scale = jax.tree.unflatten(structure, [scales(l, x) for l, x in zip(plan.leaves, saved)])
+  return {codes_entry(name): (codes, outline(codes)), scales_entry(name): (scale, outline(scale))}
 
 
 def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:
@@ -466,7 +560,8 @@ def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:
   whose global arrays orbax reads shard by shard)."""
   if _several_processes() or "opt_state" in target:
     return ()
-  return ("master", "mu", "nu")
+  return tuple(name for name in ("master", "mu", "nu", codes_entry("mu"), codes_entry("nu"))
+               if name in target)
 
 
 def _padded_otherwise(saved_leaf: str | None, layout: LeafLayout, dtype) -> bool:
@@ -502,7 +597,7 @@ def _load_adam(trained: ZeroState, saved: dict) -> EngineState:
   structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
   lowp = jax.tree.leaves(state.params)
   device = {name: [p.device for p in leaf_pieces] for name, (leaf_pieces, _) in pieces.items()}
-  saved_leaves = {name: jax.tree.leaves(saved[name]) for name in pieces}
+  saved_leaves = {name: _saved_values(saved, name) for name in pieces}
 
   def assembled() -> EngineState:
     tree = lambda leaves: jax.tree.unflatten(structure, leaves)
@@ -553,6 +648,18 @@ def _load_adam(trained: ZeroState, saved: dict) -> EngineState:
       loss_scale=LossScaleState(scalar(np.float32(saved["loss_scale"])),
                                 scalar(np.int32(saved["good_steps"]))),
       step=scalar(np.int32(saved["step"])), skipped=scalar(np.int32(saved["skipped"])))
+
+
+def _saved_values(saved: dict, name: str) -> list:
+  """Per leaf, what `load_leaf` reads of master or moment `name`: the saved
+  leaves (arrays or SavedLeafs), or an int8 moment's codes and scales as
+  SavedInt8Leafs of its values."""
+  if codes_entry(name) not in saved:
+    return jax.tree.leaves(saved[name])
+  return [state_spans.SavedInt8Leaf(state_spans.as_saved_leaf(codes), np.asarray(scales),
+                                    signed=name == "mu")
+          for codes, scales in zip(jax.tree.leaves(saved[codes_entry(name)]),
+                                   jax.tree.leaves(saved[scales_entry(name)]))]
 
 
 def _replace_adam(opt_state, mu, nu):

@@ -82,11 +82,13 @@ class Pieces:
   host: the host parts over this process's shards ((n, *rows, k - c) numpy,
     or a quant8.Int8Moment), or None without offload.
   signed: an int8 host part is a first moment (the signed map).
+  codes: an int8 host part is read as its codes (uint8), not its values.
   """
   layout: LeafLayout
   device: jax.Array | None
   host: object | None
   signed: bool = False
+  codes: bool = False
 
   def read(self, row: int, x0: int, x1: int, dtype) -> np.ndarray:
     """Flat positions [x0, x1) of `row` (one process: every shard is its own)."""
@@ -103,8 +105,22 @@ class Pieces:
         at, lo = at + n, lo + n
       if lo < hi:
         out[at:at + hi - lo] = _host_values(self.host, d, layout, row, lo - c, hi - c,
-                                             self.signed)
+                                             self.signed, self.codes)
     return out
+
+
+@dataclasses.dataclass
+class HeldPieces:
+  """An array held whole on the host (int8 moments' scales), read as Pieces
+  are: one row of its flat values."""
+  array: np.ndarray
+
+  @property
+  def layout(self) -> LeafLayout:
+    return LeafLayout(tuple(self.array.shape), shards=1)
+
+  def read(self, row: int, x0: int, x1: int, dtype) -> np.ndarray:
+    return self.array.reshape(-1)[x0:x1].astype(dtype)
 
 
 def _at(layout: LeafLayout, row: int, column: int) -> tuple[int, ...]:
@@ -112,11 +128,14 @@ def _at(layout: LeafLayout, row: int, column: int) -> tuple[int, ...]:
 
 
 def _host_values(host, d: int, layout: LeafLayout, row: int, lo: int, hi: int,
-                 signed: bool) -> np.ndarray:
-  """Host part columns [lo, hi) of shard d's `row`, as stored or dequantized."""
+                 signed: bool, codes: bool = False) -> np.ndarray:
+  """Host part columns [lo, hi) of shard d's `row`, as stored or (int8
+  moments, unless `codes`) dequantized."""
   pick = (lambda x: x[d, row]) if layout.per_layer else (lambda x: x[d])
   if not isinstance(host, quant8.Int8Moment):
     return pick(host)[lo:hi]
+  if codes:
+    return pick(host.codes)[lo:hi]
   first, last = lo // quant8.QUANT_BLOCK, -(-hi // quant8.QUANT_BLOCK)
   codes = pick(host.codes)[first * quant8.QUANT_BLOCK:last * quant8.QUANT_BLOCK]
   block = quant8.Int8Moment(codes, pick(host.scales)[first:last])
@@ -255,6 +274,62 @@ class _HeldLeaf(SavedLeaf):
     done = concurrent.futures.Future()
     done.set_result(self.store[self._index(layout, index, x0, x1)])
     return done
+
+
+class SavedInt8Leaf(SavedLeaf):
+  """An int8 moment saved as its codes (uint8, the leaf's full shape) and
+  scales ((S, blocks) or (S, L, blocks): a scale per block of QUANT_BLOCK
+  values of each of S shards' flat part, of the leaf or of each of its L
+  layers, as the engine that saved it kept them), read as a SavedLeaf of
+  its float32 values: each value its code's times its block's scale, as
+  quant8.dequantize gives it (an int8 engine of the same shards quantizes
+  them back to the same codes and scales)."""
+
+  def __init__(self, codes: SavedLeaf, scales: np.ndarray, signed: bool):
+    self.codes, self.scales, self.signed = codes, np.asarray(scales, np.float32), signed
+    self.shape, self.dtype = codes.shape, np.dtype(np.float32)
+    per_layer = self.scales.ndim == 3
+    self.row = math.prod(self.shape[1:] if per_layer else self.shape)  # a saved row's values
+    shards = self.scales.shape[0] if self.scales.ndim else 0
+    self.shard = -(-self.row // shards) if shards else 0  # k: values of a shard's row
+    expected = (shards,) + ((self.shape[0],) if per_layer else ()) \
+        + (quant8.blocks(self.shard),)
+    if not shards or self.scales.shape != expected or self.scales.ndim not in (2, 3):
+      raise ValueError(f"int8 moment scales {list(self.scales.shape)} do not fit codes "
+                       f"{list(self.shape)}: expected (shards, [layers,] blocks of each "
+                       f"shard's part), e.g. {list(expected)}")
+
+  def chunk_rows(self, layout: LeafLayout) -> int | None:
+    return self.codes.chunk_rows(layout)
+
+  def held(self) -> SavedInt8Leaf:
+    return SavedInt8Leaf(self.codes.held(), self.scales, self.signed)
+
+  def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
+    codes = self.codes.fetch(layout, index, x0, x1)
+    row = index[0].start if layout.per_layer else 0
+    first = row * math.prod(layout.inner_shape) + x0  # position in the whole leaf
+    return _Dequantized(self, codes, first)
+
+  def values(self, codes: np.ndarray, first: int) -> np.ndarray:
+    """The float32 values of `codes` (flat) at positions first, first + 1,
+    ... of the whole leaf."""
+    at = first + np.arange(codes.size, dtype=np.int64)
+    row, column = np.divmod(at, self.row)
+    shard, column = np.divmod(column, self.shard)
+    block = column // quant8.QUANT_BLOCK
+    scale = self.scales[shard, row, block] if self.scales.ndim == 3 else self.scales[shard, block]
+    return quant8.code_values(self.signed)[codes.reshape(-1)] * scale
+
+
+class _Dequantized:
+  """A read of codes under way (its `.result()`), whose result is their values."""
+
+  def __init__(self, leaf: SavedInt8Leaf, codes, first: int):
+    self.leaf, self.codes, self.first = leaf, codes, first
+
+  def result(self) -> np.ndarray:
+    return self.leaf.values(np.asarray(self.codes.result()), self.first)
 
 
 def as_saved_leaf(x) -> SavedLeaf:

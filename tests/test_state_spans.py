@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jzo
-from jzo import checkpoint, quant8, state_spans
+from jzo import checkpoint, quant8, state_dict, state_spans
 from jzo.partition import LeafLayout
 from test_engine import batches, mesh_of
 from test_grads_in_params import loss_fn
@@ -254,3 +254,77 @@ def test_a_checkpoint_chunked_by_orbax_loads_a_leaf_at_a_time(tmp_path, small_sp
   assert_same(fresh.state_dict(), want)
   trained.close()
   fresh.close()
+
+
+def moment_values(engine, name):
+  """Moment `name` of an offloading engine in the params' full shapes,
+  float32 (int8 moments dequantized), read from where it lives."""
+  pieces, _ = state_dict._adam_pieces(engine.trained)[name]
+  return [state_dict._read_whole(p, np.float32) for p in pieces]
+
+
+def requantized(values, layout, signed):
+  """Full-shape values as an int8 engine of `layout` keeps them: each
+  shard's part of each row quantized in its own blocks, then dequantized."""
+  flat = np.asarray(layout.flatten(jnp.asarray(values)))
+  _, host = layout.split(flat)
+  back = quant8.dequantize(quant8.quantize(host, signed=signed), signed=signed)
+  return np.asarray(layout.unflatten(layout.join(np.zeros(layout.part_shape(0)), back)))
+
+
+def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans):
+  """An int8 engine's checkpoint keeps its moments as codes (uint8, full
+  shapes) and scales, not float32 (half the bytes of the whole state); they
+  load exactly into the same placement (above), as their values into float
+  moments, requantized into another int8 placement's blocks, and a
+  checkpoint of the float32 format of before loads into int8 engines."""
+  saver = make("int8-8")
+  for b in batches(2):
+    saver.step(b)
+  n = sum(x.size for x in jax.tree.leaves(saver.params))
+  blocks = sum(8 * (3 if l.per_layer else 1) * quant8.blocks(l.shard_size)
+               for l in saver.plan.leaves)
+  scalars = 4 * 4 + 2 * 8  # loss scale, good steps, step, skipped; steps run, count
+  assert checkpoint.saved_bytes(saver) == 4 * n + 2 * (n + 4 * blocks) + scalars
+  values = {name: moment_values(saver, name) for name in ("mu", "nu")}
+  with checkpoint.open_manager(tmp_path) as manager:
+    checkpoint.save(manager, saver, 2)
+    saved = state_dict.outline(manager.item_metadata(2).tree)
+  assert "mu" not in saved and saved["mu_codes"]["blocks"]["w"] == "uint8[3, 40, 40]"
+  assert saved["nu_scales"]["blocks"]["w"] == "float32[8, 3, 1]"  # 8 shards' 200 of 1,600
+  float_moments = make("host-fp32-1", seed=1)
+  other_int8 = jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(1e-2, mu_dtype="int8",
+                                                                      nu_dtype="int8"),
+                              mesh=mesh_of(2), stage=2, offload=True, max_grad_norm=1.0)
+  on_devices = make("optax-8", seed=1)  # optax.adamw's float32 moments on 8 devices
+  for engine in (float_moments, other_int8, on_devices):
+    with checkpoint.open_manager(tmp_path) as manager:
+      checkpoint.restore(manager, engine)
+  for name in ("mu", "nu"):
+    for got, want in zip(moment_values(float_moments, name), values[name]):
+      np.testing.assert_array_equal(got, want)
+    for got, want in zip(jax.tree.leaves(on_devices.state_dict()[name]), values[name]):
+      np.testing.assert_array_equal(got, want)
+    layouts = other_int8.plan.leaves
+    for got, want, layout in zip(moment_values(other_int8, name), values[name], layouts):
+      np.testing.assert_array_equal(got, requantized(want, layout, signed=name == "mu"))
+  # The same weights (1 device at stage 3 against 2 at stage 2: float rounding)
+  np.testing.assert_allclose(float(other_int8.step(batches(3)[2]).loss),
+                             float(float_moments.step(batches(3)[2]).loss), rtol=1e-6)
+
+  # The format of before: float32 moments in full shapes.
+  before = {k: v for k, v in saver.state_dict().items() if "_codes" not in k and "_scales" not in k}
+  structure = jax.tree.structure(saver.params)
+  before.update({name: jax.tree.unflatten(structure, values[name]) for name in ("mu", "nu")})
+  fresh = make("int8-8", seed=1)
+  fresh.load_state_dict(before)
+  assert_same(fresh.state_dict(), saver.state_dict())
+
+  # Scales that do not fit their codes are refused before anything is written.
+  wrong = saver.state_dict()
+  wrong["mu_scales"]["head"] = np.zeros((4, 2), np.float32)  # 4 shards of 30: 1 block
+  with pytest.raises(ValueError, match=r"int8 moment scales \[4, 2\] do not fit codes \[40, 3\]"):
+    fresh.load_state_dict(wrong)
+  assert_same(fresh.state_dict(), saver.state_dict())
+  for engine in (saver, float_moments, other_int8, on_devices, fresh):
+    engine.close()
