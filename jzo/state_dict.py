@@ -393,7 +393,9 @@ def _adam_streamed(trained: ZeroState) -> dict:
   """ADAM's masters and moments as StreamedArrays in the params' tree
   (int8 moments as their codes and scales)."""
   structure = jax.tree.structure(trained.plan.layouts, is_leaf=is_layout)
-  return {name: jax.tree.unflatten(structure, [state_spans.StreamedArray(p, dtype)
+  # Codes are cut into the spans of the float32 values a restore makes of them.
+  itemsize = lambda name: 4 if name.endswith("_codes") else None
+  return {name: jax.tree.unflatten(structure, [state_spans.StreamedArray(p, dtype, itemsize(name))
                                                for p in pieces])
           for name, (pieces, dtype) in _saved_pieces(trained).items()}
 

@@ -185,6 +185,9 @@ class StreamedArray:
   the live state when jzo.checkpoint writes it (valid until the next step)."""
   pieces: Pieces
   dtype: np.dtype
+  # Bytes a value counts for when the leaf is cut into spans (None: its
+  # dtype's): int8 codes are cut as the float32 values a restore makes of them.
+  span_itemsize: int | None = None
 
   def __deepcopy__(self, memo):
     # Orbax copies what it saves before writing it in the background; this
@@ -207,13 +210,17 @@ class StreamedArray:
   def chunk_shape(self) -> tuple[int, ...]:
     """The shape of the first (largest) span: the chunks of the saved array."""
     layout = self.pieces.layout
-    return span_shape(layout, rectangles(layout, self.dtype.itemsize)[0][0])
+    return span_shape(layout, rectangles(layout, self._itemsize)[0][0])
+
+  @property
+  def _itemsize(self) -> int:
+    return self.span_itemsize or self.dtype.itemsize
 
   async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
     """(index into the full shape, the values there), one span after
     another, each read after `await before_each()`."""
     layout = self.pieces.layout
-    for index, row, x0, x1 in rectangles(layout, self.dtype.itemsize):
+    for index, row, x0, x1 in rectangles(layout, self._itemsize):
       await before_each()
       values = self.pieces.read(row, x0, x1, self.dtype)
       yield index, values.reshape(span_shape(layout, index))
@@ -313,13 +320,25 @@ class SavedInt8Leaf(SavedLeaf):
 
   def values(self, codes: np.ndarray, first: int) -> np.ndarray:
     """The float32 values of `codes` (flat) at positions first, first + 1,
-    ... of the whole leaf."""
-    at = first + np.arange(codes.size, dtype=np.int64)
-    row, column = np.divmod(at, self.row)
-    shard, column = np.divmod(column, self.shard)
-    block = column // quant8.QUANT_BLOCK
-    scale = self.scales[shard, row, block] if self.scales.ndim == 3 else self.scales[shard, block]
-    return quant8.code_values(self.signed)[codes.reshape(-1)] * scale
+    ... of the whole leaf, in parts of QUANTIZE_PART over the CPUs."""
+    codes, out = codes.reshape(-1), np.empty(codes.size, np.float32)
+    parts = range(0, codes.size, QUANTIZE_PART)
+    list(_threads().map(lambda a: self._values(codes, first, a, min(a + QUANTIZE_PART,
+                                                                    codes.size), out), parts))
+    return out
+
+  def _values(self, codes: np.ndarray, first: int, lo: int, hi: int, out: np.ndarray) -> None:
+    """out[lo:hi] = the values of codes[lo:hi], a run of one shard's blocks at a time."""
+    table, block = quant8.code_values(self.signed), quant8.QUANT_BLOCK
+    while lo < hi:
+      row, column = divmod(first + lo, self.row)
+      shard, at = divmod(column, self.shard)  # column `at` of the shard's part of the row
+      n = min(hi - lo, self.shard - at, self.row - column)
+      scales = self.scales[shard, row] if self.scales.ndim == 3 else self.scales[shard]
+      b0, skip = divmod(at, block)
+      scale = np.repeat(scales[b0:-(-(at + n) // block)], block)[skip:skip + n]
+      np.multiply(table[codes[lo:lo + n]], scale, out=out[lo:lo + n])
+      lo += n
 
 
 class _Dequantized:

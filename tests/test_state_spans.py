@@ -272,12 +272,15 @@ def requantized(values, layout, signed):
   return np.asarray(layout.unflatten(layout.join(np.zeros(layout.part_shape(0)), back)))
 
 
-def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans):
+def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monkeypatch):
   """An int8 engine's checkpoint keeps its moments as codes (uint8, full
   shapes) and scales, not float32 (half the bytes of the whole state); they
   load exactly into the same placement (above), as their values into float
   moments, requantized into another int8 placement's blocks, and a
   checkpoint of the float32 format of before loads into int8 engines."""
+  # Values made from codes and quantized in parts of 512 over the threads:
+  # across the shards' parts (200 values of a layer's row of w, 5 of b)
+  monkeypatch.setattr(state_spans, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
   saver = make("int8-8")
   for b in batches(2):
     saver.step(b)
