@@ -309,6 +309,15 @@ class SavedInt8Leaf(SavedLeaf):
   def chunk_rows(self, layout: LeafLayout) -> int | None:
     return self.codes.chunk_rows(layout)
 
+  def same_blocks(self, target: Target) -> bool:
+    """Whether `target` is an int8 host part in these blocks (every shard's,
+    of one process): it takes the codes and scales as they are."""
+    host = target.host
+    return (isinstance(host, quant8.Int8Moment) and not target.buffers
+            and target.layout.on_device == 0 and target.signed == self.signed
+            and target.layout.per_layer == (self.scales.ndim == 3)
+            and tuple(host.scales.shape) == self.scales.shape)
+
   def held(self) -> SavedInt8Leaf:
     return SavedInt8Leaf(self.codes.held(), self.scales, self.signed)
 
@@ -439,8 +448,14 @@ class Target:
 def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None:
   """Writes one saved leaf into `targets` (all of the same leaf), span by
   span: device buffers through in-place updates, host parts in place
-  (int8 moments quantized block by block as their values arrive)."""
+  (int8 moments quantized block by block as their values arrive, or, saved
+  in the same blocks, their codes and scales copied as they are)."""
   layout = targets[0].layout
+  codes = isinstance(saved, SavedInt8Leaf) and all(saved.same_blocks(t) for t in targets)
+  if codes:
+    for t in targets:
+      np.copyto(t.host.scales, saved.scales)
+    saved = saved.codes
   k, c, S = layout.shard_size, layout.on_device, layout.shards
   size = math.prod(layout.inner_shape)
   rows = saved.chunk_rows(layout)
@@ -466,7 +481,7 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
   for n, (index, row, x0, x1) in enumerate(spans):
     reading = ahead.popleft()
     ahead.append(fetch(n + depth))
-    values = (np.zeros(x1 - x0, np.float32) if reading is None
+    values = (np.zeros(x1 - x0, np.uint8 if codes else np.float32) if reading is None
               else np.asarray(reading.result()).reshape(-1))
     for t in targets:
       if t.full and index is not None:
@@ -483,15 +498,17 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
         if t.host is not None:
           lo, hi = max(x0, d * k + c), min(x1, (d + 1) * k)
           if lo < hi:
-            _write_host(t, j, row, lo - d * k - c, values[lo - x0:hi - x0])
+            _write_host(t, j, row, lo - d * k - c, values[lo - x0:hi - x0], codes)
 
 
-def _write_host(t: Target, j: int, row: int, at: int, values: np.ndarray) -> None:
-  """Host part columns [at, at + len(values)) of local shard j's `row`."""
+def _write_host(t: Target, j: int, row: int, at: int, values: np.ndarray,
+                codes: bool = False) -> None:
+  """Host part columns [at, at + len(values)) of local shard j's `row`
+  (`codes`: int8 codes, written as they are)."""
   layout = t.layout
   pick = (lambda x: x[j, row]) if layout.per_layer else (lambda x: x[j])
-  if not isinstance(t.host, quant8.Int8Moment):
-    pick(t.host)[at:at + values.size] = values
+  if codes or not isinstance(t.host, quant8.Int8Moment):
+    pick(t.host.codes if codes else t.host)[at:at + values.size] = values
     return
   # Blocks start at the host part's column 0: quantize each once whole.
   held = t.pending.pop((j, row), np.empty(0, np.float32))

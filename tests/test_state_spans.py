@@ -295,6 +295,12 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
     saved = state_dict.outline(manager.item_metadata(2).tree)
   assert "mu" not in saved and saved["mu_codes"]["blocks"]["w"] == "uint8[3, 40, 40]"
   assert saved["nu_scales"]["blocks"]["w"] == "float32[8, 3, 1]"  # 8 shards' 200 of 1,600
+  # The same placement takes the codes and scales as they are: nothing is quantized.
+  same = make("int8-8", seed=1)
+  with monkeypatch.context() as m, checkpoint.open_manager(tmp_path) as manager:
+    m.setattr(state_spans, "_quantize", lambda *a: pytest.fail("quantized again"))
+    checkpoint.restore(manager, same)
+  assert_same(same.state_dict(), saver.state_dict())
   float_moments = make("host-fp32-1", seed=1)
   other_int8 = jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(1e-2, mu_dtype="int8",
                                                                       nu_dtype="int8"),
@@ -329,5 +335,5 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   with pytest.raises(ValueError, match=r"int8 moment scales \[4, 2\] do not fit codes \[40, 3\]"):
     fresh.load_state_dict(wrong)
   assert_same(fresh.state_dict(), saver.state_dict())
-  for engine in (saver, float_moments, other_int8, on_devices, fresh):
+  for engine in (saver, same, float_moments, other_int8, on_devices, fresh):
     engine.close()
