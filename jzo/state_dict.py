@@ -542,7 +542,7 @@ def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
   if len(saved) != len(plan.leaves):
     saved = [None] * len(plan.leaves)
 
-  def scales(layout, saved_leaf):
+  def scales_of(layout, saved_leaf):
     found = re.fullmatch(r"float32\[([\d, ]*)\]", saved_leaf or "")
     if found:
       shape = tuple(int(n) for n in found[1].split(",") if n.strip())
@@ -551,8 +551,9 @@ def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
     return jax.ShapeDtypeStruct(shape, np.float32)
   codes = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(l.shape, np.uint8)
                                          for l in plan.leaves])
-  scale = jax.tree.unflatten(structure, [scales(l, x) for l, x in zip(plan.leaves, saved)])
-  return {codes_entry(name): (codes, outline(codes)), scales_entry(name): (scale, outline(scale))}
+  scales = jax.tree.unflatten(structure, [scales_of(l, x) for l, x in zip(plan.leaves, saved)])
+  return {codes_entry(name): (codes, outline(codes)),
+          scales_entry(name): (scales, outline(scales))}
 
 
 def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:

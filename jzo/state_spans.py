@@ -301,7 +301,7 @@ class SavedInt8Leaf(SavedLeaf):
     self.shard = -(-self.row // shards) if shards else 0  # k: values of a shard's row
     expected = (shards,) + ((self.shape[0],) if per_layer else ()) \
         + (quant8.blocks(self.shard),)
-    if not shards or self.scales.shape != expected or self.scales.ndim not in (2, 3):
+    if not shards or self.scales.shape != expected:
       raise ValueError(f"int8 moment scales {list(self.scales.shape)} do not fit codes "
                        f"{list(self.shape)}: expected (shards, [layers,] blocks of each "
                        f"shard's part), e.g. {list(expected)}")
