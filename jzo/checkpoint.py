@@ -166,7 +166,11 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     raise _unreadable(e, folder, step) from e
   # The target is what the engine loads, as shapes: orbax reads numpy arrays
   # into its tree types (optax's named tuples) and refuses other dtypes.
-  target, accepted = state_dict.expected(engine.trained, saved)
+  try:
+    target, accepted = state_dict.expected(engine.trained, saved)
+  except ValueError as e:  # a format this engine cannot read
+    raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {e}",
+                          folder, step) from e
   misfit = state_dict.misfit(saved, accepted)
   if misfit:  # before any array is read
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",

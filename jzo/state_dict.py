@@ -469,6 +469,10 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
   device_adam = _device_adam(plan, state)
   several = _several_processes()
   saved_outline = outline(saved)
+  if several and any(codes_entry(name) in saved_outline for name in ("mu", "nu")):
+    raise ValueError("its int8 moments are saved as codes and scales, which load into one "
+                     "process only: restore it in one process into an engine with float32 or "
+                     "bfloat16 moments and save that, which several processes load")
   if not plan.cpu_adam and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
     target = {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(

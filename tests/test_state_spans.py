@@ -329,6 +329,12 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   fresh.load_state_dict(before)
   assert_same(fresh.state_dict(), saver.state_dict())
 
+  # Several processes (whose format has float32 moments) refuse it, saying why.
+  with monkeypatch.context() as m, checkpoint.open_manager(tmp_path) as manager:
+    m.setattr(state_dict, "_several_processes", lambda: True)
+    with pytest.raises(checkpoint.CheckpointError, match="load into one process only"):
+      checkpoint.restore(manager, fresh)
+
   # Scales that do not fit their codes are refused before anything is written.
   wrong = saver.state_dict()
   wrong["mu_scales"]["head"] = np.zeros((4, 2), np.float32)  # 4 shards of 30: 1 block
