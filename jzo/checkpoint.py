@@ -49,9 +49,10 @@ _MAX_DETAIL = 300
 # Host RAM a save takes beside the state while it writes: the spans in flight
 # (state_spans: 8 of 64 MiB), their compressed copies, tensorstore's buffers
 # and orbax's cache, and what glibc keeps of them until `release_freed_memory`.
-# Measured on the H100 machine (experiments/RESULTS.md, sessions 20 and 21):
-# host RSS rose 2.38-2.50 GiB in five saves of gpt2-4b's 47 GiB of host
-# state, 1.66 GiB for gpt2-1.5b's on its GPU; the spans bound it, not the model.
+# Measured on the H100 machine (experiments/RESULTS.md, sessions 20-22):
+# host RSS rose 2.38-2.50 GiB in five saves of gpt2-4b's 47 GiB of fp32
+# state, 1.29-2.11 GiB for int8 states of 1.5B to 10.28B parameters; the
+# spans in flight and the threads' arenas bound it, not the model.
 SAVE_HOST_BYTES = int(2.5 * 2**30)
 
 
