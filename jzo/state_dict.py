@@ -551,7 +551,7 @@ def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
     if found:
       shape = tuple(int(n) for n in found[1].split(",") if n.strip())
     else:  # this engine's own: every shard's (and layer's) blocks
-      shape = (layout.shards,) + layout.local_shape[:-1] + (quant8.blocks(layout.shard_size),)
+      shape = quant8.scale_shape(layout.host_shape)
     return jax.ShapeDtypeStruct(shape, np.float32)
   codes = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(l.shape, np.uint8)
                                          for l in plan.leaves])

@@ -299,8 +299,8 @@ class SavedInt8Leaf(SavedLeaf):
     self.row = math.prod(self.shape[1:] if per_layer else self.shape)  # a saved row's values
     shards = self.scales.shape[0] if self.scales.ndim else 0
     self.shard = -(-self.row // shards) if shards else 0  # k: values of a shard's row
-    expected = (shards,) + ((self.shape[0],) if per_layer else ()) \
-        + (quant8.blocks(self.shard),)
+    layers = self.shape[:1] if per_layer else ()
+    expected = quant8.scale_shape((shards,) + layers + (self.shard,))
     if not shards or self.scales.shape != expected:
       raise ValueError(f"int8 moment scales {list(self.scales.shape)} do not fit codes "
                        f"{list(self.shape)}: expected (shards, [layers,] blocks of each "
