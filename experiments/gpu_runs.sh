@@ -71,6 +71,11 @@
 #                  much of it on the GPU as fits), each run in each
 #   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
 #                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
+#   kernel-ceiling the C++ kernel (fp32) against a loop that moves the same 28 bytes a
+#                  parameter without Adam's arithmetic (kernel_ceiling.cc), 2^SIZES (26 28),
+#                  on THREADS (every CPU)
+#   suite          the README's test command (CPU only) on this machine's Python, with
+#                  WORKERS (8) workers
 #   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
 #                  optimized HLO of the step (where the host-to-device copies start and
 #                  end among the compute), in $OUT/hlo/, with XLA_EXTRA flags if set
@@ -283,6 +288,15 @@ for part in "$@"; do
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror|optimizer state" \
           "$OUT/$name.log" | cut -c1-400 | tail -12
       done; done ;;
+    kernel-ceiling)
+      flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
+      g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&
+        g++ -O3 -std=c++17 -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o \
+          -o /tmp/kernel_ceiling -lpthread || continue
+      for e in ${SIZES:-26 28}; do /tmp/kernel_ceiling "$e" 8 "${THREADS:-$(nproc)}"; done \
+        | tee "$OUT/$part.log" ;;
+    suite)
+      JAX_PLATFORMS=cpu pytests "$part" 560 -n "${WORKERS:-8}" --dist loadfile --durations=15 ;;
     kernel-torch)
       JAX_PLATFORMS=cpu python3 experiments/kernel_vs_torch.py --pairs ${PAIRS:-5} \
         --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log" ;;
