@@ -291,7 +291,7 @@ for part in "$@"; do
     kernel-ceiling)
       flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
       g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&
-        g++ -O3 -std=c++17 -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o \
+        g++ $flags -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o \
           -o /tmp/kernel_ceiling -lpthread || continue
       for e in ${SIZES:-26 28}; do /tmp/kernel_ceiling "$e" 8 "${THREADS:-$(nproc)}"; done \
         | tee "$OUT/$part.log" ;;
