@@ -154,8 +154,10 @@ def test_accumulation_matches_the_device_sums(mesh_size, grad_accum, landing_lim
   """grad_accum > 1: the layers' micro-batches summed in float32 in their
   backward pass, the last written over the weights (in device or host
   memory), train as the engine that sums every gradient on the device
-  after its backward pass: the same losses and weights, bit for bit in
-  float32. In bfloat16 the gradient norm is of the rounded sums the host
+  after its backward pass: the same losses and weights to float32 rounding
+  (bit for bit on CI's CPU; on the GPU machine's 16-core Xeon XLA fuses the
+  two programs otherwise, and losses differ in their last bit). In bfloat16
+  the gradient norm is of the rounded sums the host
   reads, not of the float32 sums, so clipping is left out there: each
   clip factor would differ in its last bits (as it does with the weights
   in host memory, whose norm is summed layer by layer)."""
@@ -168,13 +170,16 @@ def test_accumulation_matches_the_device_sums(mesh_size, grad_accum, landing_lim
   for b in batches(4):
     want, got = apart.step(b), inside.step(b)
     # (XLA's CPU fuses the bfloat16 forward otherwise in the two programs.)
-    np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=0 if fp32 else 1e-6)
+    np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-6)
     np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm),
                                rtol=1e-6 if fp32 else 1e-3)
-  rtol = 1e-5 if fp32 and where == "offload_params" else 0
-  assert_close(inside.params, apart.params, rtol=rtol, atol=0)
+  # Weights in host memory: a gradient's last bit moves a weight near zero
+  # by a far smaller part of the learning rate (1e-2) than of the weight.
+  rtol, atol = (1e-5, 1e-7) if fp32 and where == "offload_params" else (0, 0)
+  assert_close(inside.params, apart.params, rtol=rtol, atol=atol)
   for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(apart.state.params)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol)
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol,
+                               atol=atol)
 
 
 @pytest.mark.parametrize("mesh_size", [1, 8])
@@ -182,15 +187,15 @@ def test_accumulation_with_a_device_part_matches_the_device_sums(mesh_size):
   """grad_accum = 2 with half of every leaf's state on the device, in
   float32: the device part is updated from the layers' sums written over
   the weights, and trains as the engine that sums every gradient apart, to
-  float32 rounding (bit for bit on one device; on eight XLA fuses the two
-  programs' device updates differently). In bfloat16 it reads the sums
+  float32 rounding (bit for bit on one device on CI's CPU; on eight, and on
+  the GPU machine's Xeon, XLA fuses the two programs otherwise). In bfloat16 it reads the sums
   rounded once, as the host part does, where the engine apart updates its
   device part from the float32 sums."""
   kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0, grad_accum=2, offload=0.5,
             landing_limit=2048)
   apart = engine(mesh_size, accumulation="device", **kw)
   inside = engine(mesh_size, grads_in_params=True, **kw)
-  rtol = 0 if mesh_size == 1 else 1e-6
+  rtol = 1e-6
   for b in batches(4):
     np.testing.assert_allclose(float(inside.step(b).loss), float(apart.step(b).loss), rtol=rtol)
   assert_close(inside.params, apart.params, rtol=10 * rtol, atol=0)
