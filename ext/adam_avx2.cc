@@ -82,8 +82,10 @@ struct V {
                                        _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
     return value;
   }
-  // Writes the codes of y's 8 lanes; returns 0: none to redo.
-  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  // Writes the codes of y's 8 lanes by the index's gather (always); returns 0:
+  // none to redo.
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map,
+                                    bool /*gather*/) {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));

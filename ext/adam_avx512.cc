@@ -78,10 +78,28 @@ struct V {
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
     return value;
   }
-  // Writes the codes of y's 16 lanes by the map's parts (quant8.h); returns
-  // the lanes to redo with quant8_exact.
-  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  // Writes the codes of y's 16 lanes, by the index's gather (exact: returns
+  // 0) or by the map's parts (quant8.h; returns the lanes to redo with
+  // quant8_exact): the same codes, at a speed that depends on the CPU.
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map, bool gather) {
     const __m512i bits = _mm512_castps_si512(y);
+    if (gather) {
+      const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+      const __m512i top = _mm512_sub_epi32(
+          _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
+                           _mm512_set1_epi32(jzo::kQuantIndexBase)),
+          _mm512_set1_epi32(jzo::kQuantIndexBase));
+      const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
+      const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+      const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(mag, low16),
+                                                   _mm512_and_si512(e, low16));
+      __m512i k = _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), up, _mm512_srli_epi32(e, 16),
+                                        _mm512_set1_epi32(1));
+      if (map.is_signed)
+        k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
+      return 0;
+    }
     // |y|, at most 1 (NaN too); its octave slot (the exponent's low 5 bits,
     // all below 2^-27 in 2^-27's).
     const __m512i mag = _mm512_min_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),

@@ -104,6 +104,19 @@ const char* simd_level();
 // returns false if the CPU lacks it or the name is unknown.
 bool set_simd_level(const char* level);
 
+// How the AVX-512 kernel finds the int8 codes it writes (quant8.h): by a
+// gather from the index, or computed from the map's parts. The codes are the
+// same; the speed is not: the gather is slow on AMD's Zen 4, and on Intel's
+// Sapphire Rapids the computed codes are slower on all threads, where two
+// hyperthreads share the vector units the gather leaves free. Unless set
+// (JZO_INT8_CODES or set_int8_codes), the first int8 step times both on all
+// its threads (host_ops.h) and keeps the faster.
+bool quant8_gathers();
+// "gather", "computed", or "unchosen" before that first step.
+const char* int8_codes();
+// Sets the way ("gather" or "computed"); false if the name is unknown.
+bool set_int8_codes(const char* way);
+
 namespace isa {
 // One entry point per instruction set, each compiled in its own translation
 // unit with its own target flags.

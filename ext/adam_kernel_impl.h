@@ -218,7 +218,7 @@ JZO_INLINE void block_scale(F absmax, float* scale, float* inv) {
 
 template <jzo::DType G, int L>
 JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
-                     int64_t block) {
+                     int64_t block, bool gather) {
   alignas(64) float m_new[kB], v_new[kB];
   auto* mu = static_cast<uint8_t*>(b.mu);
   auto* nu = static_cast<uint8_t*>(b.nu);
@@ -245,8 +245,8 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
   uint32_t redo_mu[kB / kW], redo_nu[kB / kW], any = 0;
   for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
-    redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu);
-    redo_nu[j / kW] = V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu);
+    redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu, gather);
+    redo_nu[j / kW] = V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu, gather);
     any |= redo_mu[j / kW] | redo_nu[j / kW];
     if (!b.moments_only) apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
   }
@@ -268,7 +268,7 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
 // absmax as it is).
 template <jzo::DType G, int L>
 inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, int64_t lo,
-                       int64_t k, int64_t block) {
+                       int64_t k, int64_t block, bool gather) {
   c.stream_lowp = false;
   alignas(64) float grad[kB] = {}, param[kB] = {}, update[kB] = {}, lowp[kB] = {};
   alignas(64) uint8_t mu[kB] = {}, nu[kB] = {};
@@ -287,7 +287,7 @@ inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, 
   std::memcpy(mu, static_cast<const uint8_t*>(b.mu) + lo, k);
   std::memcpy(nu, static_cast<const uint8_t*>(b.nu) + lo, k);
   if (b.param) std::memcpy(param, b.param + lo, k * 4);
-  q8_block<G, L>(t, c, maps, 0, 0);
+  q8_block<G, L>(t, c, maps, 0, 0, gather);
   std::memcpy(static_cast<uint8_t*>(b.mu) + lo, mu, k);
   std::memcpy(static_cast<uint8_t*>(b.nu) + lo, nu, k);
   b.mu_scale[block] = mu_scale;
@@ -302,6 +302,7 @@ template <jzo::DType G, int L>
 void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin, int64_t end) {
   Consts c(s, b.param != nullptr);
   const Q8Maps maps;
+  const bool gather = jzo::quant8_gathers();
   if constexpr (L != kNoLowp) {
     c.stream_lowp = V::kStreams && b.lowp_out != b.grad && b.row % kW == 0 &&
                     (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;
@@ -314,9 +315,9 @@ void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     int64_t k = (r + 1) * b.row - lo < end - lo ? (r + 1) * b.row - lo : end - lo;
     k = k < kB ? k : kB;
     if (k == kB) {
-      q8_block<G, L>(b, c, maps, lo, block);
+      q8_block<G, L>(b, c, maps, lo, block, gather);
     } else {
-      q8_partial<G, L>(b, c, maps, lo, k, block);
+      q8_partial<G, L>(b, c, maps, lo, k, block, gather);
     }
     lo += k;
   }

@@ -77,7 +77,8 @@ struct V {
     if (map.is_signed && (c & 128u)) value = -value;
     return value;
   }
-  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map) {
+  static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map,
+                                    bool /*gather: always by the index*/) {
     *p = jzo::quant8_exact(y, map);
     return 0;
   }

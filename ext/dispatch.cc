@@ -49,6 +49,21 @@ Level initial() {
 
 std::atomic<int> g_level{initial()};
 
+// quant8_gathers: -1 not chosen yet, 0 computed, 1 gathered.
+int parse_codes(const char* name) {
+  if (std::strcmp(name, "gather") == 0) return 1;
+  if (std::strcmp(name, "computed") == 0) return 0;
+  return -2;
+}
+
+int initial_codes() {
+  const char* env = std::getenv("JZO_INT8_CODES");
+  const int way = env ? parse_codes(env) : -1;
+  return way >= 0 ? way : -1;
+}
+
+std::atomic<int> g_codes{initial_codes()};
+
 }  // namespace
 
 const char* simd_level() {
@@ -67,6 +82,26 @@ bool set_simd_level(const char* name) {
   const Level want = parse(name, &ok);
   if (!ok || want > kBest) return false;
   g_level.store(want, std::memory_order_relaxed);
+  return true;
+}
+
+bool quant8_gathers() { return g_codes.load(std::memory_order_relaxed) == 1; }
+
+const char* int8_codes() {
+  switch (g_codes.load(std::memory_order_relaxed)) {
+    case 1:
+      return "gather";
+    case 0:
+      return "computed";
+    default:
+      return "unchosen";
+  }
+}
+
+bool set_int8_codes(const char* way) {
+  const int w = parse_codes(way);
+  if (w < 0) return false;
+  g_codes.store(w, std::memory_order_relaxed);
   return true;
 }
 

@@ -1,8 +1,10 @@
 #include "host_ops.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -51,11 +53,70 @@ int64_t adam_chunk(int64_t n, int max_threads) {
   return std::min(kAdamChunk, std::max(kMinAdamChunk, blocks));
 }
 
+// Times the two ways to int8 codes (adam_kernel.h: quant8_gathers) on all
+// `threads` threads at once, as a step runs them, and keeps the faster. Each
+// thread updates its own 2^16 parameters in its caches (bf16 gradients, int8
+// moments, float32 weights and their bf16 copy), where, as in a step, the
+// int8 pass is bound by its arithmetic; best of 5 passes each, a few ms.
+void choose_int8_codes(int threads) {
+  static std::mutex choosing;
+  const std::lock_guard<std::mutex> lock(choosing);
+  if (std::strcmp(int8_codes(), "unchosen") != 0) return;  // another thread chose
+  if (std::strcmp(simd_level(), "avx512") != 0) {  // the others always use the index
+    set_int8_codes("gather");
+    return;
+  }
+  constexpr int64_t kPer = int64_t{1} << 16;
+  const int64_t n = kPer * threads;
+  std::vector<uint16_t> grad(n), lowp(n);
+  std::vector<float> param(n, 0.01f), mu_scale(quant_blocks(n)), nu_scale(quant_blocks(n));
+  std::vector<uint8_t> mu(n), nu(n);
+  uint32_t r = 1;
+  for (uint16_t& g : grad) {  // bf16 values spread over (-0.01, 0.01)
+    r = r * 1664525u + 1013904223u;
+    const float x = (static_cast<float>(r >> 8) / 16777216.0f - 0.5f) * 0.02f;
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    g = static_cast<uint16_t>(bits >> 16);
+  }
+  AdamBuffers b;
+  b.n = n;
+  b.grad = grad.data();
+  b.grad_dtype = DType::kBF16;
+  b.mu = mu.data();
+  b.nu = nu.data();
+  b.mu_dtype = b.nu_dtype = DType::kQ8;
+  b.mu_scale = mu_scale.data();
+  b.nu_scale = nu_scale.data();
+  b.row = n;
+  b.param = param.data();
+  b.update_param = true;
+  b.lowp_out = lowp.data();
+  AdamScalars s{};
+  s.lr = 1e-3f, s.b1 = 0.9f, s.one_minus_b1 = 0.1f, s.b2 = 0.999f, s.one_minus_b2 = 0.001f;
+  s.eps = 1e-8f, s.weight_decay = 0.01f, s.inv_bc1 = s.inv_bc2 = s.grad_scale = 1.0f;
+  double best[2] = {1e30, 1e30};
+  for (int round = 0; round < 6; ++round) {
+    for (const int way : {0, 1}) {
+      set_int8_codes(way ? "gather" : "computed");
+      const auto start = std::chrono::steady_clock::now();
+      parallel_for(threads, [&](int64_t t) { adam_range(b, s, t * kPer, (t + 1) * kPer); },
+                   threads);
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (round > 0) best[way] = std::min(best[way], took);  // round 0 warms up
+    }
+  }
+  set_int8_codes(best[1] < best[0] ? "gather" : "computed");
+}
+
 }  // namespace
 
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) {
   const int64_t chunk = adam_chunk(b.n, max_threads);
   if (b.mu_dtype == DType::kQ8) {
+    if (std::strcmp(int8_codes(), "unchosen") == 0)
+      choose_int8_codes(max_threads > 0 ? std::min(max_threads, num_threads()) : num_threads());
     // Tasks of whole blocks: a block's scale comes from all of it.
     const int64_t per_row = quant_blocks(b.row), rows = b.row ? b.n / b.row : 0;
     const int64_t blocks = rows * per_row, per_task = chunk / kQuantBlock;

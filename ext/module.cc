@@ -228,6 +228,8 @@ NB_MODULE(native, m) {
   m.def("available_cpus", &jzo::available_cpus);
   m.def("simd_level", &jzo::simd_level);
   m.def("set_simd_level", &jzo::set_simd_level, nb::arg("level"));
+  m.def("int8_codes", &jzo::int8_codes);
+  m.def("set_int8_codes", &jzo::set_int8_codes, nb::arg("way"));
   m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
   m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
   m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });

@@ -24,9 +24,10 @@
 // the low 16 bits of that midpoint (0xFFFF: none), and x's low 16 bits
 // decide (quant8_exact). Every instruction set computes the same bits.
 //
-// The AVX-512 kernel finds most codes without that lookup (on AMD's Zen 4
-// the vector gather took a third of the int8 pass; on Intel's Sapphire Rapids
-// it is cheap, and computing the codes costs about as much): the midpoints
+// The AVX-512 kernel can also find most codes without that lookup (on AMD's
+// Zen 4 the vector gather took a third of the int8 pass; on Intel's Sapphire
+// Rapids on all threads the gather is the faster: adam_kernel.h's
+// quant8_gathers chooses per process): the midpoints
 // between decades, and the last one (below 1), split [0, 1] into parts; in
 // the part of decade e the midpoints are equally spaced, so the code is
 // ceil(a x + b), capped at the part's top code. Each binary octave of x holds

@@ -69,6 +69,26 @@ def set_simd_level(level: str) -> None:
     raise ValueError(f"SIMD level {level!r} is unknown or unsupported on this CPU")
 
 
+def int8_codes() -> str:
+  """How the AVX-512 kernel finds int8 moments' codes here: 'gather' (from
+  the index) or 'computed' (from the map's parts); 'unchosen' until the
+  first int8 step, which times both on all its threads and keeps the faster.
+  Both give the same codes."""
+  return native.int8_codes()
+
+
+def set_int8_codes(way: str) -> None:
+  """Sets how the AVX-512 kernel finds int8 codes ('gather' or 'computed';
+  JZO_INT8_CODES does the same for a whole process). For tests and
+  benchmarks: the results are the same either way.
+
+  Raises:
+    ValueError: the name is neither.
+  """
+  if not native.set_int8_codes(way):
+    raise ValueError(f"int8 codes are 'gather' or 'computed', got {way!r}")
+
+
 def num_threads() -> int:
   """Threads the host kernels use (the caller's thread included)."""
   return native.num_threads()

@@ -1,6 +1,7 @@
-// The AVX-512 kernel's quantizer (ext/quant8.h: codes computed by parts,
-// lanes too close to a midpoint redone by the index) against the index alone
-// on every float32 in [0, 1], both maps; and how many lanes it redoes.
+// The AVX-512 kernel's quantizer, both ways (ext/quant8.h: codes computed by
+// parts, lanes too close to a midpoint redone by the index; or gathered from
+// the index) against the index alone on every float32 in [0, 1], both maps;
+// and how many lanes the computed way redoes.
 // Exits non-zero if a code differs. test_quant8.py builds and runs it;
 // by hand:
 //   g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
@@ -11,6 +12,9 @@
 #include <cstring>
 #include <initializer_list>
 
+// The kernel's dispatch is not linked: each way is passed to V::quant8 here.
+bool jzo::quant8_gathers() { return false; }
+
 int main() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) {
@@ -18,6 +22,7 @@ int main() {
     return 1;
   }
   int failed = 0;
+  for (const bool gather : {false, true})
   for (const bool is_signed : {true, false}) {
     const jzo::Quant8Map& map = is_signed ? jzo::quant8_signed() : jzo::quant8_unsigned();
     long wrong = 0, redone = 0, total = 0;
@@ -27,7 +32,7 @@ int main() {
       for (int k = 0; k < 16; ++k) bits[k] = static_cast<uint32_t>(start + k);
       float values[16];
       std::memcpy(values, bits, sizeof values);
-      const uint32_t redo = V::quant8(codes, _mm512_load_ps(values), map);
+      const uint32_t redo = V::quant8(codes, _mm512_load_ps(values), map, gather);
       for (int k = 0; k < 16 && start + k <= 0x3f800000u; ++k, ++total) {
         if (redo >> k & 1) {
           ++redone;
@@ -40,8 +45,9 @@ int main() {
         }
       }
     }
-    std::printf("%s map: %ld values in [0, 1], %ld codes differ, %ld redone (%.4f%%)\n",
-                is_signed ? "signed" : "unsigned", total, wrong, redone, 100.0 * redone / total);
+    std::printf("%s map, %s: %ld values in [0, 1], %ld codes differ, %ld redone (%.4f%%)\n",
+                is_signed ? "signed" : "unsigned", gather ? "gathered" : "computed", total,
+                wrong, redone, 100.0 * redone / total);
     failed += wrong != 0;
   }
   return failed;

@@ -2,10 +2,13 @@
 reference, determinism, the optax drop-in, the offload engine, checkpoints
 and bad input."""
 
+import contextlib
+import os
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -168,9 +171,24 @@ def test_the_update_comes_from_the_unrounded_moments():
   np.testing.assert_array_equal(lowp, got.astype(ml_dtypes.bfloat16))
 
 
+@contextlib.contextmanager
+def int8_codes(way):
+  """The kernel's int8 codes found by `way` ('gather' or 'computed')."""
+  before = kernels.int8_codes()
+  kernels.set_int8_codes(way)
+  try:
+    yield
+  finally:
+    if before != "unchosen":
+      kernels.set_int8_codes(before)
+
+
+WAYS = ("gather", "computed")
+
+
 def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
   """Rows of 100,000 (short last blocks) over several tasks, and one long
-  row: every ISA and thread count writes the same bits."""
+  row: every ISA, thread count and way to the codes writes the same bits."""
   for shape in [(3, 100_000), (300_001,)]:
     rng = np.random.default_rng(3)
     p = rng.standard_normal(shape, dtype=np.float32)
@@ -178,14 +196,14 @@ def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
     m, v = random_moments(shape)
     results = []
     for level in kernels.supported_simd_levels():
-      for threads in (1, 2, 3):
-        with simd(level):
+      for threads, way in [(1, "gather"), (2, "computed"), (3, "gather"), (3, "computed")]:
+        with simd(level), int8_codes(way):
           p1, mu, nu = kernel_steps(p, g, m, v, 2, num_threads=threads)
-        results.append((level, threads, p1, mu, nu))
+        results.append((f"{level} on {threads} threads, codes {way}", p1, mu, nu))
     first = results[0]
-    for level, threads, *arrays in results[1:]:
-      for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(first[2:])):
-        np.testing.assert_array_equal(a, b, err_msg=f"{level} on {threads} threads")
+    for name, *arrays in results[1:]:
+      for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(first[1:])):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def values_next_to_every_midpoint(signed, ulps=2048):
@@ -218,22 +236,48 @@ def test_every_instruction_set_picks_the_nearest_code_next_to_every_midpoint(lev
   """The kernel's codes equal the reference's (the count of midpoints below
   the value) on values packed around each midpoint, signs mixed: the
   AVX-512 kernel computes most codes rather than looking them up, and redoes
-  those too close to a midpoint to trust."""
+  those too close to a midpoint to trust, or gathers them (the other way)."""
   rng = np.random.default_rng(4)
   signed = values_next_to_every_midpoint(True)
   signed = signed * rng.choice(np.float32([-1, 1]), signed.shape)
   signed[signed == 0] = 0  # no -0: its code would be the sign's alone
   squares = np.sqrt(values_next_to_every_midpoint(False).astype(np.float64)).astype(np.float32)
-  with simd(level):
-    g, mu_codes, _ = kernel_codes(signed)
-    np.testing.assert_array_equal(mu_codes, quant8.quantize(g, signed=True).codes)
-    g, _, nu_codes = kernel_codes(squares)
-    np.testing.assert_array_equal(nu_codes, quant8.quantize(g * g, signed=False).codes)
+  for way in WAYS:
+    with simd(level), int8_codes(way):
+      g, mu_codes, _ = kernel_codes(signed)
+      np.testing.assert_array_equal(mu_codes, quant8.quantize(g, signed=True).codes, err_msg=way)
+      g, _, nu_codes = kernel_codes(squares)
+      np.testing.assert_array_equal(nu_codes, quant8.quantize(g * g, signed=False).codes,
+                                    err_msg=way)
+
+
+CHOICE = """
+import numpy as np
+from jzo import kernels, quant8
+print(kernels.int8_codes())
+p = np.zeros(1 << 16, np.float32)
+kernels.adam_step_(p, np.ones_like(p), quant8.zeros(p.shape), quant8.zeros(p.shape), count=1,
+                   learning_rate=1e-3)
+print(kernels.int8_codes())
+"""
+
+
+def test_the_first_int8_step_chooses_how_to_find_codes():
+  """A process starts with the way to int8 codes unchosen; its first int8
+  step (on AVX-512) times both and keeps one; JZO_INT8_CODES sets it."""
+  run = lambda **env: subprocess.run([sys.executable, "-c", CHOICE], env={**os.environ, **env},
+                                     capture_output=True, text=True, check=True).stdout.split()
+  before, after = run()
+  assert before == "unchosen" and after in WAYS
+  for way in WAYS:
+    assert run(JZO_INT8_CODES=way) == [way, way]
+  with pytest.raises(ValueError, match="'gather' or 'computed', got 'fast'"):
+    kernels.set_int8_codes("fast")
 
 
 def test_the_avx512_codes_are_exact_on_every_float32(tmp_path):
-  """quant8_exhaustive.cc: the AVX-512 kernel's quantizer against the index
-  on every float32 in [0, 1], both maps."""
+  """quant8_exhaustive.cc: the AVX-512 kernel's quantizer, both ways, against
+  the index on every float32 in [0, 1], both maps."""
   if "avx512" not in kernels.supported_simd_levels():
     pytest.skip("this CPU has no AVX-512")
   compiler = shutil.which("g++") or shutil.which("c++")
@@ -247,7 +291,7 @@ def test_the_avx512_codes_are_exact_on_every_float32(tmp_path):
                   "-o", str(program)], check=True, capture_output=True)
   run = subprocess.run([str(program)], capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout + run.stderr
-  assert len(re.findall(r"values in \[0, 1\], 0 codes differ", run.stdout)) == 2, run.stdout
+  assert len(re.findall(r"values in \[0, 1\], 0 codes differ", run.stdout)) == 4, run.stdout
 
 
 def bad_int8_inputs():
