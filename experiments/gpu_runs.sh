@@ -103,11 +103,14 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 
-unpack() {  # SNAPSHOT-FOLDER -> prints the built tree's path (built once per machine)
+unpack() {  # SNAPSHOT-FOLDER -> prints the built tree's path (built once per machine), the
+            # jzo python imports now (an earlier call may have installed another tree)
   local dir=/tmp/jzo-$(cat "$1/commit")
   if [ ! -d "$dir" ]; then
     mkdir -p "$dir" && tar -xf "$1/jzo.tar" -C "$dir" && cp -r .whl "$dir/"
     (cd "$dir" && source experiments/device_setup.sh >&2) || { rm -rf "$dir"; return 1; }
+  else
+    use "$dir"
   fi
   echo "$dir"
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,13 @@ for _target, _handler in ((ADAM_UPDATE_TARGET, native.adam_update_ffi),
                           (ADAM_MOMENTS_TARGET, native.adam_moments_ffi),
                           (ADAM_STEP_TARGET, native.adam_step_ffi)):
   jax.ffi.register_ffi_target(_target, _handler(), platform="cpu")
+
+# The C++ side reads JZO_INT8_CODES as it loads (int8_codes); a name it does
+# not know would leave the choice to the first int8 step's timing unnoticed.
+INT8_CODES = ("gather", "computed")
+if os.environ.get("JZO_INT8_CODES", INT8_CODES[0]) not in INT8_CODES:
+  raise ValueError(f"JZO_INT8_CODES must be 'gather' or 'computed', got "
+                   f"{os.environ['JZO_INT8_CODES']!r}")
 
 # The C++ side's dtype codes (DType in ext/adam_kernel.h), by numpy dtype;
 # 8-bit moments (Int8Moment) have their own.

@@ -183,7 +183,7 @@ def int8_codes(way):
       kernels.set_int8_codes(before)
 
 
-WAYS = ("gather", "computed")
+WAYS = kernels.INT8_CODES
 
 
 def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
@@ -266,11 +266,14 @@ def test_the_first_int8_step_chooses_how_to_find_codes():
   """A process starts with the way to int8 codes unchosen; its first int8
   step (on AVX-512) times both and keeps one; JZO_INT8_CODES sets it."""
   run = lambda **env: subprocess.run([sys.executable, "-c", CHOICE], env={**os.environ, **env},
-                                     capture_output=True, text=True, check=True).stdout.split()
-  before, after = run()
+                                     capture_output=True, text=True)
+  before, after = run().stdout.split()
   assert before == "unchosen" and after in WAYS
   for way in WAYS:
-    assert run(JZO_INT8_CODES=way) == [way, way]
+    assert run(JZO_INT8_CODES=way).stdout.split() == [way, way]
+  bad = run(JZO_INT8_CODES="fast")
+  assert bad.returncode == 1
+  assert "ValueError: JZO_INT8_CODES must be 'gather' or 'computed', got 'fast'" in bad.stderr
   with pytest.raises(ValueError, match="'gather' or 'computed', got 'fast'"):
     kernels.set_int8_codes("fast")
 
