@@ -12,6 +12,14 @@
 #include "adam_kernel.h"
 #include "quant8.h"
 using namespace jzo;
+// The kernel's way to int8 codes (adam_kernel.h), here from JZO_INT8_CODES
+// (the dispatch that chooses it is not linked).
+namespace jzo {
+bool quant8_gathers() {
+  static const bool gather = getenv("JZO_INT8_CODES") && strcmp(getenv("JZO_INT8_CODES"), "gather") == 0;
+  return gather;
+}
+}  // namespace jzo
 int main(int argc, char** argv) {
   int64_t n = int64_t(1) << atoi(argv[1]);
   int q8 = atoi(argv[2]), reps = atoi(argv[3]), T = atoi(argv[4]);

@@ -1,8 +1,6 @@
 """python3 patch.py SRC-EXT DST-EXT STUB...: a copy of an ext folder whose
 AVX-512 kernel has parts stubbed out (run.sh times them):
-  NOGATHER  the quantizer's index gather (the kernel before 25d2560)
-  GATHER    the quantizer by the index's gather alone (exact codes, none
-            redone: the kernel before 25d2560, in today's)
+  NOGATHER  the quantizer's index gather (the kernel before 25d2560; today's gather way)
   NOQ       the whole quantizer (codes are the floats' low bytes)
   NODEQ     the decoding of codes (their integer values instead)
   NODIV     the division and square root (a multiply, an add)
@@ -33,28 +31,6 @@ def stub(old: str, new) -> None:
 
 if "NOGATHER" in flags:  # the gather's result is the index itself, shifted
   stub("_mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4)", "_mm512_slli_epi32(top, 12)")
-if "GATHER" in flags:  # exact, so no lane is left to quant8_exact
-  stub(re.compile(r"(static JZO_INLINE uint32_t quant8\(uint8_t\* p, F y, "
-                  r"const jzo::Quant8Map& map\) \{)"),
-       lambda m: m.group(1) + """
-    const __m512i bits = _mm512_castps_si512(y);
-    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512i top = _mm512_sub_epi32(
-        _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
-                         _mm512_set1_epi32(jzo::kQuantIndexBase)),
-        _mm512_set1_epi32(jzo::kQuantIndexBase));
-    const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
-    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(mag, low16),
-                                                 _mm512_and_si512(e, low16));
-    __m512i k = _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), up, _mm512_srli_epi32(e, 16),
-                                      _mm512_set1_epi32(1));
-    if (map.is_signed)
-      k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
-    return 0;
-    {""")
-  stub(re.compile(r"(    return unsure;\n  \})"), lambda m: m.group(1) + "}")
 if "NODIV" in flags:
   stub("return _mm512_div_ps(a, b);", "return _mm512_mul_ps(a, b);")
   stub("return _mm512_sqrt_ps(a);", "return _mm512_add_ps(a, a);")
@@ -63,7 +39,7 @@ if "NODEQ" in flags:
     "static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {\n return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));")
 if "NOQ" in flags:  # the codes are the floats' low bytes (void: the kernel before 25d2560)
   stub(re.compile(r"static JZO_INLINE (void|uint32_t) quant8\(uint8_t\* p, F y, "
-                  r"const jzo::Quant8Map& map\) \{"),
+                  r"const jzo::Quant8Map& map(, bool gather)?\) \{"),
        lambda m: m.group(0) + "\n _mm_storeu_si128(reinterpret_cast<__m128i*>(p), "
        "_mm512_cvtepi32_epi8(_mm512_castps_si512(y))); return" +
        (" 0;" if m.group(1) == "uint32_t" else ";"))

@@ -4,7 +4,9 @@
 # parameters (default 26) at each thread count in THREADS (default 1 8 16),
 # ROUNDS times in turn (default 1); "fp32 moments" is the same kernel's
 # float32-moment pass. VARIANTS: "new" and its stubs joined by "-" (default
-# below; e.g. new-gather-bf16cvt is GATHER and BF16CVT together). BASE: another
+# below; e.g. new-nodiv-bf16cvt is NODIV and BF16CVT together), each timed
+# with the int8 codes found each way in CODES (default "computed"; or
+# "computed gather": JZO_INT8_CODES, which bench.cc reads). BASE: another
 # commit's ext folder, built and stubbed the same way (its gathers), e.g.
 #   git archive 092f856 ext | tar -x -C /tmp/base && BASE=/tmp/base/ext bash experiments/int8_stubs/run.sh
 # Stubbed kernels compute wrong numbers: they are for timing only.
@@ -32,7 +34,9 @@ for threads in ${THREADS:-1 8 16}; do
   reps=$([ "$threads" = 1 ] && echo 3 || echo 9)
   echo "threads $threads, 2^$e: fp32 moments $(/tmp/b-new "$e" 0 $reps "$threads")"
   for v in $variants; do
-    echo "threads $threads, 2^$e: int8 $v $(/tmp/b-$v "$e" 1 $reps "$threads")"
+    for way in ${CODES:-computed}; do
+      echo "threads $threads, 2^$e: int8 $v ($way) $(JZO_INT8_CODES=$way /tmp/b-$v "$e" 1 $reps "$threads")"
+    done
   done
 done
 done
