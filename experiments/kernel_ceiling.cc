@@ -24,6 +24,10 @@
 
 #include "adam_kernel.h"
 
+// The kernel's way to int8 codes (adam_kernel.h): the dispatch that chooses
+// it is not linked, and this float32 pass never asks.
+bool jzo::quant8_gathers() { return false; }
+
 namespace {
 
 // n floats on 2 MiB pages where the kernel allows (numpy asks for them too).
