@@ -106,9 +106,10 @@ bool set_simd_level(const char* level);
 
 // How the AVX-512 kernel finds the int8 codes it writes (quant8.h): by a
 // gather from the index, or computed from the map's parts. The codes are the
-// same; the speed is not: the gather is slow on AMD's Zen 4, and on Intel's
-// Sapphire Rapids the computed codes are slower on all threads, where two
-// hyperthreads share the vector units the gather leaves free. Unless set
+// same; the speed is not: the gather is slow on AMD's Zen 4, while on the
+// GPU machines' Xeons the computed codes were mostly the slower on all
+// threads (not on one: two hyperthreads share the vector units, which the
+// gather leaves freer), so the choice is timed, not fixed. Unless set
 // (JZO_INT8_CODES or set_int8_codes), the first int8 step times both on all
 // its threads (host_ops.h) and keeps the faster.
 bool quant8_gathers();
