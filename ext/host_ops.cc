@@ -54,11 +54,13 @@ int64_t adam_chunk(int64_t n, int max_threads) {
 }
 
 // Times the two ways to int8 codes (adam_kernel.h: quant8_gathers) on all
-// `threads` threads at once, as a step runs them, and keeps the faster. Each
-// thread updates its own 2^16 parameters in its caches (bf16 gradients, int8
-// moments, float32 weights and their bf16 copy), where, as in a step, the
-// int8 pass is bound by its arithmetic; best of 5 passes each, a few ms.
-void choose_int8_codes(int threads) {
+// the pool's threads at once, as steps run by default, and keeps the faster;
+// not on the first int8 call's thread cap, whose choice on one thread would
+// then hold for the engine's update on all of them. Each thread updates its
+// own 2^16 parameters in its caches (bf16 gradients, int8 moments, float32
+// weights and their bf16 copy), where, as in a step, the int8 pass is bound
+// by its arithmetic; best of 5 passes each, a few ms.
+void choose_int8_codes() {
   static std::mutex choosing;
   const std::lock_guard<std::mutex> lock(choosing);
   if (std::strcmp(int8_codes(), "unchosen") != 0) return;  // another thread chose
@@ -66,6 +68,7 @@ void choose_int8_codes(int threads) {
     set_int8_codes("gather");
     return;
   }
+  const int threads = num_threads();
   constexpr int64_t kPer = int64_t{1} << 16;
   const int64_t n = kPer * threads;
   std::vector<uint16_t> grad(n), lowp(n);
@@ -115,8 +118,7 @@ void choose_int8_codes(int threads) {
 void adam_parallel(const AdamBuffers& b, const AdamScalars& s, int max_threads) {
   const int64_t chunk = adam_chunk(b.n, max_threads);
   if (b.mu_dtype == DType::kQ8) {
-    if (std::strcmp(int8_codes(), "unchosen") == 0)
-      choose_int8_codes(max_threads > 0 ? std::min(max_threads, num_threads()) : num_threads());
+    if (std::strcmp(int8_codes(), "unchosen") == 0) choose_int8_codes();
     // Tasks of whole blocks: a block's scale comes from all of it.
     const int64_t per_row = quant_blocks(b.row), rows = b.row ? b.n / b.row : 0;
     const int64_t blocks = rows * per_row, per_task = chunk / kQuantBlock;
