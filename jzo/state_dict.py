@@ -20,8 +20,8 @@ reads each into the engines it suits). Every one holds the loss scale
   leaf or of each layer) in place of `mu`/`nu`. They load into any Adam
   engine in one process as their values (an int8 engine of the same shards
   gets the same codes and scales back; another quantizes the values in its
-  own blocks), not into several processes (whose format has float32
-  moments); an int8 engine loads the float32 moments of before too. No
+  own blocks), in one process or several; an int8 engine loads the float32
+  moments of before too. No
   optimizer name is saved: optax's others that keep a ScaleByAdamState
   (adamax, yogi, radam, lamb) save this format too, and would load into Adam.
 - ADAM_FLAT: the same optimizers over several processes. The masters and
@@ -30,7 +30,10 @@ reads each into the engines it suits). Every one holds the loss scale
   included); they load into an Adam engine over any number of devices and
   processes with the same rows (stage 3's per-layer leaves keep a row per
   layer): the values sit at the start of each row, and the padding is cut
-  or padded to the loading engine's.
+  or padded to the loading engine's. int8 moments are their codes, flat and
+  padded the same way, and their scales ((S, blocks) or (S, L, blocks),
+  each process giving its shards' rows), as ADAM's entries; they load as
+  ADAM's do.
 - OPTIMIZER: any other optimizer. The flat padded masters and its optax
   state as the devices keep them, which load into the same optimizer, stage
   and device count. An Adam engine without offload also loads this format
@@ -141,23 +144,21 @@ def _parts(plan: Plan, device_tree, host_tree, dtype):
   return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
 
 
-def _host_moment(host, name: str):
-  """The host's moment `name` ("mu" or "nu") as arrays: int8 moments
-  dequantized to float32, which is how checkpoints keep them (quantizing
-  them again on the same layout gives back the same codes and scales)."""
-  return jax.tree.map(lambda x: quant8.dequantize(x, signed=name == "mu")
-                      if isinstance(x, quant8.Int8Moment) else x,
-                      getattr(host, name), is_leaf=quant8.is_moment)
-
-
 def _saved_moment_dtype(host, name: str) -> np.dtype:
   dtype = getattr(host.hyper, f"{name}_dtype")
   return np.dtype(np.float32) if quant8.is_int8(dtype) else np.dtype(dtype)
 
 
-def _write_host_part(dst, d: int, values: np.ndarray, name: str) -> None:
+def _write_host_part(dst, d: int, piece, c: int, name: str) -> None:
   """Writes device d's host part of master or moment `name` (dst: the
-  host's array, or Int8Moment, over this process's devices) from values."""
+  host's array, or Int8Moment, over this process's devices) from its shard
+  `piece`: values ((..., k) numpy, of which [c, k) are the host's), or an
+  int8 shard's codes and scales in dst's blocks (an Int8Moment), copied."""
+  if isinstance(piece, quant8.Int8Moment):
+    np.copyto(dst.codes[d], piece.codes)
+    np.copyto(dst.scales[d], piece.scales)
+    return
+  values = piece[..., c:]
   if not isinstance(dst, quant8.Int8Moment):
     np.copyto(dst[d], values)
     return
@@ -235,20 +236,71 @@ def _joined_shards(plan: Plan, mesh: Mesh, device_tree, host_tree):
   return jax.tree.map(one, plan.layouts, device_tree, host_tree, is_leaf=is_layout)
 
 
+def _joined_scales(plan: Plan, mesh: Mesh, layout: LeafLayout, scales: np.ndarray) -> jax.Array:
+  """An int8 moment's scales as the global array (S, [L,] blocks) whose rows
+  are this process's shards' ((n local, [L,] blocks) numpy), in host memory."""
+  spec = P(plan.axis) if layout.shards > 1 else P()
+  kind = host_memory_kind(mesh.devices.flat[0])
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+  pieces = [jax.device_put(scales[j:j + 1], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
+            for j, d in enumerate(devices)]
+  return jax.make_array_from_single_device_arrays(
+      (layout.shards,) + scales.shape[1:], NamedSharding(mesh, spec, memory_kind=kind), pieces)
+
+
 def _local_shards(plan: Plan, mesh: Mesh, tree):
   """Per leaf, this process's shards ((..., k) numpy, in device order) of
   saved leaves: global flat arrays (their addressable shards), or numpy in
   full or flat shapes."""
-  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+  return jax.tree.map(lambda l, x: _shards_of(mesh, l, x), plan.layouts, tree,
+                      is_leaf=is_layout)
 
-  def one(layout, x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      by_device = {s.device: s.data for s in x.addressable_shards}
-      return [np.asarray(by_device[d]) for d in devices]
-    flat = layout.flatten(np.asarray(x))  # a flat leaf stays as it is
-    rows = flat.reshape(layout.flat_shape[:-1] + (layout.shards, layout.shard_size))
-    return [rows[..., d, :] for d in local_positions(mesh)]
-  return jax.tree.map(one, plan.layouts, tree, is_leaf=is_layout)
+
+def _shards_of(mesh: Mesh, layout: LeafLayout, x) -> list[np.ndarray]:
+  """This process's shards of one saved leaf (see `_local_shards`)."""
+  devices = [mesh.devices.flat[d] for d in local_positions(mesh)]
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    return [np.asarray(by_device[d]) for d in devices]
+  flat = layout.flatten(np.asarray(x))  # a flat leaf stays as it is
+  rows = flat.reshape(layout.flat_shape[:-1] + (layout.shards, layout.shard_size))
+  return [rows[..., d, :] for d in local_positions(mesh)]
+
+
+def _int8_shards(plan: Plan, mesh: Mesh, saved: dict, name: str, host):
+  """Per leaf, this process's shards of moment `name` saved as int8 codes
+  and scales (in one process's format or several's): where this engine
+  keeps int8 moments in the same blocks (host: its moment tree), Int8Moments
+  of each shard's codes and scales; else the values ((..., k) float32
+  numpy, in device order)."""
+  positions = local_positions(mesh)
+  signed = name == "mu"
+
+  def one(layout, codes, scales, mine):
+    if isinstance(scales, jax.Array) and not scales.is_fully_addressable:  # a state dict's
+      scales = multihost_utils.process_allgather(scales, tiled=True)
+    scales = np.asarray(scales, np.float32)
+    pieces = _shards_of(mesh, layout, codes)
+    if (isinstance(mine, quant8.Int8Moment) and scales.shape[0] == layout.shards
+        and scales.shape[1:] == mine.scales.shape[1:]):
+      return [quant8.Int8Moment(p, scales[d]) for p, d in zip(pieces, positions)]
+    # Values at positions of the full shape (rows, layers or not, may be
+    # the saving engine's or this one's: the same values either way).
+    size, k = math.prod(layout.inner_shape), layout.shard_size
+    blocks = state_spans.Int8Blocks(scales, layout.shape, signed)
+    out = []
+    for p, d in zip(pieces, positions):
+      rows = p.reshape(-1, k)
+      values = np.zeros(rows.shape, np.float32)  # the padding's are zeros
+      n = max(0, min(k, size - d * k))
+      for r in range(rows.shape[0]):
+        values[r, :n] = blocks.values(rows[r, :n], r * size + d * k)
+      out.append(values.reshape(p.shape))
+    return out
+  mine = host if host is not None else jax.tree.map(lambda _: None, plan.layouts,
+                                                    is_leaf=is_layout)
+  return jax.tree.map(one, plan.layouts, saved[codes_entry(name)], saved[scales_entry(name)],
+                      mine, is_leaf=is_layout)
 
 
 def full_masters(trained: ZeroState):
@@ -346,9 +398,8 @@ def _adam_full(trained: ZeroState) -> dict:
             for name, (pieces, dtype) in _saved_pieces(trained).items()}
   if plan.cpu_adam:
     opt = state.opt_state
-    moments = {name: _parts(plan, getattr(opt, name) if opt else None,
-                            _host_moment(host, name), _saved_moment_dtype(host, name))
-               for name in ("mu", "nu")}
+    moments = {name: _parts(plan, getattr(opt, name) if opt else None, getattr(host, name),
+                            _saved_moment_dtype(host, name)) for name in ("mu", "nu")}
     return {"master": _parts(plan, state.master, host.master, np.float32), **moments}
   adam = _device_adam(plan, state)
   return {"master": _full(plan, state.master), "mu": _full(plan, adam.mu),
@@ -433,13 +484,22 @@ def _int8(trained: ZeroState) -> bool:
 
 def _adam_flat(trained: ZeroState) -> dict:
   """ADAM_FLAT's masters and moments: global arrays, flat and padded, whose
-  shards each process gives from its own."""
+  shards each process gives from its own (int8 moments as their codes and
+  scales)."""
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
   if plan.cpu_adam:
     opt = state.opt_state
-    adam = {name: _joined_shards(plan, mesh, getattr(opt, name) if opt else None,
-                                 _host_moment(host, name)) for name in ("mu", "nu")}
-    adam["master"] = _joined_shards(plan, mesh, state.master, host.master)
+    adam = {"master": _joined_shards(plan, mesh, state.master, host.master)}
+    for name in ("mu", "nu"):
+      moment = getattr(host, name)
+      if _int8(trained):  # all on the host
+        adam[codes_entry(name)] = _joined_shards(plan, mesh, None, jax.tree.map(
+            lambda q: q.codes, moment, is_leaf=quant8.is_moment))
+        adam[scales_entry(name)] = jax.tree.map(
+            lambda l, q: _joined_scales(plan, mesh, l, q.scales), plan.layouts, moment,
+            is_leaf=is_layout)
+      else:
+        adam[name] = _joined_shards(plan, mesh, getattr(opt, name) if opt else None, moment)
     return adam
   adam = _device_adam(plan, state)
   return {"master": state.master, "mu": adam.mu, "nu": adam.nu}
@@ -469,10 +529,6 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
   device_adam = _device_adam(plan, state)
   several = _several_processes()
   saved_outline = outline(saved)
-  if several and any(codes_entry(name) in saved_outline for name in ("mu", "nu")):
-    raise ValueError("its int8 moments are saved as codes and scales, which load into one "
-                     "process only: restore it in one process into an engine with float32 or "
-                     "bfloat16 moments and save that, which several processes load")
   if not plan.cpu_adam and (device_adam is None or "opt_state" in saved):
     flat = {"master": state.master, "opt_state": state.opt_state}
     target = {**tree, **jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -515,8 +571,11 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
     masters, moments = state.master, {"mu": device_adam.mu, "nu": device_adam.nu}
   entries = {"master": entry("master", masters)}
   for name, like in moments.items():
-    if not several and _reads_codes(trained, name, saved_outline):
-      entries.update(_int8_entries(trained, name, saved_outline))
+    if _reads_codes(trained, name, saved_outline):  # as masters are: full, or flat and padded
+      codes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, np.uint8), plan.layouts,
+                           is_leaf=is_layout)
+      entries[codes_entry(name)] = entry(codes_entry(name), codes)
+      entries[scales_entry(name)] = _scales_entry(trained, name, saved_outline)
     else:
       entries[name] = entry(name, like)
   target = {**tree, **{k: t for k, (t, _) in entries.items()},
@@ -526,19 +585,18 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
 
 
 def _reads_codes(trained: ZeroState, name: str, saved_outline) -> bool:
-  """Whether moment `name` is read as int8 codes and scales (one process):
-  the checkpoint has them so, or this int8 engine's own format where the
+  """Whether moment `name` is read as int8 codes and scales: the
+  checkpoint has them so, or this int8 engine's own format where the
   checkpoint has the moment neither way (or there is none)."""
   if codes_entry(name) in saved_outline:
     return True
   return _int8(trained) and name not in saved_outline
 
 
-def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
-  """(target, accepted outline) of an int8 moment's codes and scales: the
-  codes in the params' full shapes; the scales as saved (any shard count:
-  state_spans.SavedInt8Leaf checks them against the codes), else as this
-  engine keeps them."""
+def _scales_entry(trained: ZeroState, name: str, saved_outline) -> tuple:
+  """(target, accepted outline) of an int8 moment's scales, read whole by
+  every process: as saved (any shard count: state_spans.Int8Blocks checks
+  them against the codes), else as this engine keeps them."""
   plan = trained.plan
   structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
   saved = jax.tree.leaves(saved_outline.get(scales_entry(name)),
@@ -553,11 +611,8 @@ def _int8_entries(trained: ZeroState, name: str, saved_outline) -> dict:
     else:  # this engine's own: every shard's (and layer's) blocks
       shape = quant8.scale_shape(layout.host_shape)
     return jax.ShapeDtypeStruct(shape, np.float32)
-  codes = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(l.shape, np.uint8)
-                                         for l in plan.leaves])
   scales = jax.tree.unflatten(structure, [scales_of(l, x) for l, x in zip(plan.leaves, saved)])
-  return {codes_entry(name): (codes, outline(codes)),
-          scales_entry(name): (scales, outline(scales))}
+  return scales, outline(scales)
 
 
 def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:
@@ -714,13 +769,16 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
     master = opt_state = None
     device_parts = {}
     for name in ("master", "mu", "nu"):
-      shards = _local_shards(plan, mesh, saved[name])
+      if codes_entry(name) in saved:
+        shards = _int8_shards(plan, mesh, saved, name, getattr(host, name) if host else None)
+      else:
+        shards = _local_shards(plan, mesh, saved[name])
       if plan.has_device_state:
         device_parts[name] = jax.tree.map(
             lambda l, pieces: _device_part(mesh, l, pieces, plan.axis), plan.layouts, shards,
             is_leaf=is_layout)
       if host is not None:  # this process's host parts
-        jax.tree.map(lambda l, dst, pieces: [_write_host_part(dst, d, p[..., l.on_device:], name)
+        jax.tree.map(lambda l, dst, pieces: [_write_host_part(dst, d, p, l.on_device, name)
                                              for d, p in enumerate(pieces)],
                      plan.layouts, getattr(host, name), shards, is_leaf=is_layout)
     count = int(saved["count"])

@@ -283,53 +283,34 @@ class _HeldLeaf(SavedLeaf):
     return done
 
 
-class SavedInt8Leaf(SavedLeaf):
-  """An int8 moment saved as its codes (uint8, the leaf's full shape) and
-  scales ((S, blocks) or (S, L, blocks): a scale per block of QUANT_BLOCK
-  values of each of S shards' flat part, of the leaf or of each of its L
-  layers, as the engine that saved it kept them), read as a SavedLeaf of
-  its float32 values: each value its code's times its block's scale, as
-  quant8.dequantize gives it (an int8 engine of the same shards quantizes
-  them back to the same codes and scales)."""
+class Int8Blocks:
+  """The float32 values of int8 codes saved in some engine's blocks: each
+  value its code's times its block's scale, as quant8.dequantize gives it.
 
-  def __init__(self, codes: SavedLeaf, scales: np.ndarray, signed: bool):
-    self.codes, self.scales, self.signed = codes, np.asarray(scales, np.float32), signed
-    self.shape, self.dtype = codes.shape, np.dtype(np.float32)
+  scales: (S, blocks) or (S, L, blocks): a scale per block of QUANT_BLOCK
+    values of each of S shards' flat part, of the leaf or of each of its L
+    layers, as the engine that saved them kept them.
+  shape: the saved codes' shape: the leaf's full shape, or flat and padded
+    ((S*k,) or (L, S*k); the values at the start of each row).
+  """
+
+  def __init__(self, scales: np.ndarray, shape: tuple[int, ...], signed: bool):
+    self.scales, self.signed = np.asarray(scales, np.float32), signed
     per_layer = self.scales.ndim == 3
-    self.row = math.prod(self.shape[1:] if per_layer else self.shape)  # a saved row's values
+    self.row = math.prod(shape[1:] if per_layer else shape)  # a saved row's values
     shards = self.scales.shape[0] if self.scales.ndim else 0
     self.shard = -(-self.row // shards) if shards else 0  # k: values of a shard's row
-    layers = self.shape[:1] if per_layer else ()
+    layers = tuple(shape[:1]) if per_layer else ()
     expected = quant8.scale_shape((shards,) + layers + (self.shard,))
     if not shards or self.scales.shape != expected:
       raise ValueError(f"int8 moment scales {list(self.scales.shape)} do not fit codes "
-                       f"{list(self.shape)}: expected (shards, [layers,] blocks of each "
+                       f"{list(shape)}: expected (shards, [layers,] blocks of each "
                        f"shard's part), e.g. {list(expected)}")
 
-  def chunk_rows(self, layout: LeafLayout) -> int | None:
-    return self.codes.chunk_rows(layout)
-
-  def same_blocks(self, target: Target) -> bool:
-    """Whether `target` is an int8 host part in these blocks (every shard's,
-    of one process): it takes the codes and scales as they are."""
-    host = target.host
-    return (isinstance(host, quant8.Int8Moment) and not target.buffers
-            and target.layout.on_device == 0 and target.signed == self.signed
-            and target.layout.per_layer == (self.scales.ndim == 3)
-            and tuple(host.scales.shape) == self.scales.shape)
-
-  def held(self) -> SavedInt8Leaf:
-    return SavedInt8Leaf(self.codes.held(), self.scales, self.signed)
-
-  def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
-    codes = self.codes.fetch(layout, index, x0, x1)
-    row = index[0].start if layout.per_layer else 0
-    first = row * math.prod(layout.inner_shape) + x0  # position in the whole leaf
-    return _Dequantized(self, codes, first)
-
   def values(self, codes: np.ndarray, first: int) -> np.ndarray:
-    """The float32 values of `codes` (flat) at positions first, first + 1,
-    ... of the whole leaf, in parts of QUANTIZE_PART over the CPUs."""
+    """The float32 values of `codes` (flat) at saved positions first, first
+    + 1, ... (row r's column j at r * row + j), in parts of QUANTIZE_PART
+    over the CPUs."""
     codes, out = codes.reshape(-1), np.empty(codes.size, np.float32)
     parts = range(0, codes.size, QUANTIZE_PART)
     list(_threads().map(lambda a: self._values(codes, first, a, min(a + QUANTIZE_PART,
@@ -350,14 +331,46 @@ class SavedInt8Leaf(SavedLeaf):
       lo += n
 
 
+class SavedInt8Leaf(SavedLeaf):
+  """An int8 moment saved as its codes (uint8: the leaf's full shape, or
+  flat and padded as several processes save them) and scales (see
+  `Int8Blocks`), read as a SavedLeaf of its float32 values (an int8 engine
+  of the same shards quantizes them back to the same codes and scales)."""
+
+  def __init__(self, codes: SavedLeaf, scales: np.ndarray, signed: bool):
+    self.codes, self.blocks = codes, Int8Blocks(scales, codes.shape, signed)
+    self.scales, self.signed = self.blocks.scales, signed
+    self.shape, self.dtype = codes.shape, np.dtype(np.float32)
+
+  def chunk_rows(self, layout: LeafLayout) -> int | None:
+    return self.codes.chunk_rows(layout)
+
+  def same_blocks(self, target: Target) -> bool:
+    """Whether `target` is an int8 host part in these blocks (every shard's,
+    of one process): it takes the codes and scales as they are."""
+    host = target.host
+    return (isinstance(host, quant8.Int8Moment) and not target.buffers
+            and target.layout.on_device == 0 and target.signed == self.signed
+            and target.layout.per_layer == (self.scales.ndim == 3)
+            and tuple(host.scales.shape) == self.scales.shape)
+
+  def held(self) -> SavedInt8Leaf:
+    return SavedInt8Leaf(self.codes.held(), self.scales, self.signed)
+
+  def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
+    codes = self.codes.fetch(layout, index, x0, x1)
+    row = index[0].start if layout.per_layer else 0
+    return _Dequantized(self.blocks, codes, row * self.blocks.row + x0)
+
+
 class _Dequantized:
   """A read of codes under way (its `.result()`), whose result is their values."""
 
-  def __init__(self, leaf: SavedInt8Leaf, codes, first: int):
-    self.leaf, self.codes, self.first = leaf, codes, first
+  def __init__(self, blocks: Int8Blocks, codes, first: int):
+    self.blocks, self.codes, self.first = blocks, codes, first
 
   def result(self) -> np.ndarray:
-    return self.leaf.values(np.asarray(self.codes.result()), self.first)
+    return self.blocks.values(np.asarray(self.codes.result()), self.first)
 
 
 def as_saved_leaf(x) -> SavedLeaf:

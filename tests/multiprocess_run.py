@@ -9,8 +9,10 @@ place from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID): it
 trains at stages 2 and 3 and process 0 writes what each run saw to
 OUT/stage<N>.npz. `python multiprocess_run.py OUT --load DIR` loads the
 latest checkpoint of DIR/checkpoints-<N> instead, and process 0 writes the
-state it loaded to OUT/loaded<N>.npz. The test runs `train` and `load` in
-its own process for the single-process references.
+state it loaded to OUT/loaded<N>.npz. With `--int8` the same at stage 3
+alone with int8 moments (files named int8-stage3, checkpoints-int8-3,
+int8-loaded3). The test runs `train` and `load` in its own process for the
+single-process references.
 """
 
 import pathlib
@@ -22,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jzo
-from jzo import checkpoint, distributed
+from jzo import checkpoint, distributed, state_dict, state_spans
 from jzo.partition import is_layout
 from test_engine import batches, init_params, loss_fn
 
@@ -31,22 +33,30 @@ SAVE_AT = (5, STEPS)  # checkpoints; a resumed run starts from the first
 STAGES = (2, 3)
 
 
-def make_engine(stage: int, mesh=None) -> jzo.ZeroEngine:
+def make_engine(stage: int, mesh=None, int8: bool = False) -> jzo.ZeroEngine:
+  moments = "int8" if int8 else None
   return jzo.ZeroEngine(
-      loss_fn, init_params(), jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1), mesh=mesh,
+      loss_fn, init_params(), jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1, mu_dtype=moments,
+                                            nu_dtype=moments), mesh=mesh,
       stage=stage,
       compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True, delayed_update=True,
       dpu_warmup=2, layers="blocks" if stage == 3 else None)
 
 
-def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False) -> dict:
+def folder(stage: int, int8: bool = False) -> str:
+  """The checkpoints folder of a run at `stage`."""
+  return f"checkpoints-{'int8-' if int8 else ''}{stage}"
+
+
+def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False,
+          int8: bool = False) -> dict:
   """Trains STEPS steps, saving at SAVE_AT (or, if `resume`, from checkpoint
   SAVE_AT[0], saving none); returns {"loss", "grad_norm"} (the steps run) and "master"
   (the final float32 weights, flat, in jax.tree.leaves order)."""
-  engine = make_engine(stage, mesh)
+  engine = make_engine(stage, mesh, int8)
   losses, norms = [], []
   data = [jax.tree.map(np.asarray, b) for b in batches(STEPS)]  # global, (16, ...)
-  with checkpoint.open_manager(out / f"checkpoints-{stage}") as manager:
+  with checkpoint.open_manager(out / folder(stage, int8)) as manager:
     first = checkpoint.restore(manager, engine, SAVE_AT[0]) if resume else 0
     for step in range(first, STEPS):
       metrics = engine.step(engine.local_batch(data[step]))
@@ -59,21 +69,31 @@ def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False) -> dic
   return {"loss": np.array(losses), "grad_norm": np.array(norms), "master": master}
 
 
-def load(stage: int, folder: pathlib.Path, mesh=None) -> dict:
+def load(stage: int, where: pathlib.Path, mesh=None, int8: bool = False) -> dict:
   """The state an engine over `mesh` loads from the latest checkpoint in
-  folder/checkpoints-<stage>: "master", "mu" and "nu" (float32, in full
-  shapes, flat and joined in jax.tree.leaves order) and "count"."""
-  engine = make_engine(stage, mesh)
-  with checkpoint.open_manager(folder / f"checkpoints-{stage}") as manager:
+  `where`/folder(stage, int8): "master", "mu" and "nu" (float32, in full
+  shapes, flat and joined in jax.tree.leaves order; int8 moments' values)
+  and "count"."""
+  engine = make_engine(stage, mesh, int8)
+  with checkpoint.open_manager(where / folder(stage, int8)) as manager:
     checkpoint.restore(manager, engine)
   saved = engine.state_dict()
   layouts = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
 
-  def full(layout, x):
+  def whole(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:  # several processes' shards
-      x = multihost_utils.process_allgather(x, tiled=True)
-    x = np.asarray(x, np.float32)
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+  def full(layout, x):
+    x = np.asarray(whole(x), np.float32)
     return x if x.shape == layout.shape else np.asarray(layout.unflatten(x))
+  for name in ("mu", "nu"):
+    if state_dict.codes_entry(name) in saved:  # int8: their values, in the codes' shapes
+      saved[name] = jax.tree.map(
+          lambda c, s: state_spans.Int8Blocks(whole(s), c.shape, signed=name == "mu").values(
+              whole(c), 0).reshape(c.shape),
+          saved[state_dict.codes_entry(name)], saved[state_dict.scales_entry(name)])
   state = {name: np.concatenate([full(l, x).ravel() for l, x in
                                  zip(layouts, jax.tree.leaves(saved[name]))])
            for name in ("master", "mu", "nu")}
@@ -84,12 +104,16 @@ def load(stage: int, folder: pathlib.Path, mesh=None) -> dict:
 def main(out: str, args: list[str]) -> None:
   distributed.initialize_from_environment()
   out = pathlib.Path(out)
-  for stage in STAGES:
+  int8 = "--int8" in args
+  prefix = "int8-" if int8 else ""
+  for stage in (3,) if int8 else STAGES:
     if "--load" in args:
-      seen, name = load(stage, pathlib.Path(args[args.index("--load") + 1])), f"loaded{stage}"
+      seen = load(stage, pathlib.Path(args[args.index("--load") + 1]), int8=int8)
+      name = f"{prefix}loaded{stage}"
     else:
       resume = "--resume" in args
-      seen, name = train(stage, out, resume=resume), f"stage{stage}{'-resumed' if resume else ''}"
+      seen = train(stage, out, resume=resume, int8=int8)
+      name = f"{prefix}stage{stage}{'-resumed' if resume else ''}"
     if distributed.is_primary():
       np.savez(out / f"{name}.npz", **seen)
 

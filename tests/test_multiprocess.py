@@ -1,7 +1,8 @@
 """Two processes over loopback, each with 2 CPU devices, train as one 4-device
 mesh (jax.distributed, gloo): stages 2 and 3 with offload and the delayed
 update match a single process's 4-device run to float32 rounding, and their
-checkpoint, written by both, resumes in a new pair bit for bit.
+checkpoint, written by both, resumes in a new pair bit for bit (also with
+int8 moments, saved as their codes and scales).
 
 The pair runs tests/multiprocess_run.py; each process is started in a
 session of its own and killed with its group when the test leaves, passed or
@@ -22,7 +23,9 @@ import numpy as np
 import pytest
 
 import multiprocess_run as run
-from test_engine import mesh_of
+from jzo import checkpoint, quant8, state_dict
+from jzo.partition import LeafLayout
+from test_engine import HIDDEN, LAYERS, mesh_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds a pair may take, start-up and compilation included
@@ -160,6 +163,55 @@ def test_checkpoints_load_into_pairs_of_other_device_counts(pair_out, cache, tmp
   for stage in run.STAGES:
     assert_same_state(dict(np.load(tmp_path / f"loaded{stage}.npz")),
                       run.load(stage, single, mesh_of(4)))
+
+
+@pytest.fixture(scope="module")
+def int8_out(tmp_path_factory, cache):
+  """The folder of an int8 pair's runs at stage 3, trained and resumed."""
+  out = tmp_path_factory.mktemp("int8-pair")
+  run_pair(out, cache, "--int8")
+  run_pair(out, cache, "--int8", "--resume")
+  return out
+
+
+def test_an_int8_pairs_checkpoint_keeps_codes_and_resumes_bit_for_bit(int8_out):
+  """Two processes save int8 moments as their codes (flat, padded for 4
+  devices) and each shard's scales, not float32 values; a new pair resumes
+  from them exactly."""
+  with checkpoint.open_manager(int8_out / run.folder(3, int8=True)) as manager:
+    saved = state_dict.outline(manager.item_metadata(run.STEPS).tree)
+  assert "mu" not in saved and "nu" not in saved
+  layout = LeafLayout((LAYERS, HIDDEN, HIDDEN), shards=4, per_layer=True, device_size=0)
+  assert saved["mu_codes"]["blocks"]["w"] == f"uint8{list(layout.flat_shape)}"
+  assert saved["nu_scales"]["blocks"]["w"] == (
+      f"float32{list(quant8.scale_shape(layout.host_shape))}")
+  first = dict(np.load(int8_out / "int8-stage3.npz"))
+  resumed = dict(np.load(int8_out / "int8-stage3-resumed.npz"))
+  start = run.SAVE_AT[0]
+  np.testing.assert_array_equal(resumed["loss"], first["loss"][start:])
+  np.testing.assert_array_equal(resumed["master"], first["master"])
+  initial = np.concatenate([x.ravel() for x in jax.tree.leaves(run.init_params())])
+  assert np.abs(first["master"] - initial).max() > 1e-3  # it trains: weights moved
+
+
+def test_an_int8_pairs_checkpoint_loads_into_one_process_and_other_pairs(int8_out, cache,
+                                                                         tmp_path):
+  """The same blocks (one process of 4 devices) take the codes and scales as
+  they are; other device counts quantize their values in their own blocks,
+  the same in one process (2 devices) as in a pair of 1-device processes."""
+  reference = run.load(3, int8_out, mesh_of(4), int8=True)
+  assert reference["count"] == run.STEPS and np.abs(reference["mu"]).max() > 0
+  np.testing.assert_array_equal(reference["master"],
+                                np.load(int8_out / "int8-stage3.npz")["master"])
+  two = run.load(3, int8_out, mesh_of(2), int8=True)
+  np.testing.assert_array_equal(two["master"], reference["master"])
+  # Quantized again in other blocks: near the saved values, not equal to them.
+  for name in ("mu", "nu"):
+    assert not np.array_equal(two[name], reference[name])
+    np.testing.assert_allclose(two[name], reference[name], rtol=0.05,
+                               atol=0.01 * np.abs(reference[name]).max())
+  run_pair(tmp_path, cache, "--int8", "--load", str(int8_out), devices=1)
+  assert_same_state(dict(np.load(tmp_path / "int8-loaded3.npz")), two)
 
 
 def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
