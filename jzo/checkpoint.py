@@ -13,9 +13,9 @@ and an unfinished one is never restored.
 
 The engine is used through `state_dict(streamed=True)` and
 `load_state_dict(saved)`, and `restore` reads the shapes of what it loads
-from its state (`state_dict.expected`). In one process Adam's masters and
-moments go to disk and back a span at a time (jzo.state_spans): the host
-holds a few spans beside the state, never a copy of it.
+from its state (`state_dict.expected`). Adam's masters and moments go to
+disk and back a span at a time (jzo.state_spans): the host holds a few
+spans beside the state, never a copy of it.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
 fit the engine is refused before any array is read, naming the first
@@ -24,8 +24,9 @@ entries that differ (another model's parameters, shapes or optimizer).
 What is saved, in which format, and what loads into what, is
 jzo.state_dict's. With several processes (jzo.distributed) every process
 calls `save` and `restore` together and orbax writes one set of files, each
-process writing and reading its own devices' shards (staged in host memory);
-scalars are written once. `read_masters` and the export read such a
+process writing and reading its own devices' shards, span by span as one
+process does (another optimizer's state: staged in host memory); scalars
+are written once. `read_masters` and the export read such a
 checkpoint like any other.
 """
 

@@ -366,9 +366,10 @@ def engine_state_dict(trained: ZeroState, streamed: bool = False) -> dict:
   counters; in ADAM_FLAT and with several processes, global arrays of each
   process's shards.
 
-  streamed: in ADAM, the masters and moments as `state_spans.StreamedArray`s
-  that read the live state a span at a time (what jzo.checkpoint writes:
-  no copy of the state on the host), valid until the next step.
+  streamed: the masters and moments as `state_spans.StreamedArray`s (ADAM)
+  or `StreamedShards` (ADAM_FLAT: each process's own shards) that read the
+  live state a span at a time (what jzo.checkpoint writes: no copy of the
+  state on the host), valid until the next step.
 
   The counters all come from the engine's one: `step` (Adam's `count` is
   the same number) and `skipped` (`steps_run` is their sum)."""
@@ -382,7 +383,7 @@ def engine_state_dict(trained: ZeroState, streamed: bool = False) -> dict:
     saved = {**common, "master": state.master, "opt_state": state.opt_state}
     return saved if _several_processes() else jax.device_get(saved)
   if form == ADAM_FLAT:
-    adam = _adam_flat(trained)
+    adam = _adam_shards(trained) if streamed else _adam_flat(trained)
   else:
     adam = _adam_streamed(trained) if streamed else _adam_full(trained)
   return {**common, **adam, "count": np.asarray(common["step"], np.int64)}
@@ -480,6 +481,22 @@ def scales_entry(name: str) -> str:
 def _int8(trained: ZeroState) -> bool:
   """The engine keeps int8 moments (on the host, with jzo's Adam)."""
   return trained.plan.cpu_adam and quant8.is_int8(trained.host.hyper.mu_dtype)
+
+
+def _adam_shards(trained: ZeroState) -> dict:
+  """ADAM_FLAT's masters and moments as `state_spans.StreamedShards` (int8
+  moments as their codes, and their scales as `_joined_scales`' arrays)."""
+  plan, mesh = trained.plan, trained.mesh
+  structure = jax.tree.structure(plan.layouts, is_leaf=is_layout)
+  positions = local_positions(mesh)
+  out = {}
+  for name, (pieces, dtype) in _saved_pieces(trained).items():
+    if isinstance(pieces[0], state_spans.HeldPieces):  # int8 scales: this process's, whole
+      leaves = [_joined_scales(plan, mesh, l, p.array) for l, p in zip(plan.leaves, pieces)]
+    else:
+      leaves = [state_spans.StreamedShards(p, dtype, positions) for p in pieces]
+    out[name] = jax.tree.unflatten(structure, leaves)
+  return out
 
 
 def _adam_flat(trained: ZeroState) -> dict:
@@ -617,10 +634,10 @@ def _scales_entry(trained: ZeroState, name: str, saved_outline) -> tuple:
 
 def streamed_entries(trained: ZeroState, target: dict) -> tuple[str, ...]:
   """The entries of `expected`'s target that `load_engine_state` reads span
-  by span from `state_spans.SavedLeaf`s: Adam's masters and moments in one
-  process; none otherwise (another optimizer's state, or several processes,
-  whose global arrays orbax reads shard by shard)."""
-  if _several_processes() or "opt_state" in target:
+  by span from `state_spans.SavedLeaf`s (each process the spans of its own
+  shards): Adam's masters and moments; none for another optimizer's state
+  (global arrays, which orbax reads shard by shard)."""
+  if "opt_state" in target:
     return ()
   return tuple(name for name in ("master", "mu", "nu", codes_entry("mu"), codes_entry("nu"))
                if name in target)
@@ -648,10 +665,11 @@ class StateChanged(RuntimeError):
 
 
 def _load_adam(trained: ZeroState, saved: dict) -> EngineState:
-  """ADAM's masters and moments (in one process: full shapes, or flat and
-  padded; arrays, or SavedLeafs) into the engine's pieces, a leaf and a
-  span at a time, in place: the device parts, the compute-dtype weights
-  made from the masters, and the host parts. The host never holds more
+  """ADAM's or ADAM_FLAT's masters and moments (full shapes, or flat and
+  padded; arrays in one process, SavedLeafs in any) into the engine's
+  pieces, a leaf and a span at a time, in place: the device parts, the
+  compute-dtype weights made from the masters, and the host parts. Each
+  process reads the spans of its own shards. The host never holds more
   than a few spans beside the state; the devices, one span."""
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
   positions = local_positions(mesh)
@@ -743,9 +761,9 @@ def _with_count(opt_state, scalar, count: int):
 def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
   """The device state from `engine_state_dict` output (of one process or
   several); the host arrays are written in place. The saved `step` sets
-  the engine's counter (Adam's counts are the same number). In one
-  process Adam's masters and moments may be `state_spans.SavedLeaf`s
-  (a checkpoint open for reading), read a span at a time.
+  the engine's counter (Adam's counts are the same number). Adam's
+  masters and moments may be `state_spans.SavedLeaf`s (a checkpoint open
+  for reading), read a span at a time.
 
   Raises:
     ValueError: the saved tree does not fit this engine, naming the first
@@ -757,7 +775,8 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
   differences = misfit(outline(saved), outline(expected(trained, saved, prefer_full=True)[0]))
   if differences:
     raise ValueError(f"checkpoint does not fit this engine: {differences}")
-  if not _several_processes() and "opt_state" not in saved:
+  lazy = isinstance(jax.tree.leaves(saved.get("master"))[0], state_spans.SavedLeaf)
+  if "opt_state" not in saved and (lazy or not _several_processes()):
     return _load_adam(trained, saved)
   specs = step_lib.state_specs(plan, trained.tx)
   # Numpy is every process's whole value; a global array (several processes'

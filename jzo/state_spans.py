@@ -92,21 +92,32 @@ class Pieces:
 
   def read(self, row: int, x0: int, x1: int, dtype) -> np.ndarray:
     """Flat positions [x0, x1) of `row` (one process: every shard is its own)."""
-    layout = self.layout
-    k, c = layout.shard_size, layout.on_device
+    k = self.layout.shard_size
     out = np.empty(x1 - x0, dtype)
-    devices = shard_arrays(self.device, layout, range(layout.shards)) if c else None
+    devices = self.device_shards(range(self.layout.shards))
     for d in range(x0 // k, -(-x1 // k)):
       lo, hi = max(x0, d * k) - d * k, min(x1, (d + 1) * k) - d * k
-      at = d * k + lo - x0
-      if lo < c:
-        n = min(hi, c) - lo
-        out[at:at + n] = np.asarray(_take(devices[d], _at(layout, row, lo), n))
-        at, lo = at + n, lo + n
-      if lo < hi:
-        out[at:at + hi - lo] = _host_values(self.host, d, layout, row, lo - c, hi - c,
-                                             self.signed, self.codes)
+      self.read_shard(devices, d, row, lo, hi, out[d * k + lo - x0:d * k + hi - x0])
     return out
+
+  def device_shards(self, positions: range) -> list[jax.Array] | None:
+    """The device parts of the shards at `positions` (this process's), or
+    None when the devices hold none."""
+    return shard_arrays(self.device, self.layout, positions) if self.layout.on_device else None
+
+  def read_shard(self, devices: list[jax.Array] | None, j: int, row: int, lo: int, hi: int,
+                 out: np.ndarray) -> None:
+    """out = columns [lo, hi) of `row` of this process's j-th shard: [0, c)
+    from its device part (devices[j], from `device_shards`), the rest from
+    its host part."""
+    layout = self.layout
+    c, at = layout.on_device, 0
+    if lo < c:
+      n = min(hi, c) - lo
+      out[:n] = np.asarray(_take(devices[j], _at(layout, row, lo), n))
+      at, lo = n, lo + n
+    if lo < hi:
+      out[at:] = _host_values(self.host, j, layout, row, lo - c, hi - c, self.signed, self.codes)
 
 
 @dataclasses.dataclass
@@ -226,6 +237,65 @@ class StreamedArray:
       yield index, values.reshape(span_shape(layout, index))
 
 
+@dataclasses.dataclass
+class StreamedShards:
+  """A leaf's master or moment flat and padded (`flat_shape`: several
+  processes' format), of which this process writes its own shards, span
+  by span, from the live state when jzo.checkpoint writes it (valid until
+  the next step). The chunks are spans of one shard's row, so that no two
+  processes write the same one."""
+  pieces: Pieces
+  dtype: np.dtype
+  positions: range  # this process's shards
+
+  def __deepcopy__(self, memo):
+    return self  # read from the live state while jzo.checkpoint.save waits (StreamedArray's)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.pieces.layout.flat_shape
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def chunk_shape(self) -> tuple[int, ...]:
+    """(1, n) or (n,): n columns of a row, the largest divisor of the
+    shard's k of at most SPAN_BYTES (k itself where that would cut a row
+    into more than 256 chunks: a k with no such divisor)."""
+    k = self.pieces.layout.shard_size
+    most = max(1, SPAN_BYTES // self.dtype.itemsize)
+    n = max((n for n in _divisors(k) if n <= most), default=1)
+    if k // n > 256:
+      n = k
+    return (1,) * (self.ndim - 1) + (n,)
+
+  async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
+    """(index into the flat shape, the values there): this process's chunks,
+    one after another, each read after `await before_each()`."""
+    layout = self.pieces.layout
+    k, n = layout.shard_size, self.chunk_shape[-1]
+    devices = self.pieces.device_shards(self.positions)
+    for row in range(layout.shape[0] if layout.per_layer else 1):
+      first = (slice(row, row + 1),) if layout.per_layer else ()
+      for j, d in enumerate(self.positions):
+        for a in range(0, k, n):
+          await before_each()
+          values = np.empty(n, self.dtype)
+          self.pieces.read_shard(devices, j, row, a, a + n, values)
+          yield first + (slice(d * k + a, d * k + a + n),), values.reshape(len(first) * (1,) + (n,))
+
+
+def _divisors(k: int) -> list[int]:
+  small = [n for n in range(1, math.isqrt(k) + 1) if k % n == 0]
+  return small + [k // n for n in small]
+
+
 class SavedLeaf:
   """A saved master or moment, open for reading spans (what `load_leaf` reads):
   in its full shape, or flat and padded with a row per layer (several
@@ -248,6 +318,14 @@ class SavedLeaf:
     if (layout.per_layer and chunk[0] != 1) or chunk[lead + 1:] != self.shape[lead + 1:]:
       return None
     return chunk[lead]
+
+  def reads_spans(self, layout: LeafLayout) -> bool:
+    """Whether `rectangles`' spans read well from this leaf saved flat and
+    padded: its chunks parts of a row of at most SPAN_BYTES (as
+    StreamedShards writes them), each decoded by at most two spans."""
+    chunk = tuple(self.store.chunk_layout.read_chunk.shape)
+    return (self.shape != layout.shape and len(chunk) == len(self.shape)
+            and all(n == 1 for n in chunk[:-1]) and chunk[-1] * self.dtype.itemsize <= SPAN_BYTES)
 
   def held(self) -> SavedLeaf:
     """The whole leaf read into memory, as a SavedLeaf."""
@@ -273,6 +351,9 @@ class _HeldLeaf(SavedLeaf):
 
   def chunk_rows(self, layout):
     return None  # any span reads as fast
+
+  def reads_spans(self, layout):
+    return True
 
   def held(self):
     return self
@@ -345,14 +426,18 @@ class SavedInt8Leaf(SavedLeaf):
   def chunk_rows(self, layout: LeafLayout) -> int | None:
     return self.codes.chunk_rows(layout)
 
+  def reads_spans(self, layout: LeafLayout) -> bool:
+    return self.codes.reads_spans(layout)
+
   def same_blocks(self, target: Target) -> bool:
-    """Whether `target` is an int8 host part in these blocks (every shard's,
-    of one process): it takes the codes and scales as they are."""
-    host = target.host
+    """Whether `target` is an int8 host part in these blocks (the same
+    shards): it takes the codes and its shards' scales as they are."""
+    host, layout = target.host, target.layout
     return (isinstance(host, quant8.Int8Moment) and not target.buffers
-            and target.layout.on_device == 0 and target.signed == self.signed
-            and target.layout.per_layer == (self.scales.ndim == 3)
-            and tuple(host.scales.shape) == self.scales.shape)
+            and layout.on_device == 0 and target.signed == self.signed
+            and layout.per_layer == (self.scales.ndim == 3)
+            and self.scales.shape[0] == layout.shards
+            and tuple(host.scales.shape[1:]) == self.scales.shape[1:])
 
   def held(self) -> SavedInt8Leaf:
     return SavedInt8Leaf(self.codes.held(), self.scales, self.signed)
@@ -380,9 +465,10 @@ def as_saved_leaf(x) -> SavedLeaf:
 
 class SpanHandler(ocp.type_handlers.NumpyHandler):
   """Orbax's numpy handler, which also writes StreamedArrays span by span
-  (never a copy of the whole: see StreamedArray.__deepcopy__) and opens saved arrays as SavedLeafs
-  (restore_type=SavedLeaf). The files are a numpy array's: any reader of
-  the checkpoint reads them as one."""
+  (never a copy of the whole: see StreamedArray.__deepcopy__), StreamedShards
+  from every process (each its own shards' chunks), and opens saved arrays
+  as SavedLeafs (restore_type=SavedLeaf). The files are a numpy array's:
+  any reader of the checkpoint reads them as one."""
 
   def __init__(self):
     super().__init__()
@@ -393,6 +479,10 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
       return await super()._open_and_write(value, tspec, ts_context)
     _set_chunk_shape(tspec, value.chunk_shape)
     store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+    await self._write_spans(store, value)
+
+  async def _write_spans(self, store: ts.TensorStore, value) -> None:
+    """Writes a StreamedArray's or StreamedShards' spans into `store`."""
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
     loop = asyncio.get_running_loop()
@@ -404,6 +494,35 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
       writes.append(write)
     for write in writes:
       await write
+
+  async def _background_serialize(self, values, infos, args=None):
+    # Orbax's numpy handler writes on the first process alone; every
+    # process writes its StreamedShards.
+    args = list(args) if args else [ocp.SaveArgs()] * len(values)
+    mine = [isinstance(v, StreamedShards) for v in values]
+    pick = lambda xs, want: [x for x, m in zip(xs, mine) if m == want]
+    others = pick(values, False)
+    if others:
+      await super()._background_serialize(others, pick(infos, False), pick(args, False))
+    await asyncio.gather(*(self._write_shards(v, i, a) for v, i, a in
+                           zip(pick(values, True), pick(infos, True), pick(args, True))))
+
+  async def _write_shards(self, value: StreamedShards, info, arg) -> None:
+    """This process's chunks of `value`, into the array the first process
+    creates (with OCDBT each process writes a database of its own, which
+    orbax merges when the checkpoint is complete)."""
+    await info.await_path_creation()
+    ocdbt = info.is_ocdbt_checkpoint
+    tspec = ocp.type_handlers.get_json_tspec_write(
+        info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=value.chunk_shape,
+        dtype=value.dtype, process_index=ocp.multihost.process_index() if ocdbt else None,
+        metadata_key=self._metadata_key, arg=arg)
+    _set_chunk_shape(tspec, value.chunk_shape)
+    if ocp.multihost.process_index() == 0:
+      await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+    store = await ts.open(ts.Spec(tspec), open=True, assume_metadata=True,
+                          context=info.ts_context)
+    await self._write_spans(store, value)
 
   async def deserialize(self, infos, args=None):
     args = list(args) if args else [ocp.type_handlers.RestoreArgs()] * len(infos)
@@ -422,12 +541,14 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
 
 def registry() -> ocp.type_handlers.TypeHandlerRegistry:
   """Orbax's standard type handlers, with SpanHandler for numpy arrays,
-  StreamedArrays and SavedLeafs (jzo.checkpoint's managers use it)."""
+  StreamedArrays, StreamedShards and SavedLeafs (jzo.checkpoint's managers
+  use it)."""
   spans = SpanHandler()
   standard = [(ty, ocp.type_handlers.get_type_handler(ty))
               for ty in ocp.type_handlers.supported_types() if ty is not np.ndarray]
   return ocp.type_handlers.create_type_handler_registry(
-      *standard, (np.ndarray, spans), (StreamedArray, spans), (SavedLeaf, spans))
+      *standard, (np.ndarray, spans), (StreamedArray, spans), (StreamedShards, spans),
+      (SavedLeaf, spans))
 
 
 def _set_chunk_shape(tspec: dict, shape: tuple[int, ...]) -> None:
@@ -462,19 +583,23 @@ def load_leaf(saved: SavedLeaf, targets: list[Target], positions: range) -> None
   """Writes one saved leaf into `targets` (all of the same leaf), span by
   span: device buffers through in-place updates, host parts in place
   (int8 moments quantized block by block as their values arrive, or, saved
-  in the same blocks, their codes and scales copied as they are)."""
+  in the same blocks, their codes and scales copied as they are). Only the
+  spans of this process's shards (`positions`) are read."""
   layout = targets[0].layout
   codes = isinstance(saved, SavedInt8Leaf) and all(saved.same_blocks(t) for t in targets)
   if codes:
     for t in targets:
-      np.copyto(t.host.scales, saved.scales)
+      np.copyto(t.host.scales, saved.scales[positions.start:positions.stop])
     saved = saved.codes
   k, c, S = layout.shard_size, layout.on_device, layout.shards
   size = math.prod(layout.inner_shape)
   rows = saved.chunk_rows(layout)
-  if rows is None:  # chunked otherwise (checkpoints before state_spans): a leaf at a time
-    saved = saved.held()
+  if rows is None and not saved.reads_spans(layout):
+    saved = saved.held()  # chunked otherwise (before state_spans): a leaf at a time
   spans = rectangles(layout, 4, rows)
+  if not any(t.full for t in targets):  # the spans of this process's shards' columns
+    columns = [(d * k, (d + 1) * k) for d in (positions if S > 1 else range(1))]
+    spans = [x for x in spans if any(lo < x[3] and x[2] < hi for lo, hi in columns)]
   if S * k > size:  # the padding: zeros, as the engine keeps it
     lead = layout.shape[0] if layout.per_layer else 1
     spans = [s for row in range(lead) for s in

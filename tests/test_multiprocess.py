@@ -20,10 +20,11 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import multiprocess_run as run
-from jzo import checkpoint, quant8, state_dict
+from jzo import checkpoint, quant8, state_dict, state_spans
 from jzo.partition import LeafLayout
 from test_engine import HIDDEN, LAYERS, mesh_of
 
@@ -180,7 +181,14 @@ def test_an_int8_pairs_checkpoint_keeps_codes_and_resumes_bit_for_bit(int8_out):
   from them exactly."""
   with checkpoint.open_manager(int8_out / run.folder(3, int8=True)) as manager:
     saved = state_dict.outline(manager.item_metadata(run.STEPS).tree)
+    lazy = ocp.RestoreArgs(restore_type=state_spans.SavedLeaf)
+    codes = manager.restore(run.STEPS, args=ocp.args.PyTreeRestore(
+        {"mu_codes": saved["mu_codes"]}, restore_args={"mu_codes": jax.tree.map(
+            lambda _: lazy, saved["mu_codes"])}, partial_restore=True))["mu_codes"]
   assert "mu" not in saved and "nu" not in saved
+  # Written by each process a chunk at a time, its shards' (StreamedShards), not by orbax.
+  w = codes["blocks"]["w"].store.chunk_layout.read_chunk.shape
+  assert tuple(w) == (1, LeafLayout((LAYERS, HIDDEN, HIDDEN), shards=4, per_layer=True).shard_size)
   layout = LeafLayout((LAYERS, HIDDEN, HIDDEN), shards=4, per_layer=True, device_size=0)
   assert saved["mu_codes"]["blocks"]["w"] == f"uint8{list(layout.flat_shape)}"
   assert saved["nu_scales"]["blocks"]["w"] == (

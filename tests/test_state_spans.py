@@ -3,6 +3,8 @@ cut small here cross the shards' edges, the device and host parts' and
 int8 blocks'; what is restored is the state as it was, bit for bit, and
 saving or restoring holds no second copy of the state on the host."""
 
+import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -216,6 +218,71 @@ SCRIPT = textwrap.dedent("""
       restore = peak_rss(lambda: checkpoint.restore(manager, engine))
     print(json.dumps({"state": 12 * 4096 * 8192, "save": save, "restore": restore}))
 """)
+
+
+def spans_of(shards: state_spans.StreamedShards) -> list:
+  """What StreamedShards gives a checkpoint's write: (index, values) pairs."""
+  async def collect():
+    async def nothing():
+      pass
+    return [span async for span in shards.spans(nothing)]
+  return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("setup", ["half-bf16-8", "int8-8"])
+def test_each_process_writes_the_chunks_of_its_own_shards(small_spans, setup):
+  """Several processes' format (flat, padded): StreamedShards gives one
+  process's chunks of the live state, its shards' columns of every row
+  (device and host parts alike; int8 codes), and nothing of the others'."""
+  engine = make(setup)
+  engine.step(batches(1)[0])
+  for name, (pieces, dtype) in state_dict._saved_pieces(engine.trained).items():
+    if isinstance(pieces[0], state_spans.HeldPieces):  # int8 scales: global arrays
+      continue
+    for p in pieces:
+      layout = p.layout
+      k, rows = layout.shard_size, layout.shape[0] if layout.per_layer else 1
+      whole = np.stack([p.read(row, 0, layout.shards * k, dtype) for row in range(rows)])
+      whole = whole.reshape(layout.flat_shape)
+      for positions in (range(0, 3), range(3, 8)):
+        # What that process holds: its devices' shards and its host parts.
+        held = lambda x: x[positions.start:positions.stop]
+        host = (None if p.host is None else quant8.Int8Moment(held(p.host.codes),
+                held(p.host.scales)) if isinstance(p.host, quant8.Int8Moment) else held(p.host))
+        shards = state_spans.StreamedShards(dataclasses.replace(p, host=host), np.dtype(dtype),
+                                            positions)
+        got, written = np.zeros(layout.flat_shape, dtype), np.zeros(layout.flat_shape, int)
+        for index, values in spans_of(shards):
+          assert values.shape == shards.chunk_shape and values.nbytes <= state_spans.SPAN_BYTES
+          got[index] = values
+          written[index] += 1
+        mine = np.zeros(layout.flat_shape, int)
+        mine[..., positions.start * k:positions.stop * k] = 1
+        np.testing.assert_array_equal(written, mine, err_msg=f"{name} {layout}")
+        np.testing.assert_array_equal(got[mine == 1], whole[mine == 1])
+  engine.close()
+
+
+def test_a_process_reads_only_the_spans_of_its_own_shards(small_spans):
+  """load_leaf over some of the shards (one process of several) fetches the
+  spans that overlap their columns, and fills their host parts."""
+  layout = LeafLayout((LAYERS, HIDDEN, HIDDEN), shards=8, per_layer=True, device_size=0)
+  values = np.arange(LAYERS * HIDDEN * HIDDEN, dtype=np.float32).reshape(layout.shape)
+  fetched = []
+
+  class Counting(state_spans._HeldLeaf):
+    def fetch(self, layout, index, x0, x1):
+      fetched.append((x0, x1))
+      return super().fetch(layout, index, x0, x1)
+  positions, k = range(2, 5), layout.shard_size
+  host = np.zeros((len(positions), LAYERS, k), np.float32)
+  state_spans.load_leaf(Counting(values), [state_spans.Target(layout, [], [], 0, host=host)],
+                        positions)
+  flat = values.reshape(LAYERS, -1)
+  for j, d in enumerate(positions):
+    np.testing.assert_array_equal(host[j], flat[:, d * k:(d + 1) * k])
+  assert all(x0 < positions.stop * k and positions.start * k < x1 for x0, x1 in fetched)
+  assert len(fetched) < len(state_spans.rectangles(layout, 4))
 
 
 def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
