@@ -99,10 +99,10 @@
 #   pair-recipe    gpt2-1.5b through the recipe: one process over both GPUs, then one
 #                  process per GPU (--coordinator), stage 2, offload + delayed update
 #   ds-2gpu        DeepSpeed ZeRO-2 offload, gpt2-1.5b, on 1 GPU and on 2 (one process each)
-#   pair-save      gpt2-1.5b through the recipe, one process per GPU, all the state on the
-#                  host, 4 steps: each process's peak host memory without checkpoints and
-#                  saving at steps 2 and 4 (fp32 moments), and saving with int8 moments; the
-#                  int8 pairs' CPU tests on this machine's Python
+#   pair-save      gpt2-1.5b through the recipe, one process per GPU, 4 steps: each
+#                  process's peak host memory without checkpoints and saving at steps 2 and 4,
+#                  for RUNS of moments:host share (default fp32:auto, fp32:1, int8:1); the
+#                  pairs' CPU tests on this machine's Python; the logs in $OUT/pair-save.tar
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -417,21 +417,27 @@ for part in "$@"; do
       cp /tmp/run-one/metrics.jsonl "$OUT/$part-one.jsonl"
       cp /tmp/run-pair/metrics.jsonl "$OUT/$part-pair.jsonl" ;;
     pair-save)
-      JAX_PLATFORMS=cpu pytests pair-int8-tests 300 tests/test_multiprocess.py -k int8
-      for run in "fp32 0" "fp32 2" "int8 2"; do
-        set -- $run; name=$part-$1-every$2; port=$((20000 + RANDOM % 20000))
-        for i in 0 1; do
-          CUDA_VISIBLE_DEVICES=$i /usr/bin/time -v timeout 400 python3 -m jzo.train \
-            --model gpt2-1.5b --seq-len 1024 --batch-size 16 --steps 4 --warmup 2 --log-every 1 \
-            --eval-every 1000 --checkpoint-every $2 --sample-tokens 0 --offload --moments $1 \
-            --out /tmp/run-$name --coordinator 127.0.0.1:$port --num-processes 2 \
-            --process-id $i >"$OUT/$name-$i.log" 2>&1 &
+      JAX_PLATFORMS=cpu pytests pair-tests 400 tests/test_multiprocess.py
+      mkdir -p /tmp/pair-save
+      for run in ${RUNS:-fp32:auto fp32:1 int8:1}; do
+        for every in 0 2; do
+          name=${run/:/-}-every$every; port=$((20000 + RANDOM % 20000))
+          for i in 0 1; do
+            CUDA_VISIBLE_DEVICES=$i /usr/bin/time -v timeout 400 python3 -m jzo.train \
+              --model gpt2-1.5b --seq-len 1024 --batch-size 16 --steps 4 --warmup 2 \
+              --log-every 1 --eval-every 1000 --checkpoint-every $every --sample-tokens 0 \
+              --moments ${run%:*} --offload-fraction ${run#*:} --out /tmp/run-$name \
+              --coordinator 127.0.0.1:$port --num-processes 2 --process-id $i \
+              >"/tmp/pair-save/$name-$i.log" 2>&1 &
+          done
+          wait; echo "$name: checkpoints $(ls /tmp/run-$name/checkpoints 2>/dev/null | tr '\n' ' ')"
+          grep -h -E "optimizer state|Maximum resident|^  total  |checkpoint writes|rror" \
+            /tmp/pair-save/$name-[01].log | cut -c1-160 | sort | uniq -c
+          grep -h -o "step [24]: loss [0-9.]*\|host [0-9.]* GiB" /tmp/pair-save/$name-0.log | tr '\n' ' '
+          echo; du -sh /tmp/run-$name/checkpoints/* 2>/dev/null; rm -rf /tmp/run-$name
         done
-        wait; echo "$name: $(ls /tmp/run-$name/checkpoints 2>/dev/null | tr '\n' ' ')"
-        grep -h -E "Maximum resident|host, each|total|checkpoint writes|^step 4|rror" \
-          "$OUT/$name-0.log" "$OUT/$name-1.log" | cut -c1-200
-        du -sh /tmp/run-$name/checkpoints/* 2>/dev/null; rm -rf /tmp/run-$name
-      done ;;
+      done
+      tar -cf "$OUT/$part.tar" -C /tmp pair-save ;;
     ds-2gpu)
       record $part torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
