@@ -517,6 +517,7 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
         info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=value.chunk_shape,
         dtype=value.dtype, process_index=ocp.multihost.process_index() if ocdbt else None,
         metadata_key=self._metadata_key, arg=arg)
+    tspec.setdefault("dtype", value.dtype.name)  # where this orbax leaves it to its caller
     _set_chunk_shape(tspec, value.chunk_shape)
     if ocp.multihost.process_index() == 0:
       await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
