@@ -57,6 +57,7 @@
 #                  recipe at stage 3 with and without it (the same losses)
 #   grads-20b      gpt2-20b, int8 moments, stage 3 + grads_in_params, micro-batches BATCH
 #                  (default 16 32) in offload_bench.py: step, TFLOPS, peaks against the plan
+#                  (LIMIT: seconds, default 540)
 #   params-check   offload_params' GPU test and CPU tests on this machine's Python;
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
 #                  all on the host, then three of their 12 arrays (the same losses)
@@ -254,7 +255,7 @@ for part in "$@"; do
     grads-20b)
       # One process (--config): the time limit stops the run itself, each
       # micro-batch's result already in the log ("result:").
-      timeout 540 python3 experiments/offload_bench.py --config offload --model gpt2-20b \
+      timeout ${LIMIT:-540} python3 experiments/offload_bench.py --config offload --model gpt2-20b \
         --moments int8 --stage 3 --grads-in-params --batch ${BATCH:-16 32} --steps 3 \
         --compiled-memory >"$OUT/$part.json" 2>"$OUT/$part.log"
       echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part.log" | cut -c1-400 | tail -12 ;;
