@@ -189,6 +189,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     result["host_update_s"] = statistics.median(t["update"] for t in timings)
     result["exchange_tail_s"] = statistics.median(t["upload"] for t in timings)
     result["host_update_gparam_s"] = (engine.plan.host_elements / result["host_update_s"] / 1e9)
+    result["int8_codes"] = jzo.kernels.int8_codes()  # how the int8 kernel finds codes here
     if engine.plan.host_accumulation:
       result["host_accumulate_s"] = statistics.median(t["accumulate"] for t in timings)
       result["wait_micro_s"] = statistics.median(t["wait_micro"] for t in timings)
