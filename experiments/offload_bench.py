@@ -134,6 +134,8 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
   import jax
   import jax.numpy as jnp
   import psutil
+
+  import jzo
   gib = lambda b: round(b / 2**30, 2)
   offload = args.config != "device"
   batch_size = micro * args.grad_accum
