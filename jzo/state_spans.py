@@ -229,10 +229,10 @@ class StreamedArray:
 
   async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
     """(index into the full shape, the values there), one span after
-    another, each read after `await before_each()`."""
+    another, each read after `await before_each(its bytes)`."""
     layout = self.pieces.layout
     for index, row, x0, x1 in rectangles(layout, self._itemsize):
-      await before_each()
+      await before_each((x1 - x0) * self.dtype.itemsize)
       values = self.pieces.read(row, x0, x1, self.dtype)
       yield index, values.reshape(span_shape(layout, index))
 
@@ -277,7 +277,7 @@ class StreamedShards:
 
   async def spans(self, before_each) -> AsyncIterator[tuple[tuple[slice, ...], np.ndarray]]:
     """(index into the flat shape, the values there): this process's chunks,
-    one after another, each read after `await before_each()`."""
+    one after another, each read after `await before_each(its bytes)`."""
     layout = self.pieces.layout
     k, n = layout.shard_size, self.chunk_shape[-1]
     devices = self.pieces.device_shards(self.positions)
@@ -285,13 +285,14 @@ class StreamedShards:
       first = (slice(row, row + 1),) if layout.per_layer else ()
       for j, d in enumerate(self.positions):
         for a in range(0, k, n):
-          await before_each()
+          await before_each(n * self.dtype.itemsize)
           values = np.empty(n, self.dtype)
           self.pieces.read_shard(devices, j, row, a, a + n, values)
           yield first + (slice(d * k + a, d * k + a + n),), values.reshape(len(first) * (1,) + (n,))
 
 
 def _divisors(k: int) -> list[int]:
+  """Every n that divides k (some twice where k is a square)."""
   small = [n for n in range(1, math.isqrt(k) + 1) if k % n == 0]
   return small + [k // n for n in small]
 
@@ -472,7 +473,10 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
 
   def __init__(self):
     super().__init__()
-    self._in_flight = weakref.WeakKeyDictionary()  # event loop -> Semaphore(SPANS_IN_FLIGHT)
+    # event loop -> (Semaphore(SPANS_IN_FLIGHT), Lock): a span takes a permit
+    # per SPAN_BYTES (a shard's chunk may be larger), under the lock so that
+    # two spans never each hold part of what they wait for.
+    self._in_flight = weakref.WeakKeyDictionary()
 
   async def _open_and_write(self, value, tspec, ts_context):
     if not isinstance(value, StreamedArray):
@@ -486,11 +490,23 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
     loop = asyncio.get_running_loop()
-    in_flight = self._in_flight.setdefault(loop, asyncio.Semaphore(SPANS_IN_FLIGHT))
+    in_flight, taking = self._in_flight.setdefault(
+        loop, (asyncio.Semaphore(SPANS_IN_FLIGHT), asyncio.Lock()))
+    permits = lambda nbytes: min(SPANS_IN_FLIGHT, max(1, -(-nbytes // SPAN_BYTES)))
+
+    async def reserve(nbytes: int) -> None:
+      async with taking:
+        for _ in range(permits(nbytes)):
+          await in_flight.acquire()
+
+    def release(n: int) -> None:
+      for _ in range(n):
+        in_flight.release()
     writes = []
-    async for index, values in value.spans(before_each=in_flight.acquire):
+    async for index, values in value.spans(before_each=reserve):
       write = store[index].write(values)
-      write.add_done_callback(lambda _: loop.call_soon_threadsafe(in_flight.release))
+      n = permits(values.nbytes)
+      write.add_done_callback(lambda _, n=n: loop.call_soon_threadsafe(release, n))
       writes.append(write)
     for write in writes:
       await write

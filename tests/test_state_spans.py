@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
 import jzo
 from jzo import checkpoint, quant8, state_dict, state_spans
@@ -223,7 +224,7 @@ SCRIPT = textwrap.dedent("""
 def spans_of(shards: state_spans.StreamedShards) -> list:
   """What StreamedShards gives a checkpoint's write: (index, values) pairs."""
   async def collect():
-    async def nothing():
+    async def nothing(nbytes):
       pass
     return [span async for span in shards.spans(nothing)]
   return asyncio.run(collect())
@@ -261,6 +262,37 @@ def test_each_process_writes_the_chunks_of_its_own_shards(small_spans, setup):
         np.testing.assert_array_equal(written, mine, err_msg=f"{name} {layout}")
         np.testing.assert_array_equal(got[mine == 1], whole[mine == 1])
   engine.close()
+
+
+def test_a_shards_chunks_divide_its_rows_and_are_written_a_few_at_a_time(monkeypatch):
+  """A chunk is the largest part of a shard's row that divides it and fits
+  SPAN_BYTES, or the whole row where only small parts would divide it;
+  chunks larger than SPAN_BYTES hold more of the writes in flight, and two
+  leaves written at once both finish."""
+  monkeypatch.setattr(state_spans, "SPAN_BYTES", 1024)  # 256 float32 values
+  def chunk(k, shards=2):
+    layout = LeafLayout((3, shards * k), shards=shards, per_layer=True, device_size=0)
+    host = np.arange(np.prod(layout.host_shape), dtype=np.float32).reshape(layout.host_shape)
+    return state_spans.StreamedShards(state_spans.Pieces(layout, None, host), np.dtype(np.float32),
+                                      range(shards))
+  assert chunk(1000).chunk_shape == (1, 250)  # 1000 = 4 x 250
+  assert chunk(257).chunk_shape == (1, 257)  # a prime: the whole row
+  assert chunk(3 * 521).chunk_shape == (1, 3 * 521)  # 3 x 521: too small a part
+  handler = state_spans.SpanHandler()
+
+  async def write(value):
+    spec = {"driver": "zarr", "kvstore": {"driver": "memory"}, "dtype": "float32",
+            "metadata": {"shape": list(value.shape), "chunks": list(value.chunk_shape)}}
+    store = await ts.open(spec, create=True)
+    await handler._write_spans(store, value)
+    return await store.read()
+
+  async def both(values):
+    return await asyncio.wait_for(asyncio.gather(*(write(v) for v in values)), timeout=60)
+  values = [chunk(4 * 257), chunk(4 * 257)]  # each chunk 5 of the 8 permits
+  for value, got in zip(values, asyncio.run(both(values))):
+    host = value.pieces.host
+    np.testing.assert_array_equal(got, host.transpose(1, 0, 2).reshape(value.shape))
 
 
 def test_a_process_reads_only_the_spans_of_its_own_shards(small_spans):
