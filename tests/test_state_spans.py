@@ -428,27 +428,40 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   fresh.load_state_dict(before)
   assert_same(fresh.state_dict(), saver.state_dict())
 
-  # Several processes read it too (each its own shards' part of every entry,
-  # through the same path as a real pair: tests/test_multiprocess.py): the
-  # same blocks' codes and scales as they are, values into others.
-  several = {"same": make("int8-8", seed=1), "float": make("host-fp32-1", seed=1),
-             "other": jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(
-                 1e-2, mu_dtype="int8", nu_dtype="int8"), mesh=mesh_of(2), stage=2,
-                 offload=True, max_grad_norm=1.0)}
+  # Several processes read it too, each its own shards' part of every entry
+  # (what a real pair runs: tests/test_multiprocess.py): from the checkpoint
+  # a span at a time, or from their format's global arrays (a state dict).
+  # The same blocks take codes and scales as they are, others the values.
   with monkeypatch.context() as m:
     m.setattr(state_dict, "_several_processes", lambda: True)
-    for key, engine in several.items():
-      with monkeypatch.context() as q, checkpoint.open_manager(tmp_path) as manager:
-        if key == "same":
-          q.setattr(quant8, "quantize", lambda *a, **k: pytest.fail("quantized again"))
-        checkpoint.restore(manager, engine)
-  assert_same(several["same"].state_dict(), saver.state_dict())
-  for name in ("mu", "nu"):
-    for got, want in zip(moment_values(several["float"], name), values[name]):
-      np.testing.assert_array_equal(got, want)
-    for got, want, layout in zip(moment_values(several["other"], name), values[name],
-                                 several["other"].plan.leaves):
-      np.testing.assert_array_equal(got, requantized(want, layout, signed=name == "mu"))
+    flat = saver.state_dict()  # several processes' format: flat codes, global arrays
+    assert flat["mu_codes"]["blocks"]["w"].shape == (LAYERS, HIDDEN * HIDDEN)
+    for way in ("checkpoint", "state dict"):
+      # (Their format keeps a row per layer: it loads where the rows are the same.)
+      several = {"same": make("int8-8", seed=1), "float": make("host-fp32-1", seed=1),
+                 "other": jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(
+                     1e-2, mu_dtype="int8", nu_dtype="int8"), mesh=mesh_of(2), stage=3,
+                     layers="blocks", offload=True, max_grad_norm=1.0)}
+      for key, engine in several.items():
+        with monkeypatch.context() as q, checkpoint.open_manager(tmp_path) as manager:
+          if key == "same":
+            q.setattr(quant8, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+          if way == "checkpoint":
+            checkpoint.restore(manager, engine)
+          else:
+            engine.load_state_dict(flat)
+      m.setattr(state_dict, "_several_processes", lambda: False)  # to read them back
+      assert_same(several["same"].state_dict(), saver.state_dict())
+      for name in ("mu", "nu"):
+        for got, want in zip(moment_values(several["float"], name), values[name]):
+          np.testing.assert_array_equal(got, want, err_msg=way)
+        for got, want, layout in zip(moment_values(several["other"], name), values[name],
+                                     several["other"].plan.leaves):
+          np.testing.assert_array_equal(got, requantized(want, layout, signed=name == "mu"),
+                                        err_msg=way)
+      m.setattr(state_dict, "_several_processes", lambda: True)
+      for engine in several.values():
+        engine.close()
 
   # Scales that do not fit their codes are refused before anything is written.
   wrong = saver.state_dict()
@@ -456,5 +469,5 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   with pytest.raises(ValueError, match=r"int8 moment scales \[4, 2\] do not fit codes \[40, 3\]"):
     fresh.load_state_dict(wrong)
   assert_same(fresh.state_dict(), saver.state_dict())
-  for engine in (saver, same, float_moments, other_int8, on_devices, fresh, *several.values()):
+  for engine in (saver, same, float_moments, other_int8, on_devices, fresh):
     engine.close()
