@@ -489,9 +489,8 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     """Writes a StreamedArray's or StreamedShards' spans into `store`."""
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
-    loop = asyncio.get_running_loop()
     in_flight, taking = self._in_flight.setdefault(
-        loop, (asyncio.Semaphore(SPANS_IN_FLIGHT), asyncio.Lock()))
+        asyncio.get_running_loop(), (asyncio.Semaphore(SPANS_IN_FLIGHT), asyncio.Lock()))
     permits = lambda nbytes: min(SPANS_IN_FLIGHT, max(1, -(-nbytes // SPAN_BYTES)))
 
     async def reserve(nbytes: int) -> None:
@@ -499,17 +498,16 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
         for _ in range(permits(nbytes)):
           await in_flight.acquire()
 
-    def release(n: int) -> None:
-      for _ in range(n):
-        in_flight.release()
+    async def written(write, nbytes: int) -> None:
+      try:
+        await write
+      finally:  # on the loop's thread: never after the loop has closed
+        for _ in range(permits(nbytes)):
+          in_flight.release()
     writes = []
     async for index, values in value.spans(before_each=reserve):
-      write = store[index].write(values)
-      n = permits(values.nbytes)
-      write.add_done_callback(lambda _, n=n: loop.call_soon_threadsafe(release, n))
-      writes.append(write)
-    for write in writes:
-      await write
+      writes.append(asyncio.ensure_future(written(store[index].write(values), values.nbytes)))
+    await asyncio.gather(*writes)
 
   async def _background_serialize(self, values, infos, args=None):
     # Orbax's numpy handler writes on the first process alone; every
