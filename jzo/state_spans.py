@@ -190,24 +190,14 @@ def _put_jit(buffer, values, at):
 
 
 # ------------------------------------------------------------ saving
-@dataclasses.dataclass
-class StreamedArray:
-  """A leaf's master or moment in its full shape, read span by span from
-  the live state when jzo.checkpoint writes it (valid until the next step)."""
-  pieces: Pieces
-  dtype: np.dtype
-  # Bytes a value counts for when the leaf is cut into spans (None: its
-  # dtype's): int8 codes are cut as the float32 values a restore makes of them.
-  span_itemsize: int | None = None
+class _Streamed:
+  """What orbax sees of an array written span by span from the live state
+  (a subclass gives `shape`, `dtype`, `chunk_shape` and `spans`)."""
 
   def __deepcopy__(self, memo):
     # Orbax copies what it saves before writing it in the background; this
     # is read from the live state while jzo.checkpoint.save waits for it.
     return self
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return self.pieces.layout.shape
 
   @property
   def size(self) -> int:
@@ -216,6 +206,21 @@ class StreamedArray:
   @property
   def ndim(self) -> int:
     return len(self.shape)
+
+
+@dataclasses.dataclass
+class StreamedArray(_Streamed):
+  """A leaf's master or moment in its full shape, read span by span from
+  the live state when jzo.checkpoint writes it (valid until the next step)."""
+  pieces: Pieces
+  dtype: np.dtype
+  # Bytes a value counts for when the leaf is cut into spans (None: its
+  # dtype's): int8 codes are cut as the float32 values a restore makes of them.
+  span_itemsize: int | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.pieces.layout.shape
 
   @property
   def chunk_shape(self) -> tuple[int, ...]:
@@ -238,7 +243,7 @@ class StreamedArray:
 
 
 @dataclasses.dataclass
-class StreamedShards:
+class StreamedShards(_Streamed):
   """A leaf's master or moment flat and padded (`flat_shape`: several
   processes' format), of which this process writes its own shards, span
   by span, from the live state when jzo.checkpoint writes it (valid until
@@ -248,20 +253,9 @@ class StreamedShards:
   dtype: np.dtype
   positions: range  # this process's shards
 
-  def __deepcopy__(self, memo):
-    return self  # read from the live state while jzo.checkpoint.save waits (StreamedArray's)
-
   @property
   def shape(self) -> tuple[int, ...]:
     return self.pieces.layout.flat_shape
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
 
   @property
   def chunk_shape(self) -> tuple[int, ...]:
