@@ -530,14 +530,14 @@ def expected(trained: ZeroState, saved, prefer_full: bool = False) -> tuple[dict
   The target is the format the engine saves, or for an Adam engine without
   offload the flat one of its older checkpoints if `saved` (a state dict or
   its outline) has "opt_state". Masters and moments come in full shapes, or
-  flat as several processes wrote them where `saved` has them so; with
-  several processes, global arrays are read shard by shard. A flat leaf
+  flat as several processes wrote them where `saved` has them so; each
+  process reads only its own shards (`streamed_entries`). A flat leaf
   padded for another device count is read into this engine's flat shape
   (orbax pads or cuts its padding): in `accepted` it keeps the saved shape.
   prefer_full: a leaf saved in its full shape that could also be flat and
   padded (a stacked 1-d leaf, saved by one device) is read as full: one
-  process's state dicts are (orbax's checkpoints of several processes are
-  flat global arrays, which it must restore as such).
+  process's state dicts are (several processes' checkpoints are flat, and
+  are read as such).
   """
   plan, mesh, state, host = trained.plan, trained.mesh, trained.device, trained.host
   scalars = {"loss_scale": np.float32, "good_steps": np.int32, "step": np.int32,
@@ -780,7 +780,8 @@ def load_engine_state(trained: ZeroState, saved: dict) -> EngineState:
     return _load_adam(trained, saved)
   specs = step_lib.state_specs(plan, trained.tx)
   # Numpy is every process's whole value; a global array (several processes'
-  # checkpoint) moves shard by shard into the devices' memory.
+  # state dict, or another optimizer's checkpoint) moves shard by shard into
+  # the devices' memory.
   put = lambda x, spec: jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x),
                                        NamedSharding(mesh, spec))
   if plan.cpu_adam:
