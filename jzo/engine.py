@@ -123,12 +123,13 @@ class ZeroEngine:
       and again for its backward, and its gradient goes down over its
       weights, which the host kernel then updates where they are. The
       devices hold one layer's weights and gradient at a time. True
-      offloads every array of the stacked layers; "auto" only as many as
-      the devices need to fit (`device_memory`, `activation_memory`; the
-      largest first, then each smaller one back where it still fits), as
-      each array left on the devices saves its transfers (the plan says
-      which). Needs devices with pinned host memory (GPUs; the CPU backend
-      runs it too).
+      offloads the stacked layers' weights; "auto" keeps them on the
+      devices where they fit (`device_memory`, `activation_memory`), else
+      offloads them and keeps as many of the first layers resident as
+      still fit: a copy of their weights stays in device memory, so the
+      step does not fetch them, and comes up again once after each host
+      update (the plan says how many). Needs devices with pinned host
+      memory (GPUs; the CPU backend runs it too).
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -500,6 +501,7 @@ class ZeroEngine:
     """
     self.wait()
     self.trained.device = state_dict.load_engine_state(self.trained, saved)
+    self.trained.refresh_resident()
 
   @property
   def host_timings(self) -> dict[str, float]:
@@ -511,12 +513,13 @@ class ZeroEngine:
   def memory_per_device(self) -> dict[str, int]:
     """Bytes device 0 holds in its own memory for params, gradients and
     optimizer state (master weights included), read from the arrays' shards
-    (offloaded weights, in host memory, are not counted)."""
+    (offloaded weights, in host memory, are not counted; resident layers'
+    copies of them are params)."""
     in_device = lambda x: x.sharding.memory_kind not in ("pinned_host", "unpinned_host")
     nbytes = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)
                               if in_device(x))
     s = self.state
-    return {"params": nbytes(s.params), "grads": nbytes(s.grads),
+    return {"params": nbytes(s.params) + nbytes(s.resident), "grads": nbytes(s.grads),
             "optimizer": nbytes(s.master) + nbytes(s.opt_state)}
 
   def host_bytes_in_use(self) -> int:

@@ -20,8 +20,13 @@ values, which it cannot compute on arrays in host memory: the backward
 counts them on the device, layer by layer, and hands them out as the
 gradient of `stats` (zeros of shape (2,) that the engine passes in and
 differentiates; the forward does not use them). It counts only the arrays
-in host memory: with offload_params="auto" some of the layers' arrays stay
-on the device, where the engine counts them.
+in host memory (a layers' array on the device is the engine's to count).
+
+Resident layers (offload_params="auto", `Plan.resident_layers` = r > 0):
+the engine also gives the scan a copy of the first r layers' weights in
+device memory (`resident`, shaped like the layers but r rows). The forward
+and backward read those layers there and fetch only the other L - r from
+host memory; every layer's gradient still goes down over its weights.
 
 With gradient accumulation (grad_accum = K > 1), the engine gives the
 scan float32 sums shaped like the layers (`sums`, in device memory). For
@@ -54,11 +59,13 @@ class _Watch:
   input whose gradient gets the layers' gradients' sum of squares and
   non-finite count; `sums` (float32, shaped like the layers, or None) the
   earlier micro-batches' gradients of the layers; `adding` whether this
-  micro-batch adds into the sums (else it writes over the weights); `ran`
+  micro-batch adds into the sums (else it writes over the weights);
+  `resident` the first layers' weights in device memory (or None); `ran`
   whether scan_layers ran."""
 
-  def __init__(self, stats, sums, adding):
+  def __init__(self, stats, sums, adding, resident):
     self.stats, self.sums, self.adding, self.ran = stats, sums, adding, False
+    self.resident = resident
 
   def __bool__(self) -> bool:
     return self.ran
@@ -81,12 +88,14 @@ def scan_layers(fn: Callable, carry, layers):
   watching.ran = True
   if watching.sums is not None:
     _check_sums(watching.sums, layers)
+  if watching.resident is not None:
+    _check_resident(watching.resident, layers)
   # One layer in device memory: the forward and backward fetch each one
   # before fn sees it (so fn's gradient stays on the device, to be counted).
   first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layers)
   converted, consts = jax.closure_convert(fn, carry, first)
   return _scan_writing_grads(converted, watching.adding, tuple(consts), carry, layers,
-                             watching.stats, watching.sums)
+                             watching.stats, watching.sums, watching.resident)
 
 
 def _check_sums(sums, layers) -> None:
@@ -97,19 +106,31 @@ def _check_sums(sums, layers) -> None:
                      f"sums are {shapes(sums)}")
 
 
+def _check_resident(resident, layers) -> None:
+  tails = lambda tree: jax.tree.map(lambda x: tuple(x.shape[1:]), tree)
+  rows = {x.shape[0] for x in jax.tree.leaves(resident)}
+  if (jax.tree.structure(resident) != jax.tree.structure(layers)
+      or tails(resident) != tails(layers) or len(rows) != 1
+      or rows.pop() > jax.tree.leaves(layers)[0].shape[0]):
+    raise ValueError("with resident layers, scan_layers must get the engine's `layers` "
+                     f"subtree whole: got {jax.tree.map(jnp.shape, layers)}, the resident "
+                     f"layers are {jax.tree.map(jnp.shape, resident)}")
+
+
 @contextlib.contextmanager
-def writing_grads_over_layers(stats=None, sums=None, adding: bool = False):
+def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resident=None):
   """While tracing the step: `scan_layers` writes each layer's gradient over
   its weights. stats: float32 zeros of shape (2,) whose gradient is to be
   the layers' gradients' (sum of squares, count of non-finite values), or
   None. sums: float32 arrays shaped like the layers (the earlier micro-
   batches' gradients), or None; adding: add this micro-batch's gradients
   into them, to come out as their gradient, instead of writing over the
-  weights (see the module docstring). Yields an object that is true once
-  scan_layers has run."""
+  weights (see the module docstring). resident: the first layers' weights
+  in device memory, (r, ...) shaped like the layers otherwise, or None.
+  Yields an object that is true once scan_layers has run."""
   if adding and sums is None:
     raise ValueError("adding into the layers' sums needs the sums")
-  watching = _Watch(stats, sums, adding)
+  watching = _Watch(stats, sums, adding, resident)
   token = _WRITING_GRADS.set(watching)
   try:
     yield watching
@@ -133,35 +154,48 @@ def on_device(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scan_writing_grads(fn, adding, consts, carry, layers, stats, sums):
+def _scan_writing_grads(fn, adding, consts, carry, layers, stats, sums, resident):
   del stats, sums  # only their gradients are used
-  return _forward(fn, adding, consts, carry, layers, None, None)[0]
+  return _forward(fn, adding, consts, carry, layers, None, None, resident)[0]
 
 
-def _forward(fn, adding, consts, carry, layers, stats, sums):
+def _row(x, i):
+  return jax.lax.dynamic_index_in_dim(x, i, 0, False)
+
+
+def _forward(fn, adding, consts, carry, layers, stats, sums, resident):
+  """The scan; saves each layer's input: (those of the resident layers or
+  None, those of the others)."""
   del adding
-  out, inputs = jax.lax.scan(
-      lambda c, layer: (fn(c, jax.tree.map(on_device, layer), *consts), c), carry, layers)
-  return out, (consts, inputs, layers, stats, sums)
+  step = lambda c, layer: (fn(c, layer, *consts), c)
+  if resident is None:
+    out, inputs = jax.lax.scan(lambda c, layer: step(c, jax.tree.map(on_device, layer)),
+                               carry, layers)
+    return out, (consts, (None, inputs), layers, stats, sums, resident)
+  r, n_layers = _n_rows(resident), _n_rows(layers)
+  middle, first = jax.lax.scan(step, carry, resident)
+  # The others by index: a scan over a slice of them could copy it whole.
+  out, rest = jax.lax.scan(
+      lambda c, i: step(c, jax.tree.map(lambda x: on_device(_row(x, i)), layers)), middle,
+      jnp.arange(r, n_layers))
+  return out, (consts, (first, rest), layers, stats, sums, resident)
+
+
+def _n_rows(tree) -> int:
+  return jax.tree.leaves(tree)[0].shape[0]
 
 
 def _backward(fn, adding, saved, d_out):
-  consts, inputs, layers, stats, sums = saved
-  n_layers = jax.tree.leaves(layers)[0].shape[0]
-  row = lambda b, i: jax.lax.dynamic_index_in_dim(b, i, 0, False)
+  consts, (first_inputs, inputs), layers, stats, sums, resident = saved
+  n_layers = _n_rows(layers)
+  r = 0 if resident is None else _n_rows(resident)
 
-  def one_layer(j, acc):
+  def one_layer(i, weights, x, acc):
     d_carry, buffer, d_consts, d_stats = acc
-    i = n_layers - 1 - j
-    # Adding, the buffer is the sums and the weights stay; writing, the
-    # buffer is the weights, whose row i still holds layer i's (only rows
-    # above it were written).
-    weights = jax.tree.map(lambda b: on_device(row(b, i)), layers if adding else buffer)
-    x = jax.tree.map(lambda a: a[i], inputs)
     _, vjp = jax.vjp(lambda c, x, w: fn(x, w, *c), consts, x, weights)
     dc, d_carry, d_weights = vjp(d_carry)
     if sums is not None:  # float32, added to the earlier micro-batches' (rounded once)
-      d_weights = jax.tree.map(lambda s, d: row(s, i) + d.astype(jnp.float32),
+      d_weights = jax.tree.map(lambda s, d: _row(s, i) + d.astype(jnp.float32),
                                buffer if adding else sums, d_weights)
     d_weights = jax.tree.map(lambda b, d: d.astype(b.dtype), buffer, d_weights)
     if d_stats is not None:  # of what the host will read: the rounded gradients
@@ -178,13 +212,29 @@ def _backward(fn, adding, saved, d_out):
         buffer, d_weights)
     return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats
 
+  def fetched_layer(j, acc):  # layers L - 1 down to r
+    i = n_layers - 1 - j
+    # Adding, the buffer is the sums and the weights stay; writing, the
+    # buffer is the weights, whose row i still holds layer i's (only rows
+    # above it were written).
+    weights = jax.tree.map(lambda b: on_device(_row(b, i)), layers if adding else acc[1])
+    return one_layer(i, weights, jax.tree.map(lambda a: a[i - r], inputs), acc)
+
+  def resident_layer(j, acc):  # layers r - 1 down to 0
+    i = r - 1 - j
+    return one_layer(i, jax.tree.map(lambda w: w[i], resident),
+                     jax.tree.map(lambda a: a[i], first_inputs), acc)
+
   zeros = jax.tree.map(jnp.zeros_like, consts)
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)
-  d_carry, buffer, d_consts, d_stats = jax.lax.fori_loop(
-      0, n_layers, one_layer, (d_out, sums if adding else layers, zeros, d_stats))
+  acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer,
+                          (d_out, sums if adding else layers, zeros, d_stats))
+  if r:
+    acc = jax.lax.fori_loop(0, r, resident_layer, acc)
+  d_carry, buffer, d_consts, d_stats = acc
   if adding:  # the sums' gradient is the new sums; the weights' is not used
-    return d_consts, d_carry, None, None, buffer
-  return d_consts, d_carry, buffer, d_stats, None
+    return d_consts, d_carry, None, None, buffer, None
+  return d_consts, d_carry, buffer, d_stats, None, None
 
 
 _scan_writing_grads.defvjp(_forward, _backward)

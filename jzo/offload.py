@@ -386,6 +386,7 @@ class HostUpdate:
       future.result()
     for i in self._host_params:
       grads[i] = None
+      self.state.refresh_resident(i)
     self.timings["update"] = kernel["seconds"]
     self.timings["upload"] = time.perf_counter() - kernel["done"]
 
@@ -393,7 +394,8 @@ class HostUpdate:
     """grads_in_params, after a step whose update does not run (skipped, or
     the device step run alone): the layers' weights, overwritten by its
     gradients, are made again from the masters and go up a span at a time
-    (offloaded ones are made where they are)."""
+    (offloaded ones are made where they are; their resident layers' copy
+    in device memory, which no step writes, holds them still)."""
     with self._guard():
       params = jax.tree.leaves(self.state.device.params)
       for i in self._in_params:
@@ -528,6 +530,7 @@ class HostUpdate:
       # uploaded copy freed, before the next leaf's come up.
       if i in self._host_params:  # written in place: the params are the landing buffer
         pending.landing.pop(i, None)
+        self.state.refresh_resident(i)
       elif i in pending.landing:
         weights = pending.landing.pop(i)
         jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))

@@ -47,9 +47,11 @@ offload_params keeps those weights in pinned host memory as well (2 B a
 parameter of the layers, in XLA's pinned pool, where the gradients land
 and the kernel writes the new weights: no landing buffers for them); the
 device holds one layer's weights and gradient at a time. With
-offload_params="auto" only as many of the layers' arrays as the device
-needs are offloaded (`weights_to_host`): each one left on the device saves
-its transfers.
+offload_params="auto" they are offloaded only where they do not fit on the
+device, and the first layers that still fit keep a copy of their weights
+in device memory as well (`layers_resident`; 2 B a parameter of them): the
+step fetches only the other layers' weights, and the resident layers' new
+weights come up once after the host update.
 """
 
 from __future__ import annotations
@@ -160,6 +162,20 @@ class Plan:
   # Host RAM a checkpoint's save takes beside the state while it writes (0:
   # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them).
   checkpoint_bytes: int = 0
+  # offload_params: the first this many layers of the stack also keep their
+  # weights in device memory (`resident_weights`), so the step fetches only
+  # the others; the host update's weights of those layers then come up once.
+  resident_layers: int = 0
+
+  def __post_init__(self):
+    if self.resident_layers:
+      stacked = [l for l in self.leaves if l.per_layer]
+      if not all(map(self.params_on_host, stacked)):
+        raise ValueError("resident_layers needs every leaf of the stacked layers' weights in "
+                         "host memory (offload_params)")
+      if not 0 <= self.resident_layers <= stacked[0].shape[0]:
+        raise ValueError(f"resident_layers must be in [0, {stacked[0].shape[0]}] (the "
+                         f"layers), got {self.resident_layers}")
 
   # ------------------------------------------------------------ structure
   @property
@@ -181,6 +197,11 @@ class Plan:
   def offload_params(self) -> bool:
     """Some leaf's weights live in pinned host memory."""
     return any(map(self.params_on_host, self.leaves))
+
+  def resident_weights(self, layout: LeafLayout) -> bool:
+    """The leaf's first `resident_layers` layers' weights are also in device
+    memory, shape (resident_layers, S*k) (jzo.layer_scan reads them there)."""
+    return self.resident_layers > 0 and self.params_on_host(layout)
 
   def host_params_bytes(self) -> int:
     """Bytes of pinned host memory the offloaded weights take in one process."""
@@ -232,7 +253,8 @@ class Plan:
     lowp = np.dtype(self.compute_dtype).itemsize
     full = self.n_params
     local = sum(_rows(l) * l.shard_size for l in self.leaves)  # one shard, padded
-    on_host = sum(_rows(l) * l.shard_size for l in self.leaves if self.params_on_host(l))
+    on_host = sum((_rows(l) - self.resident_layers) * l.shard_size
+                  for l in self.leaves if self.params_on_host(l))
     params = lowp * ((local - on_host) if self.sharded_lowp else full)
     if self.cpu_adam:
       grads = 0  # the host part lands in pinned host memory, the device part is used at once
@@ -338,17 +360,14 @@ class Plan:
 
 
 def _weights_on_host(plan: Plan) -> str:
-  """What format_plan says of offload_params: all the layers' weights, or
-  which of their arrays (with the share of their bytes)."""
-  stacked = [l for l in plan.leaves if l.per_layer]
-  on_host = [l for l in stacked if plan.params_on_host(l)]
-  if not on_host:
+  """What format_plan says of offload_params: the layers' weights on the
+  host, and how many layers' stay on the device as well."""
+  if not plan.offload_params:
     return ""
-  if len(on_host) == len(stacked):
-    return ", layers' weights on the host"
-  share = sum(math.prod(l.shape) for l in on_host) / sum(math.prod(l.shape) for l in stacked)
-  return (f", {len(on_host)} of the layers' {len(stacked)} weight arrays on the host "
-          f"({100 * share:.0f}% of their bytes)")
+  layers = max(map(_rows, plan.leaves))
+  return (", layers' weights on the host"
+          + (f" ({plan.resident_layers} of {layers} layers resident on the device)"
+             if plan.resident_layers else ""))
 
 
 def _rows(layout: LeafLayout) -> int:
@@ -458,34 +477,28 @@ def _fits(plan: Plan, device_memory: int, activations: int) -> bool:
           and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
 
 
-def weights_to_host(plan_of, layouts, device_memory: int, activations: int):
-  """Layouts with few bytes of the stacked layers' weights in host memory
-  that let the plan fit in `device_memory` (less the headroom), chosen
-  greedily: leaves go to the host largest first until it fits, then each
-  comes back, smallest first, where it still fits. All of them if nothing
-  fits (the plan's check then says by how much). Each leaf that stays
-  costs no transfer; each offloaded one is fetched twice a step (forward
-  and backward) and its gradient goes down once."""
-  leaves, treedef = jax.tree.flatten(layouts, is_leaf=is_layout)
-
-  def with_host(chosen):
-    return [dataclasses.replace(l, weights_on_host=i in chosen) for i, l in enumerate(leaves)]
-
-  def fits(chosen) -> bool:
-    return _fits(plan_of(jax.tree.unflatten(treedef, with_host(chosen))), device_memory,
-                 activations)
-  size = lambda i: _rows(leaves[i]) * leaves[i].shard_size
-  stacked = sorted((i for i, l in enumerate(leaves) if l.per_layer), key=size, reverse=True)
-  chosen: set[int] = set()
-  for i in stacked:
-    if fits(chosen):
-      break
-    chosen.add(i)
-  if fits(chosen):
-    for i in reversed(stacked):
-      if i in chosen and fits(chosen - {i}):
-        chosen.remove(i)
-  return jax.tree.unflatten(treedef, with_host(chosen))
+def layers_resident(plan_of, layouts, device_memory: int, activations: int):
+  """(layouts, r) for offload_params="auto": the layouts as they are and
+  r = 0 where the stacked layers' weights fit on the device (nothing is
+  offloaded); else every stacked leaf's weights in host memory and the
+  most layers r whose weights also stay in device memory that still fits
+  (0 if none does: the plan's check then says by how much). Each resident
+  layer's weights are not fetched in the step (twice: forward and
+  backward), only once after the host update. `plan_of(layouts, r)`
+  builds the plan."""
+  if _fits(plan_of(layouts, 0), device_memory, activations):
+    return layouts, 0
+  layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
+                         layouts, is_leaf=is_layout)
+  fits = lambda r: _fits(plan_of(layouts, r), device_memory, activations)
+  lo, hi = 0, max(map(_rows, jax.tree.leaves(layouts, is_leaf=is_layout)))
+  while lo < hi:  # the plan's device bytes grow with r
+    mid = (lo + hi + 1) // 2
+    if fits(mid):
+      lo = mid
+    else:
+      hi = mid - 1
+  return layouts, lo
 
 
 def auto_layouts(plan_of, base, device_memory: int, activations: int):
@@ -667,7 +680,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
   if layers is not None:
     partition.subtree(base, layers)  # names a subtree of the params, or raises
 
-  def plan_of(layouts) -> Plan:
+  def plan_of(layouts, resident_layers: int = 0) -> Plan:
     return Plan(
         layouts=layouts, stage=stage, n_devices=n_devices, axis=axis,
         compute_dtype=options.compute_dtype, grad_dtype=options.grad_dtype,
@@ -676,7 +689,8 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
-        grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory)
+        grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
+        resident_layers=resident_layers)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:
@@ -685,11 +699,13 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
     if device_memory is None:
       raise ValueError("offload_params='auto' needs the device memory: pass device_memory= "
                        "(bytes); this device reports no limit")
-    layouts = weights_to_host(plan_of, layouts, device_memory, activations)
-  elif options.offload_params:
-    layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
-                           layouts, is_leaf=is_layout)
-  plan = plan_of(layouts)
+    layouts, resident = layers_resident(plan_of, layouts, device_memory, activations)
+  else:
+    resident = 0
+    if options.offload_params:
+      layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
+                             layouts, is_leaf=is_layout)
+  plan = plan_of(layouts, resident)
   check_fits(plan, activations=activations, device_memory=device_memory,
              host_memory=host_memory)
   return plan

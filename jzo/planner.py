@@ -70,8 +70,9 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
       the step's peak (`activation_bytes` of a family in jzo.models).
     devices: size of the data axis.
     stage, grad_accum, delayed_update, layers, accumulation, grads_in_params,
-      offload_params: as for `ZeroEngine` (offload_params "auto": as many of
-      the layers' arrays in host memory as the device needs).
+      offload_params: as for `ZeroEngine` (offload_params "auto": the
+      layers' weights in host memory where the device needs it, and as many
+      layers resident on the device as fit).
     offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
       means True with int8 moments or offload_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;

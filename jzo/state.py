@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import step as step_lib
+from jzo import partition, step as step_lib
 from jzo.distributed import local_positions
 from jzo.offload import HostAdam
 from jzo.partition import is_layout
@@ -56,6 +56,7 @@ class ZeroState:
   def __post_init__(self):
     self._install = (step_lib.host_part_installer(self.plan, self.mesh)
                      if self.host is not None else None)
+    self._copy_resident = step_lib.resident_copier(self.plan, self.mesh)
 
   @property
   def steps_run(self) -> int:
@@ -75,6 +76,13 @@ class ZeroState:
     leaves[i] = self._install(i, leaves[i], uploaded, span)
     self.device = self.device._replace(params=jax.tree.unflatten(treedef, leaves))
     return leaves[i]
+
+  def refresh_resident(self, i: int | None = None) -> None:
+    """Copies leaf i's (every leaf's: None) resident layers' weights again
+    from the params' rows in host memory into `device.resident`, once the
+    host has written them (no-op without resident layers)."""
+    if self._copy_resident is not None:
+      self.device = self._copy_resident(self.device, i)
 
 
 def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
@@ -105,9 +113,15 @@ def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
         lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
         specs.grads)
   scalar = lambda x: jax.jit(lambda: jnp.asarray(x), out_shardings=sharding(P()))()
+  resident = None
+  if plan.resident_layers:
+    layers = partition.subtree(plan.layouts, plan.layers)
+    resident = jax.tree.map(
+        lambda l, s: zeros((plan.resident_layers,) + l.flat_shape[1:], plan.compute_dtype, s),
+        layers, specs.resident, is_leaf=is_layout)
   return EngineState(lowp, master, opt_state, grads,
                      jax.tree.map(scalar, init_loss_scale(plan.loss_scale)),
-                     scalar(jnp.int32(0)), scalar(jnp.int32(0)))
+                     scalar(jnp.int32(0)), scalar(jnp.int32(0)), resident=resident)
 
 
 def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
@@ -162,7 +176,9 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   state = state._replace(params=jax.tree.unflatten(treedef, lowp))
   if master is not None:
     state = state._replace(master=jax.tree.unflatten(treedef, master))
-  return ZeroState(plan, mesh, tx, state, host)
+  built = ZeroState(plan, mesh, tx, state, host)
+  built.refresh_resident()
+  return built
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=2)

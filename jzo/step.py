@@ -65,6 +65,10 @@ class EngineState(NamedTuple):
   step: jax.Array  # int32: optimizer steps applied
   skipped: jax.Array  # int32: steps skipped for non-finite gradients
   acc: Any = None  # host accumulation, inside a step: float32 sums of the device parts
+  # plan.resident_layers > 0: the first layers' weights of the stacked leaves
+  # (a tree like the `layers` subtree, (r, S*k) each), a copy in device
+  # memory of their rows in host memory, remade after each host update
+  resident: Any = None
 
 
 class StepMetrics(NamedTuple):
@@ -120,7 +124,15 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation) -> EngineState:
       master=_on_layouts(plan, lambda l: l.spec(plan.axis)) if device_state else None,
       opt_state=opt_state_specs(plan, tx) if device_state else None,
       grads=_on_layouts(plan, lambda l: grad_spec(plan, l)),
-      loss_scale=LossScaleState(P(), P()), step=P(), skipped=P())
+      loss_scale=LossScaleState(P(), P()), step=P(), skipped=P(),
+      resident=resident_specs(plan))
+
+
+def resident_specs(plan: Plan):
+  """Specs of `EngineState.resident` (None without resident layers)."""
+  if not plan.resident_layers:
+    return None
+  return partition.subtree(_on_layouts(plan, lambda l: l.spec(plan.axis)), plan.layers)
 
 
 def acc_specs(plan: Plan):
@@ -205,6 +217,42 @@ def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
     with jax.enable_x64(True):
       return compiled[(i, span)](params_leaf, uploaded)
   return install
+
+
+def resident_copier(plan: Plan, mesh: Mesh) -> Callable | None:
+  """`copy(state, i=None) -> state`: the device state (an EngineState) with
+  leaf i's (every leaf's: None) resident layers' weights copied from the
+  params' first rows, in host memory, over the old copy (donated: written
+  in place). None without resident layers."""
+  r = plan.resident_layers
+  if not r:
+    return None
+  index = jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout),
+                             range(len(plan.leaves)))
+  leaf_of = jax.tree.leaves(partition.subtree(index, plan.layers))  # per entry of `resident`
+  compiled: dict[int, Callable] = {}
+
+  def copy_rows(rows, out):  # local (L, k) in host memory -> (r, k): a row at a time, as
+    # the step fetches them (XLA copies a dynamic slice of host memory asynchronously)
+    def one(j, out):
+      row = layer_scan.on_device(jax.lax.dynamic_slice_in_dim(rows, j, 1))
+      return jax.lax.dynamic_update_slice_in_dim(out, row, j, 0)
+    return jax.lax.fori_loop(0, r, one, out)
+
+  def copy(state: EngineState, i: int | None = None) -> EngineState:
+    params = jax.tree.leaves(state.params)
+    resident, treedef = jax.tree.flatten(state.resident)
+    for j, leaf in enumerate(leaf_of):
+      if i is not None and leaf != i:
+        continue
+      if leaf not in compiled:
+        spec = plan.leaves[leaf].spec(plan.axis)
+        compiled[leaf] = jax.jit(jax.shard_map(copy_rows, mesh=mesh, in_specs=(spec, spec),
+                                               out_specs=spec, check_vma=False),
+                                 donate_argnums=1)
+      resident[j] = compiled[leaf](params[leaf], resident[j])
+    return state._replace(resident=jax.tree.unflatten(treedef, resident))
+  return copy
 
 
 def shard_map_without_empty(f: Callable, *, mesh: Mesh, in_specs, out_specs, **kw) -> Callable:
@@ -324,8 +372,9 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   # offload_params: the layers' gradients are in host memory, where the
   # step cannot read them; jzo.scan_layers counts them into this one's gradient.
   stats = jnp.zeros(2, jnp.float32) if plan.offload_params else None
-  grad_fn = jax.value_and_grad(lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s),
-                               argnums=(0, 1), has_aux=True)
+  grad_fn = jax.value_and_grad(
+      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s, resident=state.resident),
+      argnums=(0, 1), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
 
   def micro_grads(mb):
@@ -339,7 +388,8 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   if plan.grad_accum == 1:
     grads, loss, host_stats = micro_grads(batch)
   elif plan.grads_in_params:
-    grads, loss, host_stats = _sums_in_layers(plan, loss_fn, state.params, scale, stats, micro)
+    grads, loss, host_stats = _sums_in_layers(plan, loss_fn, state.params, scale, stats, micro,
+                                              state.resident)
   else:
     def body(acc, mb):
       g, loss, _ = micro_grads(mb)
@@ -382,10 +432,11 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
                   jax.lax.psum(loss, axis) / plan.n_devices)
 
 
-def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
+def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, resident):
   """grads_in_params with grad_accum = K > 1, inside shard_map: (the
   step's gradients, the mean loss, the host-memory layers' gradient stats
-  or None). micro: the local batch as (K, m, ...). Micro-batches 1 to K - 1
+  or None). micro: the local batch as (K, m, ...); resident: the state's.
+  Micro-batches 1 to K - 1
   add every leaf's gradient into float32 sums (the layers' in their
   backward pass, jzo.scan_layers); micro-batch K writes the layers' sums
   with its own gradients over their weights, and the other leaves' come
@@ -396,7 +447,8 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
 
   def add(sums, mb):
     grad_fn = jax.value_and_grad(
-        lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, sums=of_layers(s), adding=True),
+        lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, sums=of_layers(s), adding=True,
+                                    resident=resident),
         argnums=(0, 1), has_aux=True)
     (_, loss), (g, new_sums) = grad_fn(params, sums, mb)
     # The layers' new sums are the gradient of theirs; their gradient
@@ -410,7 +462,8 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro):
   # barrier XLA may run it first and keep its layers' inputs through the scan.
   sums, last = jax.lax.optimization_barrier((sums, jax.tree.map(lambda x: x[-1], micro)))
   grad_fn = jax.value_and_grad(
-      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums)),
+      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums),
+                                   resident=resident),
       argnums=(0, 1), has_aux=True)
   (_, loss), (g, host_stats) = grad_fn(params, stats, last)
   grads = combine(lambda l, s, x: x if plan.grads_over_weights(l) else s + x.astype(jnp.float32),
@@ -454,8 +507,8 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
                   step=state.step + finite.astype(jnp.int32),
                   skipped=state.skipped + (~finite).astype(jnp.int32))
   if not plan.has_device_state:
-    return (EngineState(kept_params(plan, state.params), None, None, buffer, **counters),
-            metrics, factor)
+    return (EngineState(kept_params(plan, state.params), None, None, buffer, **counters,
+                        resident=state.resident), metrics, factor)
 
   # A select rather than lax.cond: XLA then fuses unscaling, the update, the
   # skip and the low-precision copy into one pass over each leaf (a cond
@@ -476,7 +529,8 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
   if buffer is not None:
     buffer = jax.tree.map(lambda l, b, w: write_part(plan, l, b, w, 0) if in_params(l) else b,
                           layouts, buffer, lowp, is_leaf=is_layout)
-  return EngineState(params, master, opt_state, buffer, **counters), metrics, factor
+  return (EngineState(params, master, opt_state, buffer, **counters, resident=state.resident),
+          metrics, factor)
 
 
 def kept_params(plan: Plan, params):
@@ -550,13 +604,14 @@ def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineStat
 
 
 def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None,
-                sums=None, adding: bool = False):
+                sums=None, adding: bool = False, resident=None):
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale).
   stats: with offload_params, zeros whose gradient jzo.scan_layers makes
   the offloaded layers' gradients' (sum of squares, non-finite count).
   sums, adding: with grads_in_params, the layers' float32 sums of earlier
-  micro-batches, and whether this one adds into them (see jzo.layer_scan)."""
+  micro-batches, and whether this one adds into them, and the state's
+  resident layers' weights (see jzo.layer_scan)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
@@ -578,7 +633,7 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=
         context.enter_context(partition.layer_gathering(gather_one_layer))
       if plan.grads_in_params:
         scanned = context.enter_context(
-            layer_scan.writing_grads_over_layers(stats, sums, adding))
+            layer_scan.writing_grads_over_layers(stats, sums, adding, resident))
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""

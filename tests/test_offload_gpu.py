@@ -123,3 +123,36 @@ def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
   assert_close(on_host.params, on_gpu.params, rtol=1e-4, atol=1e-5)
   on_gpu.close()
   on_host.close()
+
+
+def test_resident_layers_on_a_gpu_train_as_the_weights_on_it():
+  """offload_params="auto" with the first layer resident on a GPU: its copy
+  of the weights is in device memory, an argument of the compiled step
+  beside the layers' weights in host memory, and training matches
+  grads_in_params with the weights on the GPU."""
+  import dataclasses
+  from test_grads_in_params import loss_fn as scanned_loss
+  from test_offload_params import device_need, memory_for
+  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0,
+            activation_memory=2**20)
+  with jax.default_device(GPUS[0]):
+    make = lambda **more: jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+                                         **kw, **more)
+    on_gpu, on_host = make(grads_in_params=True), make(offload_params=True)
+    plan = dataclasses.replace(on_host.plan, resident_layers=1)
+    resident = make(offload_params="auto", device_memory=memory_for(device_need(plan, 2**20)))
+    assert resident.plan.resident_layers == 1
+    copies = jax.tree.leaves(resident.state.resident)
+    assert {x.sharding.memory_kind for x in copies} == {"device"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(resident.state.params["blocks"])} \
+        == {"pinned_host"}
+    data = batches(8)
+    argument = lambda e: e.lower(data[0]).compile().memory_analysis().argument_size_in_bytes
+    assert argument(resident) - argument(on_host) == sum(x.nbytes for x in copies)
+    for b in data:
+      want, got = on_gpu.step(b), resident.step(b)
+      np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-5)
+  assert_close(resident.params, on_gpu.params, rtol=1e-4, atol=1e-5)
+  for e in (on_gpu, on_host, resident):
+    e.close()

@@ -2,8 +2,8 @@
 at a time, their gradients written back over them there, on 1 and 8 fake
 CPU devices: the same training as grads_in_params on the devices, the
 plan's bytes, skipped steps, checkpoints, bad input; offload_params="auto"
-choosing which of the layers' arrays go to host memory, and training with
-some there and the rest on the devices."""
+choosing how many layers keep their weights in device memory as well, and
+training with them there."""
 
 import dataclasses
 import math
@@ -18,7 +18,7 @@ import jzo
 from jzo import step as step_lib
 from jzo.partition import is_layout
 from jzo.plan import DEVICE_HEADROOM
-from test_engine import assert_close, batches, init_params, mesh_of
+from test_engine import LAYERS, assert_close, batches, init_params, mesh_of
 from test_grads_in_params import engine, loss_fn
 from test_offload import TX
 
@@ -204,52 +204,75 @@ def on_host_names(plan):
           if plan.params_on_host(l)}
 
 
-def test_auto_offloads_only_the_arrays_the_device_needs():
-  """offload_params='auto' keeps every layer array on the device where all
-  fit, offloads the largest where that is enough, both where it is not,
-  and is refused, with the numbers, where even that does not fit."""
+def test_auto_keeps_as_many_layers_resident_as_fit():
+  """offload_params='auto' keeps the layers' weights on the device where
+  they fit; else it offloads them and keeps a copy of the first layers'
+  that still fit in device memory (each one 2 B a parameter more there),
+  none where only that fits, and is refused, with the numbers, below."""
   act = 2**20
-  estimate = lambda memory: jzo.estimate(
-      init_params(), stage=3, layers="blocks", offload_params="auto", activations=act,
+  estimate = lambda memory, offload_params="auto": jzo.estimate(
+      init_params(), stage=3, layers="blocks", offload_params=offload_params, activations=act,
       device_memory=memory, host_memory=8 * 2**30)
-  resident = estimate(2**34).plan
-  assert resident.grads_in_params and not resident.offload_params
-  need = {names: device_need(with_weights_on_host(resident, names), act)
-          for names in [(), (W,), (B,), (W, B)]}
-  assert need[(W, B)] < need[(W,)] < need[(B,)] < need[()]
-  for names in [(), (W,), (W, B)]:
-    assert on_host_names(estimate(memory_for(need[names])).plan) == set(names)
-  # The plan says which share of the layers' arrays is on the host.
-  plan = estimate(memory_for(need[(W,)])).plan
-  assert "1 of the layers' 2 weight arrays on the host" in str(plan)
-  refused = estimate(need[(W, B)] - 1)
+  on_devices = estimate(2**34).plan
+  assert on_devices.grads_in_params and not on_devices.offload_params
+  on_host = estimate(2**34, offload_params=True).plan
+  resident = lambda r: dataclasses.replace(on_host, resident_layers=r)
+  row = sum(x[0].size for x in jax.tree.leaves(init_params()["blocks"]))
+  row *= np.dtype(on_host.compute_dtype).itemsize
+  need = [device_need(resident(r), act) for r in range(LAYERS + 1)]
+  assert all(b - a == row for a, b in zip(need, need[1:]))
+  assert resident(1).device_bytes()["params"] - on_host.device_bytes()["params"] == row
+  assert need[1] < device_need(on_devices, act)  # so one resident layer is a plan of its own
+  for r in (0, 1):
+    plan = estimate(memory_for(need[r])).plan
+    assert plan.resident_layers == r and on_host_names(plan) == {W, B}
+  assert f"layers' weights on the host (1 of {LAYERS} layers resident on the device)" in str(
+      estimate(memory_for(need[1])).plan)
+  refused = estimate(need[0] - 1)
   assert not refused.fits and "GiB" in refused.error
+  with pytest.raises(ValueError, match="resident_layers must be in"):
+    resident(LAYERS + 1)
+  with pytest.raises(ValueError, match="resident_layers needs every leaf"):
+    dataclasses.replace(on_devices, resident_layers=1)
 
 
-@pytest.mark.parametrize("mesh_size", [1, 8])
-def test_auto_trains_as_the_weights_on_the_devices(mesh_size):
-  """With only w's weights in host memory (b's on the devices), the same
-  training as grads_in_params with all of them on the devices: the
-  gradient counts of the arrays on either side are summed once."""
-  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
-  act = 2**20
-  on_devices = engine(mesh_size, grads_in_params=True, activation_memory=act, **kw)
-  memory = memory_for(device_need(with_weights_on_host(on_devices.plan, (W,)), act))
-  mixed = engine(mesh_size, offload_params="auto", device_memory=memory,
-                 activation_memory=act, **kw)
-  assert on_host_names(mixed.plan) == {W}
-  kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
-           for p, x in jax.tree_util.tree_leaves_with_path(mixed.state.params)}
-  assert kinds[W] == "pinned_host" and kinds[B] != "pinned_host"
-  for b in batches(4):
+@pytest.mark.parametrize("mesh_size, kw", [(1, {}), (8, {}), (8, dict(grad_accum=2)),
+                                           (8, dict(landing_limit=2048))],
+                         ids=["1dev", "8dev", "8dev-accum", "8dev-streamed"])
+def test_resident_layers_train_as_the_weights_on_the_devices(mesh_size, kw):
+  """With the first layer resident, the same training as grads_in_params
+  with every weight on the devices (whole or streamed updates, summed
+  micro-batches, a skipped step); the resident copy is the weights' first
+  row after each update, and the step reads it (a zeroed copy changes the
+  loss). A checkpoint loads into such an engine, resident copy and all."""
+  kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0, activation_memory=2**20, **kw)
+  on_devices = engine(mesh_size, grads_in_params=True, **kw)
+  on_host = engine(mesh_size, offload_params=True, **kw).plan
+  memory = memory_for(device_need(dataclasses.replace(on_host, resident_layers=1), 2**20))
+  mixed = engine(mesh_size, offload_params="auto", device_memory=memory, **kw)
+  assert mixed.plan.resident_layers == 1
+
+  def assert_resident_is_the_first_row(e):
+    for name in ("w", "b"):
+      np.testing.assert_array_equal(np.asarray(e.state.resident[name]),
+                                    np.asarray(e.state.params["blocks"][name])[:1])
+  data = batches(5)
+  bad = dict(data[2], x=data[2]["x"].at[0, 0].set(jnp.nan))
+  for b in [data[0], data[1], bad, data[3]]:
     want, got = on_devices.step(b), mixed.step(b)
+    assert bool(got.skipped) == bool(want.skipped)
     np.testing.assert_allclose(float(got.loss), float(want.loss), rtol=1e-6)
     np.testing.assert_allclose(float(got.grad_norm), float(want.grad_norm), rtol=1e-5)
+    assert_resident_is_the_first_row(mixed)
+  assert int(mixed.state.skipped) == 1
   assert_close(mixed.params, on_devices.params, rtol=1e-5, atol=1e-7)
-  # Its checkpoint loads where every weight is on the devices, and back.
-  again = engine(mesh_size, offload_params="auto", device_memory=memory,
-                 activation_memory=act, **kw)
-  on_devices.load_state_dict(mixed.state_dict())
-  again.load_state_dict(on_devices.state_dict())
-  assert_close(again.params, mixed.params, rtol=0, atol=0)
-  assert again.state.params["blocks"]["w"].sharding.memory_kind == "pinned_host"
+  assert mixed.memory_per_device()["params"] == mixed.plan.device_bytes()["params"]
+
+  again = engine(mesh_size, offload_params="auto", device_memory=memory, **kw)
+  again.load_state_dict(mixed.state_dict())
+  assert_resident_is_the_first_row(again)
+  assert float(again.evaluate(data[4])) == float(mixed.evaluate(data[4]))
+  zeroed = jax.tree.map(jnp.zeros_like, again.state.resident)
+  again.trained.device = again.state._replace(resident=zeroed)
+  want, got = mixed.step(data[4]), again.step(data[4])
+  assert abs(float(got.loss) - float(want.loss)) > 1e-3

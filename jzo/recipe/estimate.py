@@ -98,7 +98,7 @@ class EstimateConfig:
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
   offload_params: bool = False
-  """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the device needs, fetched a layer at a time (implies --grads-in-params)"""
+  """stage 3 + offload: the layers' weights in pinned host memory where the device needs it, fetched a layer at a time but for the first layers that still fit on the device (implies --grads-in-params)"""
   checkpoints: bool = True
   """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None

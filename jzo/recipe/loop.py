@@ -58,10 +58,11 @@ def placement(cfg: TrainConfig, devices) -> bool | float | str:
 
 
 def weights_placement(cfg: TrainConfig, devices) -> bool | str:
-  """The engine's offload_params= from --offload-params: "auto" (as many of
-  the layers' arrays in host memory as the devices need) where the devices
-  report their memory or --device-memory-gb gives it, all of them where
-  neither does (CPUs share the host's memory)."""
+  """The engine's offload_params= from --offload-params: "auto" (the
+  layers' weights in host memory where the devices need it, the first
+  layers that fit resident on them) where the devices report their memory
+  or --device-memory-gb gives it, True where neither does (CPUs share the
+  host's memory)."""
   if not cfg.offload_params:
     return False
   if cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices)):

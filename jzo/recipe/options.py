@@ -64,7 +64,7 @@ class TrainConfig:
   grads_in_params: bool = False
   """stage 3 + offload: each layer's gradient written over its weights (no room for both); with accumulation, float32 sums of the layers on the GPU (4 B a parameter), the last micro-batch's written over the weights"""
   offload_params: bool = False
-  """stage 3 + offload: as many of the layers' weight arrays in pinned host memory as the GPU needs (all of them where the devices report no memory), fetched a layer at a time (implies --grads-in-params)"""
+  """stage 3 + offload: the layers' weights in pinned host memory where the GPU needs it (always where the devices report no memory), fetched a layer at a time but for the first layers that still fit on the GPU (implies --grads-in-params)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
