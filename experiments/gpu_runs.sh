@@ -60,10 +60,10 @@
 #                  (LIMIT: seconds, default 540)
 #   params-check   offload_params' GPU test and CPU tests on this machine's Python;
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
-#                  all on the host, then three of their 12 arrays (the same losses)
+#                  on the host, then on the host with 4 of 24 layers resident (the same losses)
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
-#                  the weights on the GPU; FLAG="--offload-params auto": as many of the
-#                  layers' arrays as the largest micro-batch needs), micro-batches BATCH
+#                  the weights on the GPU; FLAG="--offload-params auto": as many layers
+#                  resident as the largest micro-batch leaves room for), micro-batches BATCH
 #                  (default 32 96); with .snap-base, that commit first
 #   accum-layers   stage 3 + grads_in_params, MODEL (gpt2-10b) with MOMENTS (fp32), RUNS of
 #                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
@@ -263,7 +263,7 @@ for part in "$@"; do
       JAX_PLATFORMS=cuda,cpu pytests params-gpu 240 tests/test_offload_gpu.py
       JAX_PLATFORMS=cpu pytests params-tests 300 tests/test_offload_params.py
       # --offload-params offloads what the GPU needs: a plan for 1.6 GiB
-      # offloads all of the layers' arrays, one for 1.8 GiB three of 12.
+      # keeps no layer resident, one for 1.8 GiB 4 of 24.
       for flag in --grads-in-params "--offload-params --device-memory-gb 1.6" \
                   "--offload-params --device-memory-gb 1.8"; do
         name=$part$(echo $flag | tr -d ' ')

@@ -167,6 +167,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "stage": args.stage, "grads_in_params": engine.plan.grads_in_params,
       "offload_params": engine.plan.offload_params,
       "host_params_gib": engine.plan.host_params_bytes() / 2**30,
+      "resident_layers": engine.plan.resident_layers,
       "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
       "tflops": tokens_per_s * config.flops_per_token() / 1e12,
       # The process's peak so far: with several micro-batches, the largest yet.
