@@ -227,8 +227,10 @@ def _backward(fn, adding, saved, d_out):
 
   zeros = jax.tree.map(jnp.zeros_like, consts)
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)
-  acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer,
-                          (d_out, sums if adding else layers, zeros, d_stats))
+  acc = (d_out, sums if adding else layers, zeros, d_stats)
+  # (A loop's body is traced even for no iterations: indexing none fails.)
+  if r < n_layers:
+    acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer, acc)
   if r:
     acc = jax.lax.fori_loop(0, r, resident_layer, acc)
   d_carry, buffer, d_consts, d_stats = acc

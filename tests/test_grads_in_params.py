@@ -11,7 +11,7 @@ import pytest
 
 import jzo
 from jzo import layer_scan
-from test_engine import DIN, DOUT, assert_close, batches, init_params, mesh_of
+from test_engine import DIN, DOUT, LAYERS, assert_close, batches, init_params, mesh_of
 from test_offload import TX
 
 
@@ -46,6 +46,25 @@ def test_scan_layers_gradients_are_lax_scans():
     assert used
     return grads
   assert_close(jax.jit(in_place)(params, batch), plain, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, LAYERS], ids=["first", "all"])
+def test_scan_layers_reads_resident_layers_from_their_copy(rows):
+  """With a copy of the first layers' weights (resident layers), the same
+  gradients as lax.scan, however many layers are resident; the copy is
+  what the scan reads for them (a changed copy changes the loss)."""
+  params, batch = init_params(), batches(1)[0]
+  plain_loss, plain = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+
+  def with_copy(params, batch, resident):
+    with layer_scan.writing_grads_over_layers(resident=resident):
+      return jax.value_and_grad(loss_fn)(params, batch)
+  copy = jax.tree.map(lambda x: x[:rows], params["blocks"])
+  loss, grads = jax.jit(with_copy)(params, batch, copy)
+  np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
+  assert_close(grads, plain, rtol=1e-6, atol=1e-7)
+  changed, _ = jax.jit(with_copy)(params, batch, jax.tree.map(lambda x: x + 0.5, copy))
+  assert abs(float(changed) - float(plain_loss)) > 1e-3
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
