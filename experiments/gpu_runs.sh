@@ -61,6 +61,8 @@
 #   params-check   offload_params' GPU test and CPU tests on this machine's Python;
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
 #                  on the host, then on the host with 4 of 24 layers resident (the same losses)
+#   resident-memory gpt2-10b, the layers' weights on the host: the step's memory (compiled,
+#                  rematerialized, run once on zeros) for RUNS of micro-batch:resident layers
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
 #                  the weights on the GPU; FLAG="--offload-params auto": as many layers
 #                  resident as the largest micro-batch leaves room for), micro-batches BATCH
@@ -272,6 +274,15 @@ for part in "$@"; do
           --checkpoint-every 0 --sample-tokens 0 --out "/tmp/run-$name" >"$OUT/$name.log" 2>&1
         echo "$part $flag: exit $?"; grep -m1 "weight" "$OUT/$name.log" | cut -c1-200
         grep -o "step [0-9]*: loss [0-9.]*\(, eval [0-9.]*\)\?" "$OUT/$name.log" | tr '\n' ' '; echo
+      done ;;
+    resident-memory)
+      # gpt2-10b, int8 moments, the layers' weights on the host: the step's
+      # compiled memory, XLA's rematerializations and its peak run once on
+      # zeros, for RUNS of micro-batch:resident layers, each in its own process.
+      for run in ${RUNS:-96:0 96:10 96:20 80:39}; do
+        timeout 200 python3 experiments/step_memory.py --model gpt2-10b --batch ${run%:*} \
+          --offload-params --resident ${run#*:} --run >"$OUT/$part-${run/:/-}.log" 2>&1
+        echo "$part $run: exit $?"; grep -E "resident grads|ran:|rror" "$OUT/$part-${run/:/-}.log"
       done ;;
     params-10b)
       # gpt2-10b, int8 moments, stage 3, the layers' weights on the host
