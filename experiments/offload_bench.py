@@ -92,6 +92,7 @@ def run_one(args) -> list[dict]:
       tx, stage=args.stage, layers="blocks" if args.stage == 3 else None,
       grads_in_params=args.grads_in_params,
       offload_params={None: False, "all": True, "auto": "auto"}[args.offload_params],
+      resident_layers=args.resident_layers,
       mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
@@ -246,9 +247,11 @@ def parse_args():
   parser.add_argument("--grads-in-params", action="store_true",
                       help="stage 3 + offload: each layer's gradient written over its weights")
   parser.add_argument("--offload-params", nargs="?", const="all", choices=["all", "auto"],
-                      help="stage 3 + offload: the layers' weights in pinned host memory, all "
-                           "of them or (auto) as many arrays as the largest micro-batch needs "
-                           "(implies --grads-in-params)")
+                      help="stage 3 + offload: the layers' weights in pinned host memory, or "
+                           "(auto) where the largest micro-batch needs it, the first layers that "
+                           "still fit resident on the GPU (implies --grads-in-params)")
+  parser.add_argument("--resident-layers", type=int,
+                      help="with --offload-params all: the first layers also on the GPU")
   parser.add_argument("--host-memory-gb", type=float,
                       help="host RAM offload may use (default: what the OS reports available)")
   parser.add_argument("--compiled-memory", action="store_true",
@@ -277,6 +280,8 @@ def main():
       cmd.append("--grads-in-params")
     if args.offload_params:
       cmd += ["--offload-params", args.offload_params]
+    if args.resident_layers is not None:
+      cmd += ["--resident-layers", str(args.resident_layers)]
     if args.n_layer:
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:

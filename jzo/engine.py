@@ -130,6 +130,8 @@ class ZeroEngine:
       step does not fetch them, and comes up again once after each host
       update (the plan says how many). Needs devices with pinned host
       memory (GPUs; the CPU backend runs it too).
+    resident_layers: with offload_params=True, how many of the first
+      layers stay resident (None: 0), in place of "auto"'s choice.
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -153,7 +155,8 @@ class ZeroEngine:
                device_memory: int | None = None, activation_memory: int = 0,
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None, grads_in_params: bool = False,
-               offload_params: bool | str = False, checkpoint_memory: int = 0):
+               offload_params: bool | str = False, resident_layers: int | None = None,
+               checkpoint_memory: int = 0):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -162,7 +165,8 @@ class ZeroEngine:
         max_grad_norm=max_grad_norm, layers=layers, offload=offload,
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
         landing_limit=landing_limit, host_transfer=host_transfer,
-        grads_in_params=grads_in_params, offload_params=offload_params)
+        grads_in_params=grads_in_params, offload_params=offload_params,
+        resident_layers=resident_layers)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None

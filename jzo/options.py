@@ -40,6 +40,7 @@ class EngineOptions:
   host_transfer: str = "auto"
   grads_in_params: bool = False
   offload_params: bool | str = False
+  resident_layers: int | None = None
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -76,6 +77,13 @@ class EngineOptions:
       object.__setattr__(self, "grads_in_params", True)
     if self.grads_in_params:
       _check_grads_in_params(self, "offload_params" if self.offload_params else "grads_in_params")
+    if self.resident_layers is not None:
+      if not _whole(self.resident_layers) or self.resident_layers < 0:
+        raise ValueError(f"resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+      if self.offload_params is not True:
+        raise ValueError("resident_layers keeps the first layers of the weights in host memory "
+                         "on the devices as well: it needs offload_params=True "
+                         f"(offload_params='auto' chooses them), got {self.offload_params!r}")
     if self.host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got "
                        f"{self.host_transfer!r}")

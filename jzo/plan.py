@@ -701,7 +701,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
                        "(bytes); this device reports no limit")
     layouts, resident = layers_resident(plan_of, layouts, device_memory, activations)
   else:
-    resident = 0
+    resident = options.resident_layers or 0
     if options.offload_params:
       layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
                              layouts, is_leaf=is_layout)

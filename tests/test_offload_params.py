@@ -160,6 +160,11 @@ def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
     (dict(offload_params=1), "offload_params must be True, False or 'auto'"),
     (dict(offload_params="auto"), "offload_params='auto' needs the device memory"),
     (dict(host_transfer="portable"), "offload_params keeps the layers' weights in pinned host"),
+    (dict(resident_layers=-1), "resident_layers must be an integer >= 0"),
+    (dict(resident_layers=1, offload_params="auto"), "resident_layers .* needs offload_params=True"),
+    (dict(resident_layers=1, offload_params=False, grads_in_params=True),
+     "resident_layers .* needs offload_params=True"),
+    (dict(resident_layers=LAYERS + 1), r"resident_layers must be in \[0, 3\]"),
 ])
 def test_bad_options(kw, message):
   kw = dict(dict(stage=3, layers="blocks", offload=True, offload_params=True), **kw)
@@ -210,9 +215,9 @@ def test_auto_keeps_as_many_layers_resident_as_fit():
   that still fit in device memory (each one 2 B a parameter more there),
   none where only that fits, and is refused, with the numbers, below."""
   act = 2**20
-  estimate = lambda memory, offload_params="auto": jzo.estimate(
+  estimate = lambda memory, offload_params="auto", **kw: jzo.estimate(
       init_params(), stage=3, layers="blocks", offload_params=offload_params, activations=act,
-      device_memory=memory, host_memory=8 * 2**30)
+      device_memory=memory, host_memory=8 * 2**30, **kw)
   on_devices = estimate(2**34).plan
   assert on_devices.grads_in_params and not on_devices.offload_params
   on_host = estimate(2**34, offload_params=True).plan
@@ -232,24 +237,28 @@ def test_auto_keeps_as_many_layers_resident_as_fit():
   assert not refused.fits and "GiB" in refused.error
   with pytest.raises(ValueError, match="resident_layers must be in"):
     resident(LAYERS + 1)
+  assert estimate(2**34, offload_params=True, resident_layers=2).plan == resident(2)
   with pytest.raises(ValueError, match="resident_layers needs every leaf"):
     dataclasses.replace(on_devices, resident_layers=1)
 
 
-@pytest.mark.parametrize("mesh_size, kw", [(1, {}), (8, {}), (8, dict(grad_accum=2)),
-                                           (8, dict(landing_limit=2048))],
-                         ids=["1dev", "8dev", "8dev-accum", "8dev-streamed"])
+@pytest.mark.parametrize("mesh_size, kw", [
+    (1, {}), (8, {}), (8, dict(grad_accum=2, offload_params=True, resident_layers=1)),
+    (8, dict(landing_limit=2048))], ids=["1dev", "8dev", "8dev-accum-explicit", "8dev-streamed"])
 def test_resident_layers_train_as_the_weights_on_the_devices(mesh_size, kw):
-  """With the first layer resident, the same training as grads_in_params
+  """With the first layer resident (chosen by "auto", or asked for), the
+  same training as grads_in_params
   with every weight on the devices (whole or streamed updates, summed
   micro-batches, a skipped step); the resident copy is the weights' first
   row after each update, and the step reads it (a zeroed copy changes the
   loss). A checkpoint loads into such an engine, resident copy and all."""
+  asked = {k: kw.pop(k) for k in ("offload_params", "resident_layers") if k in kw}
   kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0, activation_memory=2**20, **kw)
   on_devices = engine(mesh_size, grads_in_params=True, **kw)
   on_host = engine(mesh_size, offload_params=True, **kw).plan
   memory = memory_for(device_need(dataclasses.replace(on_host, resident_layers=1), 2**20))
-  mixed = engine(mesh_size, offload_params="auto", device_memory=memory, **kw)
+  kw.update(asked or dict(offload_params="auto", device_memory=memory))
+  mixed = engine(mesh_size, **kw)
   assert mixed.plan.resident_layers == 1
 
   def assert_resident_is_the_first_row(e):
@@ -268,7 +277,7 @@ def test_resident_layers_train_as_the_weights_on_the_devices(mesh_size, kw):
   assert_close(mixed.params, on_devices.params, rtol=1e-5, atol=1e-7)
   assert mixed.memory_per_device()["params"] == mixed.plan.device_bytes()["params"]
 
-  again = engine(mesh_size, offload_params="auto", device_memory=memory, **kw)
+  again = engine(mesh_size, **kw)
   again.load_state_dict(mixed.state_dict())
   assert_resident_is_the_first_row(again)
   assert float(again.evaluate(data[4])) == float(mixed.evaluate(data[4]))
