@@ -58,6 +58,7 @@
 #   grads-20b      gpt2-20b, int8 moments, stage 3 + grads_in_params, micro-batches BATCH
 #                  (default 16 32) in offload_bench.py: step, TFLOPS, peaks against the plan
 #                  (LIMIT: seconds, default 540)
+#   params-gpu     the GPU tests of offload (tests/test_offload_gpu.py)
 #   params-check   offload_params' GPU test and CPU tests on this machine's Python;
 #                  gpt2-350m through the recipe with the layers' weights on the GPU, then
 #                  on the host, then on the host with 4 of 24 layers resident (the same losses)
@@ -66,7 +67,7 @@
 #   params-10b     gpt2-10b, int8 moments, stage 3 + offload_params (FLAG=--grads-in-params:
 #                  the weights on the GPU; FLAG="--offload-params auto": as many layers
 #                  resident as the largest micro-batch leaves room for), micro-batches BATCH
-#                  (default 32 96); with .snap-base, that commit first
+#                  (default 32 96); with .snap-base, that commit first (with BASE_FLAG)
 #   accum-layers   stage 3 + grads_in_params, MODEL (gpt2-10b) with MOMENTS (fp32), RUNS of
 #                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
 #                  layers' backward pass; each engine in its own process; CONFIGS of
@@ -261,6 +262,8 @@ for part in "$@"; do
         --moments int8 --stage 3 --grads-in-params --batch ${BATCH:-16 32} --steps 3 \
         --compiled-memory >"$OUT/$part.json" 2>"$OUT/$part.log"
       echo "$part: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$part.log" | cut -c1-400 | tail -12 ;;
+    params-gpu)
+      JAX_PLATFORMS=cuda,cpu pytests params-gpu 240 tests/test_offload_gpu.py ;;
     params-check)
       JAX_PLATFORMS=cuda,cpu pytests params-gpu 240 tests/test_offload_gpu.py
       JAX_PLATFORMS=cpu pytests params-tests 300 tests/test_offload_params.py
@@ -287,11 +290,14 @@ for part in "$@"; do
     params-10b)
       # gpt2-10b, int8 moments, stage 3, the layers' weights on the host
       # (FLAG: --grads-in-params keeps them on the GPU), micro-batches BATCH.
+      # BASE_FLAG: the base tree's flags, where they differ.
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
-        name=$part$(echo ${FLAG:-} | tr -d ' ')-$(basename "$tree")
+        flag=${FLAG:---offload-params}
+        [ "$tree" = "$base" ] && flag=${BASE_FLAG:-$flag}
+        name=$part$(echo $flag | tr -d ' ')-$(basename "$tree")
         (cd "$tree" && timeout 540 python3 experiments/offload_bench.py --config offload \
-          --model gpt2-10b --moments int8 --stage 3 ${FLAG:---offload-params} \
+          --model gpt2-10b --moments int8 --stage 3 $flag \
           --batch ${BATCH:-32 96} --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log")
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror" "$OUT/$name.log" | cut -c1-400 | tail -12
       done ;;
