@@ -435,10 +435,10 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
 def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, resident):
   """grads_in_params with grad_accum = K > 1, inside shard_map: (the
   step's gradients, the mean loss, the host-memory layers' gradient stats
-  or None). micro: the local batch as (K, m, ...); resident: the state's.
-  Micro-batches 1 to K - 1
-  add every leaf's gradient into float32 sums (the layers' in their
-  backward pass, jzo.scan_layers); micro-batch K writes the layers' sums
+  or None). micro: the local batch as (K, m, ...); resident: the state's
+  resident layers. Micro-batches 1 to K - 1 add every leaf's gradient
+  into float32 sums (the layers' in their backward pass,
+  jzo.scan_layers); micro-batch K writes the layers' sums
   with its own gradients over their weights, and the other leaves' come
   out as float32 sums."""
   layouts = plan.layouts
