@@ -9,10 +9,12 @@ place from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID): it
 trains at stages 2 and 3 and process 0 writes what each run saw to
 OUT/stage<N>.npz. `python multiprocess_run.py OUT --load DIR` loads the
 latest checkpoint of DIR/checkpoints-<N> instead, and process 0 writes the
-state it loaded to OUT/loaded<N>.npz. With `--int8` the same at stage 3
-alone with int8 moments (files named int8-stage3, checkpoints-int8-3,
-int8-loaded3). The test runs `train` and `load` in its own process for the
-single-process references.
+state it loaded to OUT/loaded<N>.npz. A variant runs the same at stage 3
+alone, its files named with its prefix (int8-stage3, checkpoints-int8-3,
+int8-loaded3): `--int8`, with int8 moments; `--resident`, with the layers'
+weights in host memory (offload_params, so no delayed update), the first
+of them resident on the devices. The test runs `train` and `load` in its
+own process for the single-process references.
 """
 
 import pathlib
@@ -27,36 +29,39 @@ import jzo
 from jzo import checkpoint, distributed, state_dict, state_spans
 from jzo.partition import is_layout
 from test_engine import batches, init_params, loss_fn
+from test_grads_in_params import loss_fn as scanned_loss_fn
 
 STEPS = 10
 SAVE_AT = (5, STEPS)  # checkpoints; a resumed run starts from the first
 STAGES = (2, 3)
+VARIANTS = ("int8", "resident")  # besides the plain run ("")
 
 
-def make_engine(stage: int, mesh=None, int8: bool = False) -> jzo.ZeroEngine:
-  moments = "int8" if int8 else None
-  return jzo.ZeroEngine(
-      loss_fn, init_params(), jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1, mu_dtype=moments,
-                                            nu_dtype=moments), mesh=mesh,
-      stage=stage,
-      compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True, delayed_update=True,
-      dpu_warmup=2, layers="blocks" if stage == 3 else None)
+def make_engine(stage: int, mesh=None, variant: str = "") -> jzo.ZeroEngine:
+  moments = "int8" if variant == "int8" else None
+  tx = jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments)
+  kw = dict(mesh=mesh, stage=stage, compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True,
+            layers="blocks" if stage == 3 else None)
+  if variant == "resident":
+    return jzo.ZeroEngine(scanned_loss_fn, init_params(), tx, offload_params=True,
+                          resident_layers=1, **kw)
+  return jzo.ZeroEngine(loss_fn, init_params(), tx, delayed_update=True, dpu_warmup=2, **kw)
 
 
-def folder(stage: int, int8: bool = False) -> str:
+def folder(stage: int, variant: str = "") -> str:
   """The checkpoints folder of a run at `stage`."""
-  return f"checkpoints-{'int8-' if int8 else ''}{stage}"
+  return f"checkpoints-{variant + '-' if variant else ''}{stage}"
 
 
 def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False,
-          int8: bool = False) -> dict:
+          variant: str = "") -> dict:
   """Trains STEPS steps, saving at SAVE_AT (or, if `resume`, from checkpoint
   SAVE_AT[0], saving none); returns {"loss", "grad_norm"} (the steps run) and "master"
   (the final float32 weights, flat, in jax.tree.leaves order)."""
-  engine = make_engine(stage, mesh, int8)
+  engine = make_engine(stage, mesh, variant)
   losses, norms = [], []
   data = [jax.tree.map(np.asarray, b) for b in batches(STEPS)]  # global, (16, ...)
-  with checkpoint.open_manager(out / folder(stage, int8)) as manager:
+  with checkpoint.open_manager(out / folder(stage, variant)) as manager:
     first = checkpoint.restore(manager, engine, SAVE_AT[0]) if resume else 0
     for step in range(first, STEPS):
       metrics = engine.step(engine.local_batch(data[step]))
@@ -69,13 +74,13 @@ def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False,
   return {"loss": np.array(losses), "grad_norm": np.array(norms), "master": master}
 
 
-def load(stage: int, where: pathlib.Path, mesh=None, int8: bool = False) -> dict:
+def load(stage: int, where: pathlib.Path, mesh=None, variant: str = "") -> dict:
   """The state an engine over `mesh` loads from the latest checkpoint in
-  `where`/folder(stage, int8): "master", "mu" and "nu" (float32, in full
+  `where`/folder(stage, variant): "master", "mu" and "nu" (float32, in full
   shapes, flat and joined in jax.tree.leaves order; int8 moments' values)
   and "count"."""
-  engine = make_engine(stage, mesh, int8)
-  with checkpoint.open_manager(where / folder(stage, int8)) as manager:
+  engine = make_engine(stage, mesh, variant)
+  with checkpoint.open_manager(where / folder(stage, variant)) as manager:
     checkpoint.restore(manager, engine)
   saved = engine.state_dict()
   layouts = jax.tree.leaves(engine.plan.layouts, is_leaf=is_layout)
@@ -104,15 +109,15 @@ def load(stage: int, where: pathlib.Path, mesh=None, int8: bool = False) -> dict
 def main(out: str, args: list[str]) -> None:
   distributed.initialize_from_environment()
   out = pathlib.Path(out)
-  int8 = "--int8" in args
-  prefix = "int8-" if int8 else ""
-  for stage in (3,) if int8 else STAGES:
+  variant = next((v for v in VARIANTS if f"--{v}" in args), "")
+  prefix = variant + "-" if variant else ""
+  for stage in (3,) if variant else STAGES:
     if "--load" in args:
-      seen = load(stage, pathlib.Path(args[args.index("--load") + 1]), int8=int8)
+      seen = load(stage, pathlib.Path(args[args.index("--load") + 1]), variant=variant)
       name = f"{prefix}loaded{stage}"
     else:
       resume = "--resume" in args
-      seen = train(stage, out, resume=resume, int8=int8)
+      seen = train(stage, out, resume=resume, variant=variant)
       name = f"{prefix}stage{stage}{'-resumed' if resume else ''}"
     if distributed.is_primary():
       np.savez(out / f"{name}.npz", **seen)

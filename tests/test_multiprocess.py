@@ -2,7 +2,8 @@
 mesh (jax.distributed, gloo): stages 2 and 3 with offload and the delayed
 update match a single process's 4-device run to float32 rounding, and their
 checkpoint, written by both, resumes in a new pair bit for bit (also with
-int8 moments, saved as their codes and scales).
+int8 moments, saved as their codes and scales, and with the layers' weights
+in host memory, one layer resident on the devices).
 
 The pair runs tests/multiprocess_run.py; each process is started in a
 session of its own and killed with its group when the test leaves, passed or
@@ -179,7 +180,7 @@ def test_an_int8_pairs_checkpoint_keeps_codes_and_resumes_bit_for_bit(int8_out):
   """Two processes save int8 moments as their codes (flat, padded for 4
   devices) and each shard's scales, not float32 values; a new pair resumes
   from them exactly."""
-  with checkpoint.open_manager(int8_out / run.folder(3, int8=True)) as manager:
+  with checkpoint.open_manager(int8_out / run.folder(3, "int8")) as manager:
     saved = state_dict.outline(manager.item_metadata(run.STEPS).tree)
     lazy = ocp.RestoreArgs(restore_type=state_spans.SavedLeaf)
     codes = manager.restore(run.STEPS, args=ocp.args.PyTreeRestore(
@@ -207,11 +208,11 @@ def test_an_int8_pairs_checkpoint_loads_into_one_process_and_other_pairs(int8_ou
   """The same blocks (one process of 4 devices) take the codes and scales as
   they are; other device counts quantize their values in their own blocks,
   the same in one process (2 devices) as in a pair of 1-device processes."""
-  reference = run.load(3, int8_out, mesh_of(4), int8=True)
+  reference = run.load(3, int8_out, mesh_of(4), "int8")
   assert reference["count"] == run.STEPS and np.abs(reference["mu"]).max() > 0
   np.testing.assert_array_equal(reference["master"],
                                 np.load(int8_out / "int8-stage3.npz")["master"])
-  two = run.load(3, int8_out, mesh_of(2), int8=True)
+  two = run.load(3, int8_out, mesh_of(2), "int8")
   np.testing.assert_array_equal(two["master"], reference["master"])
   # Quantized again in other blocks: near the saved values, not equal to them.
   for name in ("mu", "nu"):
@@ -220,6 +221,28 @@ def test_an_int8_pairs_checkpoint_loads_into_one_process_and_other_pairs(int8_ou
                                atol=0.01 * np.abs(reference[name]).max())
   run_pair(tmp_path, cache, "--int8", "--load", str(int8_out), devices=1)
   assert_same_state(dict(np.load(tmp_path / "int8-loaded3.npz")), two)
+
+
+def test_a_pair_with_resident_layers_trains_as_one_process_and_resumes(tmp_path_factory,
+                                                                      cache):
+  """offload_params with the first layer resident on each process's
+  devices: the pair trains as one process of 4 devices, to float32
+  rounding, and a new pair resumes from its checkpoint bit for bit."""
+  out = tmp_path_factory.mktemp("resident-pair")
+  run_pair(out, cache, "--resident")
+  run_pair(out, cache, "--resident", "--resume")
+  pair = dict(np.load(out / "resident-stage3.npz"))
+  single = run.train(3, tmp_path_factory.mktemp("single"), mesh_of(4), variant="resident")
+  assert len(pair["loss"]) == run.STEPS
+  np.testing.assert_allclose(pair["loss"], single["loss"], rtol=2e-6)
+  np.testing.assert_allclose(pair["grad_norm"], single["grad_norm"], rtol=2e-5)
+  np.testing.assert_allclose(pair["master"], single["master"], rtol=1e-5, atol=1e-5)
+  resumed = dict(np.load(out / "resident-stage3-resumed.npz"))
+  start = run.SAVE_AT[0]
+  np.testing.assert_array_equal(resumed["loss"], pair["loss"][start:])
+  np.testing.assert_array_equal(resumed["master"], pair["master"])
+  initial = np.concatenate([x.ravel() for x in jax.tree.leaves(run.init_params())])
+  assert np.abs(pair["master"] - initial).max() > 1e-3  # it trains: weights moved
 
 
 def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
