@@ -203,13 +203,15 @@ def test_estimate_plans_the_share_of_the_gpu_the_recipe_claims(monkeypatch, caps
   assert seen == [claimed] and var not in os.environ
 
 
-def test_offload_params_offloads_what_the_device_memory_needs(tmp_path):
+@pytest.mark.parametrize("flags", [["--device-memory-gb", "0.0016"], ["--resident-layers", "1"]],
+                         ids=["planned", "asked"])
+def test_offload_params_offloads_what_the_device_memory_needs(tmp_path, flags):
   """--offload-params with --device-memory-gb plans how many layers stay
   resident on the device beside the weights in host memory (here, on a
-  CPU, a budget of 1.6 MiB for the tiny model: one of its two), and the
-  run trains with them."""
-  done = run_module("jzo.train", *SHORT, "--stage", "3", "--offload-params",
-                    "--device-memory-gb", "0.0016", "--out", str(tmp_path))
+  CPU, a budget of 1.6 MiB for the tiny model: one of its two), or
+  --resident-layers sets it; the run trains with them."""
+  done = run_module("jzo.train", *SHORT, "--stage", "3", "--offload-params", *flags,
+                    "--out", str(tmp_path))
   assert done.returncode == 0, done.stderr
   assert "layers' weights on the host (1 of 2 layers resident on the device)" in (
       done.stdout + done.stderr)
@@ -349,6 +351,11 @@ def test_unreadable_files_and_a_read_only_out(short_run, tmp_path):
 # that answers it. The recipe's arguments before them: TRAIN_BASE.
 TRAIN_BASE = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--devices", "2"]
 TRAIN_MISTAKES = [
+    ("resident_layers", ["--resident-layers", "1"], "it needs --offload-params"),
+    ("resident_layers", ["--resident-layers", "-2"],
+     "--resident-layers must be -1 (the planner's choice) or a count >= 0, got -2"),
+    ("resident_layers", ["--stage", "3", "--offload-params", "--resident-layers", "3"],
+     "resident_layers must be in [0, 2] (the layers), got 3"),
     ("model", ["--model", "gpt5"], "invalid choice 'gpt5' for argument '--model'"),
     ("data", ["--data", "/no/such/file.txt"], "data path /no/such/file.txt does not exist"),
     ("vocab_size", ["--vocab-size", "-1"], "--vocab-size must be >= 0, got -1"),
@@ -418,6 +425,8 @@ TRAIN_MISTAKES = [
 ]
 
 ESTIMATE_MISTAKES = [
+    ("resident_layers", ["--model", "tiny", "--resident-layers", "1"],
+     "it needs --offload-params"),
     ("model", ["--devices", "2"], "Missing from python -m jzo.estimate: --model"),
     ("model", ["--model", "gpt5"], "invalid choice 'gpt5' for argument '--model'"),
     ("devices", ["--model", "tiny", "--devices", "0"], "--devices must be >= 1, got 0"),

@@ -22,7 +22,8 @@ from jzo.plan import GiB
 from jzo.planner import Estimate, estimate
 from jzo.recipe import models
 from jzo.recipe.loop import cap_pinned_pool, claim_gpu_memory
-from jzo.recipe.options import ALL_WEIGHTS_FIT
+from jzo.recipe.options import (ALL_WEIGHTS_FIT, UserError, check_resident_layers,
+                                resident_count)
 
 Preset = Literal[tuple(models.PRESETS)]
 
@@ -99,6 +100,8 @@ class EstimateConfig:
   """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
   offload_params: bool = False
   """stage 3 + offload: the layers' weights in pinned host memory where the device needs it, fetched a layer at a time but for the first layers that still fit on the device (implies --grads-in-params)"""
+  resident_layers: int = -1
+  """with --offload-params: how many of the first layers keep their weights on the device as well, always offloading the rest (-1: the planner's choice)"""
   checkpoints: bool = True
   """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None
@@ -108,13 +111,15 @@ class EstimateConfig:
 
 
 def check_estimate_options(cfg: EstimateConfig) -> None:
-  """Raises ValueError naming an option out of range."""
+  """Raises ValueError (UserError for --resident-layers, as jzo.train's)
+  naming an option out of range."""
   for name in ("devices", "batch_size", "seq_len", "grad_accum"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
   for name in ("host_gb", "device_gb"):
     if getattr(cfg, name) is not None and not getattr(cfg, name) > 0:
       raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
+  check_resident_layers(cfg)
   if cfg.delayed_update and parse_offload(cfg.offload) is False:
     raise ValueError("--delayed-update delays the host's update: it needs --offload other than "
                      "false")
@@ -138,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                               precision=cfg.precision, grad_accum=cfg.grad_accum,
                               delayed_update=cfg.delayed_update,
                               grads_in_params=cfg.grads_in_params,
-                              offload_params="auto" if cfg.offload_params else False,
+                              offload_params=(("auto" if resident_count(cfg) is None else True)
+                                              if cfg.offload_params else False),
+                              resident_layers=resident_count(cfg),
                               device_memory=gib(cfg.device_gb),
                               host_memory=gib(cfg.host_gb),
                               checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)
       table = str(result)
-  except ValueError as e:
+  except (ValueError, UserError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"{cfg.model}, micro-batch {cfg.batch_size} x seq {cfg.seq_len}, remat {cfg.remat}, "

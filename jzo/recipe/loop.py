@@ -25,7 +25,7 @@ from jzo.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
-                                check_for_model, lr_schedule)
+                                check_for_model, lr_schedule, resident_count)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
                              check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
                              remove_partial_checkpoints, restore_run, start_log)
@@ -62,10 +62,11 @@ def weights_placement(cfg: TrainConfig, devices) -> bool | str:
   layers' weights in host memory where the devices need it, the first
   layers that fit resident on them) where the devices report their memory
   or --device-memory-gb gives it, True where neither does (CPUs share the
-  host's memory)."""
+  host's memory) or --resident-layers sets the count."""
   if not cfg.offload_params:
     return False
-  if cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices)):
+  if resident_count(cfg) is None and (
+      cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices))):
     return "auto"
   return True
 
@@ -147,10 +148,10 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         devices=len(devices), global_batch=cfg.batch_size, stage=cfg.stage,
         offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
-        offload_params=weights_placement(cfg, devices),
+        offload_params=weights_placement(cfg, devices), resident_layers=resident_count(cfg),
         layers=model.family.layers if cfg.stage == 3 else None,
         device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg))
-  except jzo.PlacementError as e:
+  except (jzo.PlacementError, ValueError) as e:  # ValueError: an option the plan refuses
     raise UserError(str(e)) from e
   return picked.micro_batch, picked.line
 
@@ -174,7 +175,7 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
       grad_accum=cfg.batch_size // len(devices) // micro, max_grad_norm=cfg.max_grad_norm,
       offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
       grads_in_params=cfg.grads_in_params, offload_params=weights_placement(cfg, devices),
-      layers=model.family.layers if cfg.stage == 3 else None,
+      resident_layers=resident_count(cfg), layers=model.family.layers if cfg.stage == 3 else None,
       activation_memory=model.activation_bytes(micro, cfg.seq_len),
       device_memory=int(cfg.device_memory_gb * 2**30) or None,
       checkpoint_memory=checkpoint_memory(cfg))

@@ -65,6 +65,8 @@ class TrainConfig:
   """stage 3 + offload: each layer's gradient written over its weights (no room for both); with accumulation, float32 sums of the layers on the GPU (4 B a parameter), the last micro-batch's written over the weights"""
   offload_params: bool = False
   """stage 3 + offload: the layers' weights in pinned host memory where the GPU needs it (always where the devices report no memory), fetched a layer at a time but for the first layers that still fit on the GPU (implies --grads-in-params)"""
+  resident_layers: int = -1
+  """with --offload-params: how many of the first layers keep their weights on the GPU as well, always offloading the rest (-1: the planner's choice)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
@@ -154,8 +156,25 @@ def check(cfg: TrainConfig) -> None:
                     f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
   if cfg.grads_in_params or cfg.offload_params:
     _check_grads_in_params(cfg, "--offload-params" if cfg.offload_params else "--grads-in-params")
+  check_resident_layers(cfg)
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
+
+
+def check_resident_layers(cfg) -> None:
+  """--resident-layers: -1, or a count with --offload-params (jzo.train's
+  and jzo.estimate's options)."""
+  if cfg.resident_layers < -1:
+    raise UserError(f"--resident-layers must be -1 (the planner's choice) or a count >= 0, "
+                    f"got {cfg.resident_layers}")
+  if cfg.resident_layers >= 0 and not cfg.offload_params:
+    raise UserError("--resident-layers keeps layers of the weights in host memory on the GPU "
+                    "as well: it needs --offload-params")
+
+
+def resident_count(cfg) -> int | None:
+  """The engine's resident_layers= from --resident-layers (None: the planner's)."""
+  return cfg.resident_layers if cfg.resident_layers >= 0 else None
 
 
 def _check_grads_in_params(cfg: TrainConfig, flag: str) -> None:
