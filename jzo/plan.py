@@ -163,8 +163,8 @@ class Plan:
   # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them).
   checkpoint_bytes: int = 0
   # offload_params: the first this many layers of the stack also keep their
-  # weights in device memory (`resident_weights`), so the step fetches only
-  # the others; the host update's weights of those layers then come up once.
+  # weights in device memory (EngineState.resident, (r, S*k) a leaf), so the
+  # step fetches only the others; those layers' new weights then come up once.
   resident_layers: int = 0
 
   def __post_init__(self):
@@ -197,11 +197,6 @@ class Plan:
   def offload_params(self) -> bool:
     """Some leaf's weights live in pinned host memory."""
     return any(map(self.params_on_host, self.leaves))
-
-  def resident_weights(self, layout: LeafLayout) -> bool:
-    """The leaf's first `resident_layers` layers' weights are also in device
-    memory, shape (resident_layers, S*k) (jzo.layer_scan reads them there)."""
-    return self.resident_layers > 0 and self.params_on_host(layout)
 
   def host_params_bytes(self) -> int:
     """Bytes of pinned host memory the offloaded weights take in one process."""
