@@ -110,9 +110,8 @@ def runs(tmp_path_factory, pair_out):
   return seen
 
 
-@pytest.mark.parametrize("stage", run.STAGES)
-def test_two_processes_match_one_to_float32_rounding(runs, stage):
-  pair, single = runs[f"stage{stage}"], runs[f"single{stage}"]
+def assert_matches_one_process(pair: dict, single: dict) -> None:
+  """What a pair saw is what one process saw to float32 rounding, and it trained."""
   assert len(pair["loss"]) == run.STEPS
   # The same sums in another order (gloo's across processes): float32 rounding.
   np.testing.assert_allclose(pair["loss"], single["loss"], rtol=2e-6)
@@ -120,18 +119,31 @@ def test_two_processes_match_one_to_float32_rounding(runs, stage):
   # Adam divides by sqrt(v): where a gradient is itself at rounding level (a
   # weight near zero) its step may turn; 1e-5 is 1% of the learning rate.
   np.testing.assert_allclose(pair["master"], single["master"], rtol=1e-5, atol=1e-5)
+  assert_trained(single)
+
+
+def assert_trained(seen: dict) -> None:
   initial = np.concatenate([x.ravel() for x in jax.tree.leaves(run.init_params())])
-  assert np.abs(single["master"] - initial).max() > 1e-3  # it trains: weights moved
+  assert np.abs(seen["master"] - initial).max() > 1e-3  # the weights moved
 
 
-@pytest.mark.parametrize("stage", run.STAGES)
-def test_a_pairs_checkpoint_resumes_in_a_new_pair_bit_for_bit(runs, stage):
-  first, resumed = runs[f"stage{stage}"], runs[f"stage{stage}-resumed"]
+def assert_resumed_bit_for_bit(resumed: dict, first: dict) -> None:
+  """A run resumed from checkpoint SAVE_AT[0] saw what the first saw from there."""
   start = run.SAVE_AT[0]
   assert len(resumed["loss"]) == run.STEPS - start
   np.testing.assert_array_equal(resumed["loss"], first["loss"][start:])
   np.testing.assert_array_equal(resumed["grad_norm"], first["grad_norm"][start:])
   np.testing.assert_array_equal(resumed["master"], first["master"])
+
+
+@pytest.mark.parametrize("stage", run.STAGES)
+def test_two_processes_match_one_to_float32_rounding(runs, stage):
+  assert_matches_one_process(runs[f"stage{stage}"], runs[f"single{stage}"])
+
+
+@pytest.mark.parametrize("stage", run.STAGES)
+def test_a_pairs_checkpoint_resumes_in_a_new_pair_bit_for_bit(runs, stage):
+  assert_resumed_bit_for_bit(runs[f"stage{stage}-resumed"], runs[f"stage{stage}"])
 
 
 def assert_same_state(loaded: dict, reference: dict) -> None:
@@ -195,12 +207,8 @@ def test_an_int8_pairs_checkpoint_keeps_codes_and_resumes_bit_for_bit(int8_out):
   assert saved["nu_scales"]["blocks"]["w"] == (
       f"float32{list(quant8.scale_shape(layout.host_shape))}")
   first = dict(np.load(int8_out / "int8-stage3.npz"))
-  resumed = dict(np.load(int8_out / "int8-stage3-resumed.npz"))
-  start = run.SAVE_AT[0]
-  np.testing.assert_array_equal(resumed["loss"], first["loss"][start:])
-  np.testing.assert_array_equal(resumed["master"], first["master"])
-  initial = np.concatenate([x.ravel() for x in jax.tree.leaves(run.init_params())])
-  assert np.abs(first["master"] - initial).max() > 1e-3  # it trains: weights moved
+  assert_resumed_bit_for_bit(dict(np.load(int8_out / "int8-stage3-resumed.npz")), first)
+  assert_trained(first)
 
 
 def test_an_int8_pairs_checkpoint_loads_into_one_process_and_other_pairs(int8_out, cache,
@@ -233,16 +241,8 @@ def test_a_pair_with_resident_layers_trains_as_one_process_and_resumes(tmp_path_
   run_pair(out, cache, "--resident", "--resume")
   pair = dict(np.load(out / "resident-stage3.npz"))
   single = run.train(3, tmp_path_factory.mktemp("single"), mesh_of(4), variant="resident")
-  assert len(pair["loss"]) == run.STEPS
-  np.testing.assert_allclose(pair["loss"], single["loss"], rtol=2e-6)
-  np.testing.assert_allclose(pair["grad_norm"], single["grad_norm"], rtol=2e-5)
-  np.testing.assert_allclose(pair["master"], single["master"], rtol=1e-5, atol=1e-5)
-  resumed = dict(np.load(out / "resident-stage3-resumed.npz"))
-  start = run.SAVE_AT[0]
-  np.testing.assert_array_equal(resumed["loss"], pair["loss"][start:])
-  np.testing.assert_array_equal(resumed["master"], pair["master"])
-  initial = np.concatenate([x.ravel() for x in jax.tree.leaves(run.init_params())])
-  assert np.abs(pair["master"] - initial).max() > 1e-3  # it trains: weights moved
+  assert_matches_one_process(pair, single)
+  assert_resumed_bit_for_bit(dict(np.load(out / "resident-stage3-resumed.npz")), pair)
 
 
 def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
