@@ -22,11 +22,12 @@ gradient of `stats` (zeros of shape (2,) that the engine passes in and
 differentiates; the forward does not use them). It counts only the arrays
 in host memory (a layers' array on the device is the engine's to count).
 
-Resident layers (offload_params="auto", `Plan.resident_layers` = r > 0):
-the engine also gives the scan a copy of the first r layers' weights in
-device memory (`resident`, shaped like the layers but r rows). The forward
-and backward read those layers there and fetch only the other L - r from
-host memory; every layer's gradient still goes down over its weights.
+Resident layers (`Plan.resident_layers` = r > 0: offload_params="auto"'s
+choice, or resident_layers=): the engine also gives the scan a copy of the
+first r layers' weights in device memory (`resident`, shaped like the
+layers but r rows). The forward and backward read those layers there and
+fetch only the other L - r from host memory; every layer's gradient still
+goes down over its weights.
 
 With gradient accumulation (grad_accum = K > 1), the engine gives the
 scan float32 sums shaped like the layers (`sums`, in device memory). For
