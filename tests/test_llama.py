@@ -46,9 +46,19 @@ def test_flops_and_activation_bytes():
   by_remat = [llama.activation_bytes(dataclasses.replace(config, remat=r), 2, 2048)
               for r in ("full", "dots", "none")]
   assert by_remat[0] < by_remat[1] < by_remat[2]
-  # remat full: the 128k-vocabulary logits and their float32 gradient are the peak.
+  # remat full: the loss is the peak. At 4096 tokens all the 128k-vocabulary
+  # logits and their float32 gradient take fewer bytes than chunks of them
+  # beside float32 gradients of the head and the hidden states.
   logits = 2 * 2048 * 128256 * 6
   assert by_remat[0] == 32 * 2 * 2048 * 4096 * 2 + logits
+  # At 16 sequences the chunks (1024 positions' float32 logits at a time) take
+  # fewer bytes than all the logits, and fewer than one layer's backward,
+  # which is then the peak.
+  tokens = 16 * 2048
+  loss = 1024 * 128256 * (4 + 4 + 2) + 4 * 4096 * (tokens + 128256)
+  layer = tokens * (9 * 4096 + 3 * 1024 + 6 * 14336) * 2
+  assert loss < layer < tokens * 128256 * 6
+  assert llama.activation_bytes(config, 16, 2048) == 32 * tokens * 4096 * 2 + layer
 
 
 def test_forward_is_causal_bf16_and_sampling_stays_in_vocab(tiny_params):

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 import jzo
+from jzo.models import cross_entropy
 
 
 # jax.checkpoint policy of each GPTConfig.remat value ("none": no checkpoint).
@@ -72,8 +73,9 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
                      itemsize: int = 2) -> int:
   """Bytes of activations one device needs at the peak of a training step
   with `batch` sequences (its micro-batch): what the scan saves for the
-  backward pass, plus the larger of the loss's logits (bf16 logits and their
-  float32 gradient) and one layer's recomputed intermediates and gradients.
+  backward pass, plus the larger of the loss's (`cross_entropy.loss_bytes`:
+  one chunk of logits at a time) and one layer's recomputed intermediates
+  and gradients.
 
   Per token and layer, `remat` full saves the layer input (D values), dots
   also the matmul outputs (qkv 3D, proj D, fc 4D, out D), none every
@@ -85,9 +87,9 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   D, L = config.d_model, config.n_layer
   saved_per_layer = {"full": D, "dots": 10 * D, "none": 20 * D}[config.remat]
   saved = L * tokens * saved_per_layer * itemsize
-  logits = tokens * config.vocab_size * (itemsize + 4)
+  loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * 24 * D * itemsize
-  return saved + max(logits, layer)
+  return saved + max(loss, layer)
 
 
 PRESETS = {
@@ -179,6 +181,11 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
+    return self.hidden(tokens) @ self.wte[...].T
+
+  def hidden(self, tokens: jax.Array) -> jax.Array:
+    """The last hidden states (B, T, D), after the final LayerNorm: the
+    logits are these times the embedding (V, D), transposed."""
     config = self.config
     T = tokens.shape[1]
     if T > config.seq_len:
@@ -193,7 +200,7 @@ class GPT(nnx.Module):
       # away, and the barriers it would add keep XLA from fusing across them.
       step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
     x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
-    return self.lnf(x) @ self.wte[...].T
+    return self.lnf(x)
 
 
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -217,13 +224,8 @@ def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
 def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
   """Mean next-token cross-entropy; batch["tokens"]: int (B, T + 1)."""
   tokens = batch["tokens"]
-  logits = forward(config, params, tokens[:, :-1]).astype(jnp.float32)
-  # logsumexp minus the target's logit, picked by comparison with an iota:
-  # XLA fuses both into reductions over the logits, where log_softmax would
-  # write a float32 copy of them and take_along_axis's gradient a scatter.
-  is_target = jnp.arange(logits.shape[-1]) == tokens[:, 1:, None]
-  target = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-  return (jax.nn.logsumexp(logits, axis=-1) - target).mean()
+  model = nnx.merge(_graphdef(config), params)
+  return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.wte[...], tokens[:, 1:])
 
 
 def generate(config: GPTConfig, params: dict, prompt: np.ndarray, n_tokens: int,

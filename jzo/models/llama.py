@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import jzo
+from jzo.models import cross_entropy
 from jzo.models.gpt import REMAT_POLICIES, attention_implementation
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
@@ -244,9 +245,10 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
                      itemsize: int = 2) -> int:
   """Bytes of activations one device needs at the peak of a training step
   with `batch` sequences (its micro-batch): what the scan saves for the
-  backward pass, plus the larger of the loss's logits (logits in the compute
-  dtype and their float32 gradient: with vocabularies of 128-152k these are
-  often the peak) and one layer's recomputed intermediates and gradients.
+  backward pass, plus the larger of the loss's (`cross_entropy.loss_bytes`:
+  one chunk of logits at a time, where all of them would often be the peak
+  with vocabularies of 128-152k) and one layer's recomputed intermediates
+  and gradients.
 
   Per token and layer (Q = H hd, KV = K hd), `remat` full saves the layer
   input (D values), dots also the matmul outputs (qkv Q + 2 KV, o D, gate_up
@@ -264,9 +266,9 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   saved_per_layer = {"full": D, "dots": 3 * D + Q + 2 * KV + 2 * F,
                      "none": everything}[config.remat]
   saved = config.n_layer * tokens * saved_per_layer * itemsize
-  logits = tokens * config.vocab_size * (itemsize + 4)
+  loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * (everything + 2 * F) * itemsize
-  return saved + max(logits, layer)
+  return saved + max(loss, layer)
 
 
 _LLAMA3_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_low_freq_factor=1.0,
@@ -404,6 +406,15 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
+    return self.hidden(tokens) @ self.head().T
+
+  def head(self) -> jax.Array:
+    """The output projection (V, D): lm_head, or the embedding when tied."""
+    return (self.embed if self.config.tie_embeddings else self.lm_head)[...]
+
+  def hidden(self, tokens: jax.Array) -> jax.Array:
+    """The last hidden states (B, T, D), after the final RMSNorm: the logits
+    are these times `head()`, transposed."""
     config = self.config
     T = tokens.shape[1]
     if T > config.seq_len:
@@ -423,8 +434,7 @@ class Llama(nnx.Module):
       # away, and the barriers it would add keep XLA from fusing across them.
       step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
     x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
-    head = self.embed if config.tie_embeddings else self.lm_head
-    return self.norm(x) @ head[...].T  # (B, T, V)
+    return self.norm(x)
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -460,16 +470,9 @@ def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
       tokens, normalised across devices and micro-batches).
   """
   tokens = batch["tokens"]
-  logits = forward(config, params, tokens[:, :-1]).astype(jnp.float32)  # (B, T, V)
-  # logsumexp minus the target's logit, picked by comparison with an iota:
-  # XLA fuses both into reductions over the logits, where log_softmax would
-  # write a float32 copy of them and take_along_axis's gradient a scatter.
-  is_target = jnp.arange(logits.shape[-1]) == tokens[:, 1:, None]
-  target = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-  loss = jax.nn.logsumexp(logits, axis=-1) - target  # (B, T)
-  if "loss_weight" in batch:
-    loss = loss * batch["loss_weight"]
-  return loss.mean()
+  model = nnx.merge(_graphdef(config), params)
+  return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.head(), tokens[:, 1:],
+                                     batch.get("loss_weight"))
 
 
 def generate(config: LlamaConfig, params: dict, prompt: np.ndarray, n_tokens: int,
