@@ -79,8 +79,10 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
 
   Per token and layer, `remat` full saves the layer input (D values), dots
   also the matmul outputs (qkv 3D, proj D, fc 4D, out D), none every
-  intermediate (about 20 D incl. float32 LayerNorm statistics). The
-  constants were checked against XLA's peak on an H100 (experiments/RESULTS.md).
+  intermediate (about 20 D incl. float32 LayerNorm statistics). One
+  layer's backward holds about 28 D a token: XLA's peak on an H100 for
+  gpt2-10b at micro-batches 80 and 96, where it is the larger term (25.5 D
+  and 28.4 D; experiments/RESULTS.md, session 26).
   """
   T = seq_len or config.seq_len
   tokens = batch * T
@@ -88,7 +90,7 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   saved_per_layer = {"full": D, "dots": 10 * D, "none": 20 * D}[config.remat]
   saved = L * tokens * saved_per_layer * itemsize
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
-  layer = tokens * 24 * D * itemsize
+  layer = tokens * 28 * D * itemsize
   return saved + max(loss, layer)
 
 
