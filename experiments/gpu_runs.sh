@@ -30,6 +30,8 @@
 #   figure-P       experiments/figure_runs.py's part P (1.5b 4b 10b 13b edges check dpu):
 #                  the single-GPU figures, each system in its own process
 #   llama8b        llama-3.1-8b, micro-batch 4, offload auto + delayed update
+#   loss-chunks    the loss in chunks against all the logits (loss_bench.py), then llama8b
+#                  at micro-batches BATCH (4); with .snap-base, that commit first
 #   llama8b-14l    the same cut to 14 layers (a shape DeepSpeed fits), and DeepSpeed
 #                  ZeRO-2 offload training transformers' LlamaForCausalLM of that shape
 #   ds-llama8b     DeepSpeed on llama-3.1-8b's full shape
@@ -380,6 +382,19 @@ for part in "$@"; do
     figure-*)
       python3 experiments/figure_runs.py "${part#figure-}" --out "$OUT" >"$OUT/$part.log" 2>&1
       echo "$part: exit $?"; grep -E '^\{|status' "$OUT/$part.log" | cut -c1-300 | tail -12 ;;
+    loss-chunks)
+      # The loss through the head in chunks against all the logits: the loss
+      # alone (loss_bench.py), then llama-3.1-8b, offload auto + delayed
+      # update, micro-batches BATCH (4): with .snap-base, that commit first.
+      record $part loss_bench.py --case gpt2-10b:96x1024 llama-3.1-8b:4x4096 llama-3.1-8b:8x4096
+      for tree in $base "$dir"; do
+        [ -n "$base" ] && use "$tree"
+        name=$part-llama8b-$(basename "$tree")
+        (cd "$tree" && timeout 260 python3 experiments/llama_bench.py --model llama-3.1-8b \
+          --seq-len 4096 --batch ${BATCH:-4} --configs auto_dpu --steps 8 --timeout 250 \
+          --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
+        echo "$name: exit $?"; grep -E "TFLOPS|refused|rror" "$OUT/$name.log" | cut -c1-300 | tail -4
+      done ;;
     llama8b) record $part llama_bench.py --model llama-3.1-8b --seq-len 4096 --batch 4 \
                --configs auto_dpu --steps 10 --timeout 260 ;;
     llama8b-14l)
