@@ -30,6 +30,8 @@
 #   figure-P       experiments/figure_runs.py's part P (1.5b 4b 10b 13b edges check dpu):
 #                  the single-GPU figures, each system in its own process
 #   llama8b        llama-3.1-8b, micro-batch 4, offload auto + delayed update
+#   loss-tests     --help of each command; the loss's tests with the GPU as default backend
+#                  (and the GPU tests of offload), and the models' CPU tests on this Python
 #   loss-chunks    the loss in chunks against all the logits (loss_bench.py), then llama8b
 #                  at micro-batches BATCH (4); with .snap-base, that commit first
 #   llama8b-14l    the same cut to 14 layers (a shape DeepSpeed fits), and DeepSpeed
@@ -382,6 +384,14 @@ for part in "$@"; do
     figure-*)
       python3 experiments/figure_runs.py "${part#figure-}" --out "$OUT" >"$OUT/$part.log" 2>&1
       echo "$part: exit $?"; grep -E '^\{|status' "$OUT/$part.log" | cut -c1-300 | tail -12 ;;
+    loss-tests)
+      for m in jzo.train jzo.estimate jzo.export; do
+        python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
+      done
+      JAX_PLATFORMS=cuda,cpu pytests loss-gpu 300 tests/test_cross_entropy.py -k "not engine" \
+        tests/test_offload_gpu.py
+      JAX_PLATFORMS=cpu pytests loss-cpu 400 -n 8 tests/test_cross_entropy.py \
+        tests/test_llama.py tests/test_gpt.py tests/test_hf.py ;;
     loss-chunks)
       # The loss through the head in chunks against all the logits: the loss
       # alone (loss_bench.py), then llama-3.1-8b, offload auto + delayed
