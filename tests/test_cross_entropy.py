@@ -73,9 +73,9 @@ def test_low_precision_gradients_keep_their_dtype_under_a_loss_scale(dtype):
 
 
 def test_chunks_hold_a_fraction_of_the_logits():
-  """Compiled value and gradients (XLA's temporaries on this CPU): in chunks
-  of 512 of 8192 positions, under what loss_bytes counts and a fraction of
-  all the logits' float32 bytes."""
+  """Compiled value and gradients (XLA's temporaries on the default backend)
+  in chunks of 512 of 8192 positions: within what loss_bytes counts for
+  them, which is less than the logits in bf16 that all at once take."""
   n, vocab, d = 8192, 8192, 64
   args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
           jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
@@ -85,11 +85,8 @@ def test_chunks_hold_a_fraction_of_the_logits():
     fn = jax.jit(jax.value_and_grad(
         lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1)))
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-  logits = n * vocab * 4
-  chunked, plain = temporaries(512), temporaries(n)
-  assert plain >= logits
-  assert chunked < logits / 4
-  assert chunked <= 512 * vocab * 10 + 4 * d * (n + vocab)
+  counted = 512 * vocab * 10 + 4 * d * (n + vocab)
+  assert temporaries(512) <= counted < n * vocab * 2 <= temporaries(n)
 
 
 @pytest.mark.parametrize("n, scans", [(1024, False), (8192, True)])
