@@ -104,11 +104,13 @@ def test_the_default_takes_the_way_of_fewer_bytes(n, scans):
 
 
 def test_bad_shapes_are_named():
-  hidden, head, targets, _ = _inputs()
+  hidden, head, targets, weight = _inputs()
   with pytest.raises(ValueError, match=r"head must be \(vocab, 32\).*got \(200, 31\)"):
     ce.cross_entropy(hidden, head[:, :31], targets)
   with pytest.raises(ValueError, match=r"targets must be \(3, 45\).*got \(3, 44\)"):
     ce.cross_entropy(hidden, head, targets[:, :44])
+  with pytest.raises(ValueError, match=r"weight must be \(3, 45\).*got \(135,\)"):
+    ce.cross_entropy(hidden, head, targets, weight.reshape(-1))
 
 
 def _batch(config, rows=8, seed=1):

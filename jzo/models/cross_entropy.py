@@ -69,14 +69,14 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
       way that takes fewer bytes (`loss_bytes`).
   """
   B, T, D = hidden.shape
-  V = head.shape[0]
   if head.ndim != 2 or head.shape[1] != D:
     raise ValueError(f"the head must be (vocab, {D}) for hidden states {hidden.shape}, "
                      f"got {head.shape}")
-  if targets.shape != (B, T):
-    raise ValueError(f"targets must be {(B, T)} for hidden states {hidden.shape}, "
-                     f"got {targets.shape}")
-  n, itemsize = B * T, hidden.dtype.itemsize
+  for name, x in (("targets", targets), ("weight", weight)):
+    if x is not None and x.shape != (B, T):
+      raise ValueError(f"{name} must be {(B, T)} for hidden states {hidden.shape}, "
+                       f"got {x.shape}")
+  V, n, itemsize = head.shape[0], B * T, hidden.dtype.itemsize
   if chunk is None:
     chunked = _chunked_bytes(n, V, D, itemsize) < _plain_bytes(n, V, itemsize)
     chunk = chunk_tokens(V, n) if chunked else n
