@@ -33,7 +33,8 @@
 #   loss-tests     --help of each command; the loss's tests with the GPU as default backend
 #                  (and the GPU tests of offload), and the models' CPU tests on this Python
 #   loss-chunks    the loss in chunks against all the logits (loss_bench.py), then llama8b
-#                  at micro-batches BATCH (4); with .snap-base, that commit first
+#                  at micro-batches BATCH (4); with .snap-base, that commit first; SKIP_LOSS,
+#                  SKIP_LLAMA skip either; CHUNK_BYTES: other chunk sizes to time
 #   llama8b-14l    the same cut to 14 layers (a shape DeepSpeed fits), and DeepSpeed
 #                  ZeRO-2 offload training transformers' LlamaForCausalLM of that shape
 #   ds-llama8b     DeepSpeed on llama-3.1-8b's full shape
@@ -398,7 +399,8 @@ for part in "$@"; do
       # update, micro-batches BATCH (4): with .snap-base, that commit first
       # (its jzo, this tree's llama_bench.py: the one before 32af19c fails).
       [ -n "${SKIP_LOSS:-}" ] || record $part loss_bench.py --case gpt2-10b:96x1024 \
-        llama-3.1-8b:4x4096 llama-3.1-8b:8x4096
+        llama-3.1-8b:4x4096 llama-3.1-8b:8x4096 --chunk-bytes ${CHUNK_BYTES:-}
+      [ -n "${SKIP_LLAMA:-}" ] && continue
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"
         name=$part-llama8b-$(basename "$tree")

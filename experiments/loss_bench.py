@@ -4,6 +4,9 @@ and head) alone, for the shapes of a model's micro-batch, side by side.
 
   python experiments/loss_bench.py --case gpt2-10b:96x1024 llama-3.1-8b:4x4096 \
     llama-3.1-8b:8x4096 --json out.json
+
+--chunk-bytes also times the chunks at other sizes of a chunk's float32
+logits (cross_entropy.CHUNK_LOGITS_BYTES, 2**29 by default).
 """
 
 import argparse
@@ -43,6 +46,8 @@ def main():
   parser.add_argument("--case", nargs="+", default=["gpt2-10b:96x1024", "llama-3.1-8b:4x4096"],
                       help="MODEL:BATCHxSEQ (a preset of jzo.models)")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--chunk-bytes", type=int, nargs="*", default=[],
+                      help="other sizes of a chunk's float32 logits to time (bytes)")
   parser.add_argument("--json")
   args = parser.parse_args()
   results = []
@@ -58,6 +63,12 @@ def main():
            "loss_bytes_gib": ce.loss_bytes(n, vocab, d) / 2**30,
            "device": jax.devices()[0].device_kind}
     row["speed_ratio"] = row["all"]["seconds"] / row["chunks"]["seconds"]
+    default = ce.CHUNK_LOGITS_BYTES
+    for size in args.chunk_bytes:
+      ce.CHUNK_LOGITS_BYTES = size
+      other = ce.chunk_tokens(vocab, n)
+      row[f"chunks of {other}"] = measure(n, d, vocab, other, args.repeats)
+    ce.CHUNK_LOGITS_BYTES = default
     print(json.dumps(row), flush=True)
     results.append(row)
   if args.json:
