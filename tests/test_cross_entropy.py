@@ -31,8 +31,8 @@ def _torch(hidden, head, targets, weight):
   """Loss and gradients (hidden, head) by torch.nn.functional.cross_entropy."""
   h = torch.tensor(np.asarray(hidden), requires_grad=True)
   w = torch.tensor(np.asarray(head), requires_grad=True)
-  per = torch.nn.functional.cross_entropy(
-      (h @ w.T).reshape(-1, V), torch.tensor(np.asarray(targets)).long().reshape(-1), reduction="none")
+  labels = torch.tensor(np.asarray(targets)).long().reshape(-1)
+  per = torch.nn.functional.cross_entropy((h @ w.T).reshape(-1, V), labels, reduction="none")
   if weight is not None:
     per = per * torch.tensor(np.asarray(weight)).reshape(-1)
   loss = per.mean()
