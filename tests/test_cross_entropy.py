@@ -48,8 +48,9 @@ def test_loss_and_gradients_match_torch(chunk, weighted):
   with jax.default_matmul_precision("highest"):
     loss, (d_hidden, d_head) = jax.value_and_grad(
         lambda h, w: ce.cross_entropy(h, w, targets, weight, chunk=chunk), (0, 1))(hidden, head)
+    value = ce.cross_entropy(hidden, head, targets, weight, chunk=chunk)  # no gradient
   want = _torch(hidden, head, targets, weight)
-  np.testing.assert_allclose(float(loss), want[0], rtol=1e-6)
+  np.testing.assert_allclose([float(loss), float(value)], want[0], rtol=1e-6)
   np.testing.assert_allclose(d_hidden, want[1], rtol=1e-5, atol=1e-8)
   np.testing.assert_allclose(d_head, want[2], rtol=1e-5, atol=1e-8)
 
@@ -87,6 +88,24 @@ def test_chunks_hold_a_fraction_of_the_logits():
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
   counted = 512 * vocab * 10 + 4 * d * (n + vocab)
   assert temporaries(512) <= counted < n * vocab * 2 <= temporaries(n)
+
+
+def test_chunks_that_do_not_divide_the_positions_copy_nothing():
+  """Chunks of 1000 and 2000 of 8192 positions: the last one overlaps the
+  one before rather than padding the hidden states (a copy of them and of
+  their float32 gradient), so they take no more than chunks of 1024 and
+  2048 that divide the positions."""
+  n, vocab, d = 8192, 1024, 512
+  args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, n), jnp.int32))
+
+  def temporaries(chunk):
+    fn = jax.jit(jax.value_and_grad(
+        lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1)))
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+  assert temporaries(1000) <= temporaries(1024)
+  assert temporaries(2000) <= temporaries(2048)
 
 
 @pytest.mark.parametrize("n, scans", [(1024, False), (8192, True)])

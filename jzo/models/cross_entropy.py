@@ -99,13 +99,16 @@ def _target_logit(logits, targets):
   return jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
 
 
-def _padded(chunk: int, *arrays):
-  """The arrays (leading axis n) zero-padded to a multiple of chunk and
-  split into (n_chunks, chunk, ...)."""
-  n = arrays[0].shape[0]
-  pad = -n % chunk
-  return [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
-      (n + pad) // chunk, chunk, *a.shape[1:]) for a in arrays]
+def _chunk_at(i, chunk, hidden, targets, weight):
+  """Chunk i of the positions (leading axis n): its first position and its
+  rows. Where chunk does not divide n, the last chunk ends at n and so
+  overlaps the one before it; the positions that one holds weigh 0 here.
+  So nothing is padded, which would copy the hidden states."""
+  n = hidden.shape[0]
+  start = jnp.minimum(i * chunk, n - chunk)
+  rows = lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk)
+  fresh = start + jnp.arange(chunk) >= i * chunk
+  return start, rows(hidden), rows(targets), jnp.where(fresh, rows(weight), 0.0)
 
 
 def _chunk_loss(h, head, targets, weight):
@@ -120,32 +123,35 @@ def _chunked(chunk, dtypes, hidden, head, targets, weight):
   """Sum over positions of weight x cross-entropy; hidden (n, D). dtypes:
   hidden's and head's, for their gradients."""
   del dtypes
-  def one(total, xs):
-    h, t, w = xs
+  def one(total, i):
+    _, h, t, w = _chunk_at(i, chunk, hidden, targets, weight)
     return total + _chunk_loss(h, head, t, w)[2], None
-  xs = _padded(chunk, hidden, targets, weight)
-  return jax.lax.scan(one, jnp.float32(0), xs)[0]
+  return jax.lax.scan(one, jnp.float32(0), jnp.arange(-(-hidden.shape[0] // chunk)))[0]
 
 
 def _chunked_forward(chunk, dtypes, hidden, head, targets, weight):
   del dtypes
   n = hidden.shape[0]
 
-  def one(acc, xs):
-    total, d_head = acc
-    h, t, w = xs
+  def one(acc, i):
+    total, d_head, d_hidden = acc
+    start, h, t, w = _chunk_at(i, chunk, hidden, targets, weight)
     logits, lse, loss = _chunk_loss(h, head, t, w)
     # d(loss sum)/d(logits), rounded once to the matmuls' dtype.
     is_target = jnp.arange(logits.shape[-1]) == t[:, None]
     d_logits = ((jnp.exp(logits - lse[:, None]) - is_target) * w[:, None]).astype(head.dtype)
     d_h = jnp.dot(d_logits, head, preferred_element_type=jnp.float32)
     d_head = d_head + jnp.dot(d_logits.T, h, preferred_element_type=jnp.float32)
-    return (total + loss, d_head), d_h
+    d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h, start, 0)
+    return (total + loss, d_head, d_hidden), None
 
-  xs = _padded(chunk, hidden, targets, weight)
-  (total, d_head), d_hidden = jax.lax.scan(
-      one, (jnp.float32(0), jnp.zeros(head.shape, jnp.float32)), xs)
-  d_hidden = d_hidden.reshape(-1, hidden.shape[1])[:n]
+  # The last chunk first: where it overlaps the one before, its rows there
+  # (weight 0, so zero gradients) are then overwritten by that chunk's.
+  count = -(-n // chunk)
+  order = jnp.roll(jnp.arange(count), 1)
+  zeros = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32),
+           jnp.zeros(hidden.shape, jnp.float32))
+  (total, d_head, d_hidden), _ = jax.lax.scan(one, zeros, order)
   return total, (d_hidden, d_head)
 
 
