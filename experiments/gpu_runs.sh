@@ -33,7 +33,8 @@
 #   loss-tests     --help of each command; the loss's tests with the GPU as default backend
 #                  (and the GPU tests of offload), and the models' CPU tests on this Python
 #   loss-chunks    the loss in chunks against all the logits (loss_bench.py), then llama8b
-#                  at micro-batches BATCH (4); with .snap-base, that commit first; SKIP_LOSS,
+#                  at micro-batches BATCH (4); with .snap-base, that commit first (each
+#                  with this tree's scripts); SKIP_LOSS,
 #                  SKIP_LLAMA skip either; CHUNK_BYTES: other chunk sizes to time
 #   llama8b-14l    the same cut to 14 layers (a shape DeepSpeed fits), and DeepSpeed
 #                  ZeRO-2 offload training transformers' LlamaForCausalLM of that shape
@@ -398,8 +399,15 @@ for part in "$@"; do
       # alone (loss_bench.py), then llama-3.1-8b, offload auto + delayed
       # update, micro-batches BATCH (4): with .snap-base, that commit first
       # (its jzo, this tree's llama_bench.py: the one before 32af19c fails).
-      [ -n "${SKIP_LOSS:-}" ] || record $part loss_bench.py --case gpt2-10b:96x1024 \
-        llama-3.1-8b:4x4096 llama-3.1-8b:8x4096 --chunk-bytes ${CHUNK_BYTES:-}
+      for tree in $base "$dir"; do
+        [ -n "${SKIP_LOSS:-}" ] && break
+        [ -n "$base" ] && use "$tree"
+        name=$part-loss-$(basename "$tree")
+        (cd "$tree" && python3 "$dir/experiments/loss_bench.py" --case gpt2-10b:96x1024 \
+          llama-3.1-8b:4x4096 llama-3.1-8b:8x4096 --chunk-bytes ${CHUNK_BYTES:-} \
+          --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1)
+        echo "$name: exit $?"; tail -8 "$OUT/$name.log" | cut -c1-300
+      done
       [ -n "${SKIP_LLAMA:-}" ] && continue
       for tree in $base "$dir"; do
         [ -n "$base" ] && use "$tree"

@@ -164,15 +164,22 @@ def adam_scalars(*, lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale=1
     float32[len(AdamScalars._fields)]: lr, b1, 1-b1, b2, 1-b2, eps,
     eps_root, weight_decay, 1/bc1, 1/bc2, 1/bc1_next (for nesterov), grad_scale.
   """
-  # A float exponent, as jit makes of a traced count anyway: called eagerly,
-  # an integer one would compile a new program for every step count.
-  t = jnp.asarray(count, jnp.int32).astype(jnp.float32)
+  inv_bc1, inv_bc2, inv_bc1_next = _inverse_bias_corrections(b1, b2, count)
   # `1 - b` is formed before the cast, like optax's `(1 - b1) * g`.
   values = AdamScalars(
       lr=lr, b1=b1, one_minus_b1=1 - b1, b2=b2, one_minus_b2=1 - b2, eps=eps,
-      eps_root=eps_root, weight_decay=weight_decay, inv_bc1=1 / (1 - b1**t),
-      inv_bc2=1 / (1 - b2**t), inv_bc1_next=1 / (1 - b1**(t + 1)), grad_scale=grad_scale)
+      eps_root=eps_root, weight_decay=weight_decay, inv_bc1=inv_bc1, inv_bc2=inv_bc2,
+      inv_bc1_next=inv_bc1_next, grad_scale=grad_scale)
   return jnp.stack([jnp.asarray(v, jnp.float32) for v in values])
+
+
+def _inverse_bias_corrections(b1, b2, count):
+  """1 / (1 - b1 ** t), 1 / (1 - b2 ** t) and 1 / (1 - b1 ** (t + 1)) in
+  float32 for int32 step counts t (any shape)."""
+  # A float exponent, as jit makes of a traced count anyway: called eagerly,
+  # an integer one would compile a new program for every step count.
+  t = jnp.asarray(count, jnp.int32).astype(jnp.float32)
+  return 1 / (1 - b1**t), 1 / (1 - b2**t), 1 / (1 - b1**(t + 1))
 
 
 def _is_int(x) -> bool:
@@ -292,26 +299,37 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray | quant8.Int8
       scalars, bool(nesterov), int(num_threads or 0))
 
 
-@functools.partial(jax.jit, static_argnames=("b1", "b2", "eps", "eps_root", "weight_decay"))
-def _host_scalars_jit(lr, count, grad_scale, *, b1, b2, eps, eps_root, weight_decay):
-  return adam_scalars(lr=lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                      weight_decay=weight_decay, count=count, grad_scale=grad_scale)
+# Step counts whose bias corrections one XLA call computes: a call costs
+# about as much as the kernel's pass over 2**16 parameters.
+_COUNTS_PER_CALL = 1024
 
 
-@functools.lru_cache(maxsize=16)
-def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale) -> np.ndarray:
-  """adam_scalars computed by XLA on the CPU as cpu_adamw computes them.
+@functools.partial(jax.jit, static_argnames=("b1", "b2"))
+def _bias_corrections_jit(first, *, b1, b2):
+  counts = first + jnp.arange(_COUNTS_PER_CALL, dtype=jnp.int32)
+  return jnp.stack(_inverse_bias_corrections(b1, b2, counts), axis=1)
 
-  The constant hyperparameters stay Python floats (static), so `1 - b1` is
-  formed in double precision exactly as in the optax path. Cached: the
-  offload engine steps every shard of a step with the same scalars.
-  """
+
+@functools.lru_cache(maxsize=8)
+def _bias_corrections(b1: float, b2: float, block: int) -> np.ndarray:
+  """adam_scalars' inv_bc1, inv_bc2 and inv_bc1_next computed by XLA on the
+  CPU, as cpu_adamw computes them, for the counts block x _COUNTS_PER_CALL
+  onwards: float32 (_COUNTS_PER_CALL, 3). b1 and b2 stay Python floats
+  (static), as in the optax path."""
   with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's
-    scalars = np.array(_host_scalars_jit(
-        np.float32(lr), np.int32(count), np.float32(grad_scale), b1=float(b1), b2=float(b2),
-        eps=float(eps), eps_root=float(eps_root), weight_decay=float(weight_decay)))
-  scalars.setflags(write=False)  # shared by every caller with these arguments
-  return scalars
+    return np.asarray(_bias_corrections_jit(np.int32(block * _COUNTS_PER_CALL), b1=b1, b2=b2))
+
+
+def _host_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale) -> np.ndarray:
+  """adam_scalars for Python floats and an int count, without an XLA call
+  for each new count: the bias corrections come a block of counts at a time
+  (_bias_corrections), the rest are float32 roundings, as in adam_scalars."""
+  inv_bc = _bias_corrections(b1, b2, count // _COUNTS_PER_CALL)[count % _COUNTS_PER_CALL]
+  values = AdamScalars(
+      lr=lr, b1=b1, one_minus_b1=1 - b1, b2=b2, one_minus_b2=1 - b2, eps=eps,
+      eps_root=eps_root, weight_decay=weight_decay, inv_bc1=inv_bc[0], inv_bc2=inv_bc[1],
+      inv_bc1_next=inv_bc[2], grad_scale=grad_scale)
+  return np.array(values, np.float64).astype(np.float32)  # each rounded once, as by XLA
 
 
 def accumulate_(acc: np.ndarray, grad: np.ndarray, *, add: bool,

@@ -86,6 +86,23 @@ def test_fused_step_matches_cpu_adamw_bitwise():
   np.testing.assert_array_equal(v, np.asarray(state.nu))
 
 
+def test_step_scalars_are_the_bits_cpu_adamw_computes():
+  """adam_step_ takes its bias corrections a block of counts at a time from
+  one XLA call: each count's scalars equal adam_scalars jitted for that
+  count alone (cpu_adamw's), at block edges, past float32's exact integers
+  and at the last count."""
+  one = jax.jit(lambda lr, count, scale, b1, b2: kernels.adam_scalars(
+      lr=lr, b1=b1, b2=b2, eps=1e-8, eps_root=1e-12, weight_decay=0.05, count=count,
+      grad_scale=scale), static_argnames=("b1", "b2"))
+  block = kernels._COUNTS_PER_CALL
+  counts = [1, 2, 3, block - 1, block, block + 1, 5 * block + 7, 2**24 + 1, 2**31 - 1]
+  for (b1, b2), count in itertools.product([(0.9, 0.999), (0.8, 0.95), (0.5, 0.9999)], counts):
+    want = one(np.float32(3e-4), np.int32(count), np.float32(1 / 3), b1=b1, b2=b2)
+    got = kernels._host_scalars(3e-4, b1, b2, 1e-8, 1e-12, 0.05, count, 1 / 3)
+    np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want).view(np.uint32),
+                                  err_msg=f"b1 {b1}, b2 {b2}, count {count}")
+
+
 def test_grad_scale_is_applied_first():
   p, g, m, v = host_state(5000)
   p2, m2, v2 = copies(p, m, v)
