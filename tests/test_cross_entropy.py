@@ -91,11 +91,13 @@ def test_chunks_hold_a_fraction_of_the_logits():
 
 
 def test_chunks_that_do_not_divide_the_positions_pad_nothing():
-  """Chunks of 1000 and 2000 of 8192 positions: the last one overlaps the
-  one before rather than padding the positions. No pad in the program, and
-  no more temporaries than chunks of 1024 and 2048 that divide them, but for
-  one chunk's rows in float32 and bf16 (XLA on the GPU keeps a chunk's
-  float32 rows apart): less than a copy of the hidden states."""
+  """Chunks of 640 and 896 of 8192 positions (multiples of 128, as
+  chunk_tokens picks): the last one overlaps the one before rather than
+  padding the positions. No pad in the program, and no more temporaries
+  than chunks of 1024 that divide them, but for one chunk's float32 rows:
+  less than a copy of the hidden states. (Not 1920 against 2048: there XLA
+  on the GPU splits the head's gradient matmul four ways, with a workspace
+  of 32 MiB.)"""
   n, vocab, d = 8192, 1024, 512
   args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
           jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
@@ -104,9 +106,9 @@ def test_chunks_that_do_not_divide_the_positions_pad_nothing():
       lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1))
   temporaries = lambda chunk: (
       jax.jit(grad(chunk)).lower(*args).compile().memory_analysis().temp_size_in_bytes)
-  for chunk, dividing in ((1000, 1024), (2000, 2048)):
+  for chunk, dividing in ((640, 1024), (896, 1024)):
     assert "pad" not in str(jax.make_jaxpr(grad(chunk))(*args))
-    assert temporaries(chunk) <= temporaries(dividing) + chunk * d * (4 + 2)
+    assert temporaries(chunk) <= temporaries(dividing) + chunk * d * 4
 
 
 @pytest.mark.parametrize("n, scans", [(1024, False), (8192, True)])
