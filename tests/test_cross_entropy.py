@@ -73,21 +73,31 @@ def test_low_precision_gradients_keep_their_dtype_under_a_loss_scale(dtype):
     assert err < 2e-2, err
 
 
+def _shapes(n, vocab, d):
+  """Abstract bf16 hidden states (1, n, d) and head (vocab, d), int targets."""
+  return (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, n), jnp.int32))
+
+
+def _value_and_grad(chunk):
+  """The loss and its gradients with respect to the hidden states and head."""
+  return jax.value_and_grad(lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1))
+
+
+def _temporaries(chunk, n, vocab, d):
+  """XLA's temporaries (bytes, default backend) of _value_and_grad(chunk)."""
+  compiled = jax.jit(_value_and_grad(chunk)).lower(*_shapes(n, vocab, d)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
 def test_chunks_hold_a_fraction_of_the_logits():
   """Compiled value and gradients (XLA's temporaries on the default backend)
   in chunks of 512 of 8192 positions: within what loss_bytes counts for
   them, which is less than the logits in bf16 that all at once take."""
   n, vocab, d = 8192, 8192, 64
-  args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, n), jnp.int32))
-
-  def temporaries(chunk):
-    fn = jax.jit(jax.value_and_grad(
-        lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1)))
-    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
   counted = 512 * vocab * 10 + 4 * d * (n + vocab)
-  assert temporaries(512) <= counted < n * vocab * 2 <= temporaries(n)
+  assert _temporaries(512, n, vocab, d) <= counted < n * vocab * 2 <= _temporaries(n, n, vocab, d)
 
 
 def test_chunks_that_do_not_divide_the_positions_pad_nothing():
@@ -99,16 +109,10 @@ def test_chunks_that_do_not_divide_the_positions_pad_nothing():
   on the GPU splits the head's gradient matmul four ways, with a workspace
   of 32 MiB.)"""
   n, vocab, d = 8192, 1024, 512
-  args = (jax.ShapeDtypeStruct((1, n, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((vocab, d), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, n), jnp.int32))
-  grad = lambda chunk: jax.value_and_grad(
-      lambda h, w, t: ce.cross_entropy(h, w, t, chunk=chunk), (0, 1))
-  temporaries = lambda chunk: (
-      jax.jit(grad(chunk)).lower(*args).compile().memory_analysis().temp_size_in_bytes)
   for chunk, dividing in ((640, 1024), (896, 1024)):
-    assert "pad" not in str(jax.make_jaxpr(grad(chunk))(*args))
-    assert temporaries(chunk) <= temporaries(dividing) + chunk * d * 4
+    assert "pad" not in str(jax.make_jaxpr(_value_and_grad(chunk))(*_shapes(n, vocab, d)))
+    assert (_temporaries(chunk, n, vocab, d)
+            <= _temporaries(dividing, n, vocab, d) + chunk * d * 4)
 
 
 @pytest.mark.parametrize("n, scans", [(1024, False), (8192, True)])
@@ -119,9 +123,7 @@ def test_the_default_takes_the_way_of_fewer_bytes(n, scans):
   assert ce.chunk_tokens(vocab, n) == min(2048, n)
   plain = n * vocab * 6
   assert (ce.loss_bytes(n, vocab, 64) < plain) == scans
-  jaxpr = jax.make_jaxpr(jax.grad(lambda h, w, t: ce.cross_entropy(h, w, t), (0, 1)))(
-      jax.ShapeDtypeStruct((1, n, 64), jnp.bfloat16),
-      jax.ShapeDtypeStruct((vocab, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, n), jnp.int32))
+  jaxpr = jax.make_jaxpr(_value_and_grad(None))(*_shapes(n, vocab, 64))
   assert ("scan" in str(jaxpr)) == scans
 
 
