@@ -86,16 +86,16 @@ struct V {
   // none to redo.
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map,
                                     bool /*gather*/) {
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i bits = _mm256_castps_si256(y);
-    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-    const __m256i top = _mm256_sub_epi32(
-        _mm256_max_epu32(_mm256_min_epu32(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(0x3F80)),
-                         _mm256_set1_epi32(jzo::kQuantIndexBase)),
-        _mm256_set1_epi32(jzo::kQuantIndexBase));
+    // The top 16 bits of |y|, less the index's base (saturating in 16-bit
+    // lanes: each 32-bit lane's high half is 0 in both), capped at 1.0f's.
+    const __m256i top = _mm256_min_epu32(
+        _mm256_subs_epu16(_mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), 16),
+                          _mm256_set1_epi32(jzo::kQuantIndexBase)),
+        _mm256_set1_epi32(0x3F80 - jzo::kQuantIndexBase));
     const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.index), top, 4);
-    const __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(mag, low16), _mm256_and_si256(e, low16));
-    __m256i k = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), up);  // up is -1 where true
+    __m256i k = _mm256_srli_epi32(
+        _mm256_add_epi32(e, _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF))), 16);
     if (map.is_signed)
       k = _mm256_or_si256(k, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
     // Codes fit a byte, so the saturating packs are exact; each 128-bit

@@ -1,5 +1,6 @@
-// AVX-512 (F, BW, VL) Adam and accumulation kernels, 16 floats a vector.
-// Compiled with AVX-512 target flags and only called after a CPUID check.
+// AVX-512 (F, BW, VL, DQ) Adam and accumulation kernels, 16 floats a vector.
+// Compiled with AVX-512 target flags and only called after a CPUID check;
+// the BF16 instruction only where jzo::isa::g_avx512_bf16 says the CPU has it.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -17,9 +18,14 @@ struct V {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
-  // which flushes denormals: the scalar and AVX2 versions give the same bits.
+  // Round to nearest even. VCVTNEPS2BF16 (AVX512_BF16: Cooper Lake, Sapphire
+  // Rapids, Zen 4) does it in one instruction where the integer rounding
+  // below takes nine, but flushes denormals to zero: a vector that holds
+  // one, and every CPU without it, rounds in integers, as the scalar and
+  // AVX2 versions do. Either way the bits are the same (NaNs quieted alike).
   static JZO_INLINE __m256i to_bf16(F x) {
+    if (jzo::isa::g_avx512_bf16 && !_mm512_fpclass_ps_mask(x, 0x20))  // 0x20: denormal
+      return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -84,19 +90,16 @@ struct V {
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map, bool gather) {
     const __m512i bits = _mm512_castps_si512(y);
     if (gather) {
-      const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-      const __m512i top = _mm512_sub_epi32(
-          _mm512_max_epu32(_mm512_min_epu32(_mm512_srli_epi32(mag, 16), _mm512_set1_epi32(0x3F80)),
-                           _mm512_set1_epi32(jzo::kQuantIndexBase)),
-          _mm512_set1_epi32(jzo::kQuantIndexBase));
+      // As the AVX2 version: the top 16 bits of |y| less the base, capped.
+      const __m512i top = _mm512_min_epu32(
+          _mm512_subs_epu16(_mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), 16),
+                            _mm512_set1_epi32(jzo::kQuantIndexBase)),
+          _mm512_set1_epi32(0x3F80 - jzo::kQuantIndexBase));
       const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
-      const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-      const __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(mag, low16),
-                                                   _mm512_and_si512(e, low16));
-      __m512i k = _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), up, _mm512_srli_epi32(e, 16),
-                                        _mm512_set1_epi32(1));
-      if (map.is_signed)
-        k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
+      __m512i k = _mm512_srli_epi32(
+          _mm512_add_epi32(e, _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF))), 16);
+      if (map.is_signed)  // k | (the sign bit, moved to 0x80)
+        k = _mm512_ternarylogic_epi32(k, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
       return 0;
     }

@@ -95,11 +95,11 @@ Quant8Map build(bool is_signed) {
   for (uint32_t top = kQuantIndexBase; top < kQuantIndexBase + kQuantIndexSize; ++top) {
     const uint32_t start = top << 16, end = start + 0x10000;
     while (below < n - 1 && mid_bits[below] < start) ++below;
-    uint32_t entry = static_cast<uint32_t>(below) << 16 | 0xFFFF;
+    uint32_t entry = static_cast<uint32_t>(below) << 16;
     if (below < n - 1 && mid_bits[below] < end) {
       if (below + 1 < n - 1 && mid_bits[below + 1] < end)
         throw std::logic_error("quant8: two midpoints in one bfloat16 range");
-      entry = static_cast<uint32_t>(below) << 16 | (mid_bits[below] & 0xFFFF);
+      entry |= 0xFFFF - (mid_bits[below] & 0xFFFF);
     }
     map.index[top - kQuantIndexBase] = entry;
   }

@@ -20,9 +20,10 @@
 // nearest value: c = the number of midpoints between consecutive values that
 // are < x (a tie goes to the lower value). It takes one table lookup: within
 // the range of one bfloat16 pattern (the top 16 bits of x) lies at most one
-// midpoint, so `index[top 16 bits - base]` holds the code at the range's start and
-// the low 16 bits of that midpoint (0xFFFF: none), and x's low 16 bits
-// decide (quant8_exact). Every instruction set computes the same bits.
+// midpoint, so `index[top 16 bits - base]` holds the code at the range's start
+// (high 16 bits) and 0xFFFF less the low 16 bits of that midpoint (0: none):
+// adding x's low 16 bits carries into the code exactly where x is above the
+// midpoint (quant8_exact). Every instruction set computes the same bits.
 //
 // The AVX-512 kernel can also find most codes without that lookup (on AMD's
 // Zen 4 the vector gather took a third of the int8 pass; on Intel's Sapphire
@@ -58,8 +59,8 @@ constexpr float kQuantUnsure = 1.0f / 8192;
 
 struct Quant8Map {
   float code[256];                   // dequantized value of each code
-  uint32_t index[kQuantIndexSize];   // by top 16 bits - kQuantIndexBase:
-                                     // code << 16 | low 16 bits of the midpoint in range
+  uint32_t index[kQuantIndexSize];   // by top 16 bits - kQuantIndexBase: code << 16 |
+                                     // 0xFFFF - low 16 bits of the midpoint in range (0: none)
   float mid[255];                    // midpoints between consecutive magnitudes, ascending
   int num_mid;                       // 127 signed, 255 unsigned
   float decade[16];                  // decade[e] = 10^(e + 1 - decades); 0 past the last
@@ -87,8 +88,7 @@ inline uint8_t quant8_exact(float y, const Quant8Map& map) {
   const uint32_t mag = bits & 0x7fffffffu;
   uint32_t top = (mag >> 16) < 0x3F80u ? mag >> 16 : 0x3F80u;
   top = top > kQuantIndexBase ? top - kQuantIndexBase : 0u;
-  const uint32_t e = map.index[top];
-  uint32_t k = (e >> 16) + ((mag & 0xFFFFu) > (e & 0xFFFFu) ? 1u : 0u);
+  uint32_t k = (map.index[top] + (mag & 0xFFFFu)) >> 16;
   if (map.is_signed) k |= (bits >> 24) & 0x80u;
   return static_cast<uint8_t>(k);
 }

@@ -4,10 +4,9 @@ AVX-512 kernel has parts stubbed out (run.sh times them):
   NOQ       the whole quantizer (codes are the floats' low bytes)
   NODEQ     the decoding of codes (their integer values instead)
   NODIV     the division and square root (a multiply, an add)
-  BF16CVT   the bfloat16 rounding in integers (VCVTNEPS2BF16 instead)
+  BF16CVT   VCVTNEPS2BF16 on every vector (no check for denormals)
   NOLOWP    the bfloat16 copy of the weights (not written)
 Variants that compute the same bits another way:
-  CVTEXACT  the bfloat16 copy by VCVTNEPS2BF16, vectors holding a denormal in integers
   NOSTREAM  the int8 pass's bfloat16 copy by plain stores, not streamed
   LINE      the int8 pass's bfloat16 copy streamed a whole 64-byte line at a time
   APPLY1    the int8 pass forms the update in its first loop, beside the moments
@@ -60,9 +59,6 @@ if "BF16CVT" in flags:
 if "NOLOWP" in flags:
   stub("static JZO_INLINE void store_bf16(uint16_t* p, F x) {", "static JZO_INLINE void store_bf16(uint16_t* p, F x) {\n return;")
   stub("static JZO_INLINE void stream_bf16(uint16_t* p, F x) {", "static JZO_INLINE void stream_bf16(uint16_t* p, F x) {\n return;")
-if "CVTEXACT" in flags:  # 0x20: denormal
-  stub("static JZO_INLINE __m256i to_bf16(F x) {", "static JZO_INLINE __m256i to_bf16(F x) {\n"
-       " if (!_mm512_fpclass_ps_mask(x, 0x20)) return (__m256i)_mm512_cvtneps_pbh(x);")
 if "NOSTREAM" in flags:
   stub("    c.stream_lowp = V::kStreams && b.lowp_out != b.grad && b.row % kW == 0 &&",
        "    c.stream_lowp = false && b.lowp_out != b.grad && b.row % kW == 0 &&", in_impl=True)
