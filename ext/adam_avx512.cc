@@ -1,6 +1,5 @@
-// AVX-512 (F, BW, VL, DQ) Adam and accumulation kernels, 16 floats a vector.
-// Compiled with AVX-512 target flags and only called after a CPUID check;
-// the BF16 instruction only where jzo::isa::g_avx512_bf16 says the CPU has it.
+// AVX-512 (F, BW, VL) Adam and accumulation kernels, 16 floats a vector.
+// Compiled with AVX-512 target flags and only called after a CPUID check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -18,14 +17,9 @@ struct V {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  // Round to nearest even. VCVTNEPS2BF16 (AVX512_BF16: Cooper Lake, Sapphire
-  // Rapids, Zen 4) does it in one instruction where the integer rounding
-  // below takes nine, but flushes denormals to zero: a vector that holds
-  // one, and every CPU without it, rounds in integers, as the scalar and
-  // AVX2 versions do. Either way the bits are the same (NaNs quieted alike).
+  // Round to nearest even in integer arithmetic rather than VCVTNEPS2BF16,
+  // which flushes denormals: the scalar and AVX2 versions give the same bits.
   static JZO_INLINE __m256i to_bf16(F x) {
-    if (jzo::isa::g_avx512_bf16 && !_mm512_fpclass_ps_mask(x, 0x20))  // 0x20: denormal
-      return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));

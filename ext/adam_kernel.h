@@ -124,9 +124,6 @@ namespace isa {
 void adam_range_scalar(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
 void adam_range_avx2(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
 void adam_range_avx512(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
-// Whether the AVX-512 kernel may use AVX512_BF16's VCVTNEPS2BF16 (set once,
-// at load, from CPUID).
-extern const bool g_avx512_bf16;
 }  // namespace isa
 
 }  // namespace jzo

@@ -16,7 +16,7 @@ Level detect() {
 #if defined(JZO_HAVE_X86_KERNELS)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512vl"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
@@ -26,14 +26,6 @@ Level detect() {
 }
 
 const Level kBest = detect();
-
-bool has_avx512_bf16() {
-#if defined(JZO_HAVE_X86_KERNELS)
-  return kBest == kAvx512 && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
 
 Level parse(const char* name, bool* ok) {
   *ok = true;
@@ -73,8 +65,6 @@ int initial_codes() {
 std::atomic<int> g_codes{initial_codes()};
 
 }  // namespace
-
-const bool isa::g_avx512_bf16 = has_avx512_bf16();
 
 const char* simd_level() {
   switch (g_level.load(std::memory_order_relaxed)) {

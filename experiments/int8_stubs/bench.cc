@@ -36,7 +36,6 @@ bool quant8_gathers() {
   static const bool gather = getenv("JZO_INT8_CODES") && strcmp(getenv("JZO_INT8_CODES"), "gather") == 0;
   return gather;
 }
-const bool isa::g_avx512_bf16 = __builtin_cpu_supports("avx512bf16");
 }  // namespace jzo
 struct State {
   Buffer<uint16_t> grad, lowp;

@@ -4,7 +4,7 @@ AVX-512 kernel has parts stubbed out (run.sh times them):
   NOQ       the whole quantizer (codes are the floats' low bytes)
   NODEQ     the decoding of codes (their integer values instead)
   NODIV     the division and square root (a multiply, an add)
-  BF16CVT   VCVTNEPS2BF16 on every vector (no check for denormals)
+  BF16CVT   the bfloat16 rounding in integers (VCVTNEPS2BF16 instead)
   NOLOWP    the bfloat16 copy of the weights (not written)
 Variants that compute the same bits another way:
   NOSTREAM  the int8 pass's bfloat16 copy by plain stores, not streamed
