@@ -113,6 +113,11 @@
 #                  process's peak host memory without checkpoints and saving at steps 2 and 4,
 #                  for RUNS of moments:host share (default fp32:auto, fp32:1, int8:1); the
 #                  pairs' CPU tests on this machine's Python; the logs in $OUT/pair-save.tar
+#   pair-runtime   a process's runtime alone (runtime_probe.py), one process on one GPU
+#                  and each of a pair; then gpt2-1.5b through the recipe for RUNS of
+#                  moments:host share (default int8:1 fp32:1), 4 steps, no checkpoints, one
+#                  process on one GPU (micro-batch 8) and a pair: peak host memory against
+#                  the plan's host total, alone and in a pair
 # Output: $OUT/PART.json(l), $OUT/PART.log, $OUT/machine.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -493,6 +498,32 @@ for part in "$@"; do
         done
       done
       tar -cf "$OUT/$part.tar" -C /tmp pair-save ;;
+    pair-runtime)
+      for n in 1 2; do
+        port=$((20000 + RANDOM % 20000))
+        for i in $(seq 0 $((n - 1))); do
+          CUDA_VISIBLE_DEVICES=$i python3 experiments/runtime_probe.py --processes $n \
+            --process-id $i --coordinator 127.0.0.1:$port >"$OUT/probe-$n-$i.json" 2>"$OUT/probe-$n-$i.err" &
+        done
+        wait; cat "$OUT"/probe-$n-*.json
+      done
+      for run in ${RUNS:-int8:1 fp32:1}; do
+        for n in 1 2; do
+          name=${run/:/-}-x$n; port=$((20000 + RANDOM % 20000))
+          for i in $(seq 0 $((n - 1))); do
+            dist=""
+            [ "$n" -gt 1 ] && dist="--coordinator 127.0.0.1:$port --num-processes $n --process-id $i"
+            CUDA_VISIBLE_DEVICES=$i /usr/bin/time -v timeout 300 python3 -m jzo.train \
+              --model gpt2-1.5b --seq-len 1024 --batch-size $((8 * n)) --steps 4 --warmup 2 \
+              --log-every 1 --eval-every 1000 --checkpoint-every 0 --sample-tokens 0 \
+              --moments ${run%:*} --offload-fraction ${run#*:} --out /tmp/run-$name $dist \
+              >"$OUT/$name-$i.log" 2>&1 &
+          done
+          wait
+          echo "$name: $(grep -h -E "^  total  |Maximum resident|rror" "$OUT"/$name-[01].log | cut -c1-120 | tr -s ' ' | tr '\n' ';')"
+          rm -rf /tmp/run-$name
+        done
+      done ;;
     ds-2gpu)
       record $part torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
