@@ -14,7 +14,7 @@
 # checked first: CHECK=1 runs each on 2^20 parameters against the unpatched
 # scalar kernel, bit for bit, before any timing.
 cd "$(dirname "$0")"
-flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx2 -mfma -mf16c -w"
+flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c -w"
 build() {  # NAME EXT-FOLDER STUBS...
   local name=$1 src=$2; shift 2
   python3 patch.py "$src" "/tmp/v-$name" "$@" &&
