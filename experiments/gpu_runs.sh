@@ -85,7 +85,7 @@
 #                  parameter without Adam's arithmetic (kernel_ceiling.cc), 2^SIZES (26 28),
 #                  on THREADS (every CPU)
 #   suite          the README's test command (CPU only) on this machine's Python, with
-#                  WORKERS (8) workers
+#                  WORKERS (8) workers, the slow cases too (MARKS, default all: -m "")
 #   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
 #                  optimized HLO of the step (where the host-to-device copies start and
 #                  end among the compute), in $OUT/hlo/, with XLA_EXTRA flags if set
@@ -334,6 +334,7 @@ for part in "$@"; do
     suite)
       # (the notebook's test needs nbformat, which this machine's Python lacks)
       JAX_PLATFORMS=cpu pytests "$part" 560 -n "${WORKERS:-8}" --dist loadfile --durations=15 \
+        -m "${MARKS:-}" \
         $(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/test_notebook.py) ;;
     kernel-torch)
       JAX_PLATFORMS=cpu python3 experiments/kernel_vs_torch.py --pairs ${PAIRS:-5} \

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import distributed, plan as plan_lib, quant8, state as state_lib, state_dict, step as step_lib
@@ -543,17 +544,20 @@ def _leaf_sources(params, device):
   """(shapes, draw) for params given as a tree of arrays or of HostLeafs, or
   as a function returning a tree: draw(i, fn) is fn(leaf i as float32)
   computed on `device` in one program, so fn's result is the only copy
-  made. A function is traced for its shapes, then each leaf is computed
-  alone (XLA drops the rest of the function), so no whole float32 copy is
-  ever held; a HostLeaf is loaded only when drawn, and its host array is
-  let go as soon as it is on the device."""
+  made. A function is traced once, then each leaf is computed alone by
+  replaying the trace (XLA drops the rest of the function), so no whole
+  float32 copy is ever held; a HostLeaf is loaded only when drawn, and its
+  host array is let go as soon as it is on the device."""
   from jzo.host_leaf import HostLeaf
   if callable(params):
-    shapes = jax.eval_shape(params)
+    # Replaying the traced program is cheaper than tracing the model's
+    # initializer once a leaf (half of a small model's build).
+    traced, shapes = jax.make_jaxpr(params, return_shape=True)()
+    replay = jaxpr_as_fun(traced)
 
     def draw(i, fn):
       with jax.default_device(device):
-        return jax.jit(lambda: fn(jax.tree.leaves(params())[i].astype(jnp.float32)))()
+        return jax.jit(lambda: fn(replay()[i].astype(jnp.float32)))()
   else:
     leaves = jax.tree.leaves(params)
     lazy = lambda x: isinstance(x, HostLeaf)

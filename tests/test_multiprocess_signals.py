@@ -171,7 +171,7 @@ def stopped_at_one_step(pair: Pair) -> int:
 
 @pytest.mark.parametrize("moment,which", [
     ("start-up", [1]), ("first step", [0]), ("mid-run", [1]), ("mid-checkpoint", [1]),
-    ("mid-run", [0, 1])], ids=str)
+    pytest.param("mid-run", [0, 1], marks=pytest.mark.slow)], ids=str)
 def test_sigterm_stops_every_process_at_one_step(tmp_path, env, pairs, moment, which):
   pair = pairs(tmp_path, env)
   if moment == "start-up":  # once its handler is in place: from the start of main
@@ -197,7 +197,9 @@ def test_sigterm_stops_every_process_at_one_step(tmp_path, env, pairs, moment, w
     assert written in complete_steps(pair.run) and step >= written
 
 
-@pytest.mark.parametrize("killed", [0, 1])
+# Process 1's death is the default case: process 0, which hosts JAX's
+# coordination service, must notice it through jzo's own watch.
+@pytest.mark.parametrize("killed", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_a_killed_process_stops_the_other_and_resume_continues_bit_for_bit(
     tmp_path, env, pairs, whole, killed):
   pair = pairs(tmp_path, env)

@@ -163,14 +163,18 @@ def resumed_from(run: Run) -> int:
   return int(found[0]) if found else 0
 
 
+AIMS = ("start-up", "training", "write", "after a write")
+
+
 def kill_at_random_moments(out: pathlib.Path, args: list[str], env: dict, kills: int,
-                           rng: random.Random) -> list[str]:
+                           rng: random.Random, aims: list[str] | None = None) -> list[str]:
   """Runs `args --resume --fresh-start-ok` again and again, each process
   killed with SIGKILL: during start-up (after a random delay), during
   training (a random while after a random step's log line), during a
   checkpoint write (once the next checkpoint's or the one after's temporary
   folder exists, plus a few ms) or just after one (once it is renamed into
-  place). Returns where each kill landed, as seen
+  place); the kind drawn at random, or kill i's from `aims`. Returns where
+  each kill landed, as seen
   after it: "write" (a temporary folder it made is left), "training" (it
   had logged a step) or "start-up"."""
   every = int(args[args.index("--checkpoint-every") + 1])
@@ -180,7 +184,7 @@ def kill_at_random_moments(out: pathlib.Path, args: list[str], env: dict, kills:
     before, partial = complete_steps(out), partial_writes(out)
     run = start(out, args + ["--resume", "--fresh-start-ok"], env, f"kill{i}")
     first = before[-1] if before else 0
-    aim = rng.choice(["start-up", "training", "write", "after a write"])
+    aim = aims[i] if aims else rng.choice(AIMS)
     ahead = rng.randint(1, 2) if aim == "write" else 1
     target = min(first - first % every + every * ahead, steps)  # a checkpoint's step
     if aim == "start-up":
@@ -227,6 +231,24 @@ def assert_same_run(out: pathlib.Path, whole: pathlib.Path, steps: int) -> None:
   assert_same_weights(out, whole)
 
 
+def test_sigkill_at_moments_of_each_kind(tmp_path, env):
+  """5 SIGKILLs, two during checkpoint writes and one at each other kind of
+  moment (their times within it seeded), with offload and the delayed
+  update; beside them the uninterrupted run. (The 20 random ones below are
+  a slow case.)"""
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    whole = pool.submit(lambda: finish(start(tmp_path / "whole", DELAYED, env, "run")))
+    aims = ["write", "training", "after a write", "start-up", "write"]
+    landed = kill_at_random_moments(tmp_path / "killed", DELAYED, env, len(aims),
+                                    random.Random(5), aims)
+    finish_after_kills(tmp_path / "killed", DELAYED, env)
+    whole.result()
+  print("kills landed:", landed)
+  assert landed.count("write") >= 1 and landed.count("training") >= 1, landed
+  assert_same_run(tmp_path / "killed", tmp_path / "whole", 48)
+
+
+@pytest.mark.slow
 def test_sigkill_at_random_moments(tmp_path, env):
   """20 SIGKILLs at random moments (seeded) with offload and the delayed
   update; beside them (a process starting keeps one core busy) the
