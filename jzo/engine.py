@@ -550,8 +550,8 @@ def _leaf_sources(params, device):
   host array is let go as soon as it is on the device."""
   from jzo.host_leaf import HostLeaf
   if callable(params):
-    # Replaying the traced program is cheaper than tracing the model's
-    # initializer once a leaf (half of a small model's build).
+    # Replaying the trace is cheaper than tracing the model's initializer
+    # again for each leaf (those traces were half of a small model's build).
     traced, shapes = jax.make_jaxpr(params, return_shape=True)()
     replay = jaxpr_as_fun(traced)
 
