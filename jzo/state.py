@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import partition, step as step_lib
+from jzo import partition, step as step_lib, transfer
 from jzo.distributed import local_positions
 from jzo.offload import HostAdam
 from jzo.partition import is_layout
@@ -94,8 +94,8 @@ def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
   any draw."""
   specs = step_lib.state_specs(plan, tx)
   sharding = lambda spec, kind=None: NamedSharding(mesh, spec, memory_kind=kind)
-  zeros = lambda shape, dtype, spec, kind=None: jax.jit(
-      lambda: jnp.zeros(shape, dtype), out_shardings=sharding(spec, kind))()
+  zeros = lambda shape, dtype, spec, kind=None: transfer.zeros(shape, dtype,
+                                                                sharding(spec, kind))
   on_layouts = lambda fn, specs: jax.tree.map(fn, plan.layouts, specs, is_leaf=is_layout)
   lowp_shape = lambda l: l.flat_shape if plan.sharded_lowp else l.shape
   lowp_kind = lambda l: "pinned_host" if plan.params_on_host(l) else None

@@ -42,6 +42,20 @@ BUILD_CHUNK_BYTES = 256 * 2**20
 HOST_TRANSFERS = ("auto", "pinned", "portable")
 
 
+def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A new array of zeros placed by `sharding` (its memory kind included),
+  made by a program of its own: each buffer is allocated where it lives,
+  never copied there."""
+  return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=1024)
+def _zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding):
+  # One per shape, dtype and placement, shared by every leaf and engine that
+  # asks: a new program each time cost ~25 ms to trace, lower and look up.
+  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
 def has_pinned_host(device) -> bool:
   """The device can hold arrays in pinned host memory (XLA's 'pinned_host'
   memory kind), whence its copies to and from the host run as DMA."""
@@ -104,7 +118,6 @@ class ShardTransfer:
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
     # (leaf index, span or None) -> its compiled slice
     self._host_part_fns: dict[tuple, object] = {}
-    self._zeros_fns: dict[tuple, object] = {}  # (leaf index, span or None) -> a new landing buffer
 
   def download(self, i: int, grad: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
@@ -165,7 +178,7 @@ class ShardTransfer:
     if nbytes and self.pinned:
       device = self._mesh.devices.flat[self._positions[0]]
       pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-      jax.jit(lambda: jnp.zeros(nbytes, jnp.uint8), out_shardings=pinned)().delete()
+      zeros((nbytes,), np.uint8, pinned).delete()
 
   def new_landing(self, i: int, span: tuple[int, int] | None = None):
     """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), or of a
@@ -177,11 +190,7 @@ class ShardTransfer:
       piece = (span[1] - span[0],) + piece[1:]
     if not self.pinned:
       return HostLanding([np.zeros(piece, self.dtype) for _ in self._positions])
-    if (i, span) not in self._zeros_fns:
-      shape = piece[:-1] + (layout.shards * piece[-1],)
-      self._zeros_fns[i, span] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
-                                         out_shardings=self._pinned[i])
-    return self._zeros_fns[i, span]()
+    return zeros(piece[:-1] + (layout.shards * piece[-1],), self.dtype, self._pinned[i])
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`,
