@@ -24,15 +24,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # read when JAX is imported
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-# XLA:CPU's compiler took half of the suite's time, most of it in the MLIR
-# fusion emitters; its older emitters compile the same programs 28% faster
-# (2 cores: test_cross_entropy.py and test_gpt.py, 79 -> 57 s of compiling).
-# They change no result a test checks: the XLA-vs-kernel tests that compare
-# bits pass under either. XLA_FLAGS naming the flag keeps the caller's choice.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_use_fusion_emitters=false").strip()
-
 import jax  # noqa: E402  (after the cache's environment)
 import pytest  # noqa: E402
 
