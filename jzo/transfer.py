@@ -52,7 +52,8 @@ def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax
 @functools.lru_cache(maxsize=1024)
 def _zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding):
   # One per shape, dtype and placement, shared by every leaf and engine that
-  # asks: a new program each time cost ~25 ms to trace, lower and look up.
+  # asks. A new program each time costs ~17 ms to trace, lower and compile
+  # or look up: test_grads_in_params.py made 1735 one-off programs.
   return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 

@@ -4,6 +4,7 @@ Nothing under `jzo` outside `jzo.models` and `jzo.recipe` imports this
 package: models use the library (`jzo.gather_layer`), never the reverse.
 """
 
+import importlib
 import sys
 
 # flax.nnx asks at import whether it runs under IPython by importing IPython,
@@ -13,6 +14,6 @@ import sys
 if "IPython" not in sys.modules:
   sys.modules["IPython"] = None
   try:
-    from flax import nnx  # noqa: F401
+    importlib.import_module("flax.nnx")
   finally:
     del sys.modules["IPython"]
