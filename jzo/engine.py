@@ -21,6 +21,7 @@ whose clip would see one shard only.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -542,12 +543,13 @@ class ZeroEngine:
 
 def _leaf_sources(params, device):
   """(shapes, draw) for params given as a tree of arrays or of HostLeafs, or
-  as a function returning a tree: draw(i, fn) is fn(leaf i as float32)
-  computed on `device` in one program, so fn's result is the only copy
-  made. A function is traced once, then each leaf is computed alone by
-  replaying the trace (XLA drops the rest of the function), so no whole
-  float32 copy is ever held; a HostLeaf is loaded only when drawn, and its
-  host array is let go as soon as it is on the device."""
+  as a function returning a tree: draw(i, layout) is leaf i as float32,
+  flattened by `layout.flatten`, computed on `device` in one program, so
+  it is the only copy made. A function is traced once, then each leaf is
+  computed alone by replaying the trace (XLA drops the rest of the
+  function), so no whole float32 copy is ever held; a HostLeaf is loaded
+  only when drawn, and its host array is let go as soon as it is on the
+  device."""
   from jzo.host_leaf import HostLeaf
   if callable(params):
     # Replaying the trace is cheaper than tracing the model's initializer
@@ -555,16 +557,16 @@ def _leaf_sources(params, device):
     traced, shapes = jax.make_jaxpr(params, return_shape=True)()
     replay = jaxpr_as_fun(traced)
 
-    def draw(i, fn):
+    def draw(i, layout):
       with jax.default_device(device):
-        return jax.jit(lambda: fn(replay()[i].astype(jnp.float32)))()
+        return jax.jit(lambda: layout.flatten(replay()[i].astype(jnp.float32)))()
   else:
     leaves = jax.tree.leaves(params)
     lazy = lambda x: isinstance(x, HostLeaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if lazy(x) else x,
                           params)
 
-    def draw(i, fn):
+    def draw(i, layout):
       x = leaves[i]
       if lazy(x):
         host = x.load()
@@ -577,7 +579,7 @@ def _leaf_sources(params, device):
         x = jax.device_put(x, device)
       # A new buffer (jit does not hand back its input): the state is donated
       # each step and must not alias the caller's arrays.
-      return jax.jit(lambda x: fn(x.astype(jnp.float32)))(x)
+      return _flat_float32(x, layout)
   if not jax.tree.leaves(shapes):
     raise ValueError("params has no leaves")
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):
@@ -585,6 +587,13 @@ def _leaf_sources(params, device):
       raise TypeError(f"params leaf {jax.tree_util.keystr(path)} is {jnp.result_type(x)}, "
                       "not floating point")
   return shapes, draw
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_float32(x: jax.Array, layout) -> jax.Array:
+  """x as float32, flattened by `layout` (static: one program per layout,
+  shared by every engine)."""
+  return layout.flatten(x.astype(jnp.float32))
 
 
 def _state_bytes_per_param(tx: optax.GradientTransformation) -> int:

@@ -143,6 +143,21 @@ class LeafLayout:
     return full[:math.prod(self.inner_shape)].reshape(self.inner_shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitPart:
+  """flat -> one part of `layout.split(flat)`: 0 the device part, 1 the host
+  part (of the shards at positions [start, stop) of the data axis, with
+  `shards`). A hashable function: programs that take it as a static
+  argument are shared by every leaf and engine of an equal layout."""
+  layout: LeafLayout
+  side: int
+  shards: tuple[int, int] | None = None
+
+  def __call__(self, flat):
+    part = self.layout.split(flat)[self.side]
+    return part if self.shards is None else part[slice(*self.shards)]
+
+
 def make_layouts(params, shards: int, per_layer_path: str | None) -> Any:
   """A LeafLayout per leaf; leaves under `per_layer_path` get per-layer shards."""
   def layout(path, x):

@@ -112,7 +112,7 @@ def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
     grads = on_layouts(
         lambda l, s: zeros(step_lib.grad_buffer_shape(plan, l), plan.grad_dtype, s),
         specs.grads)
-  scalar = lambda x: jax.jit(lambda: jnp.asarray(x), out_shardings=sharding(P()))()
+  scalar = lambda x: transfer.full((), x.dtype, sharding(P()), x.item())
   resident = None
   if plan.resident_layers:
     layers = partition.subtree(plan.layouts, plan.layers)
@@ -138,8 +138,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   the caller's arrays.
 
   Args:
-    draw_leaf: draw_leaf(i, fn) is fn(leaf i as float32, in its full
-      shape), computed on this process's first device.
+    draw_leaf: draw_leaf(i, layout) is leaf i as float32, flattened by
+      `layout.flatten`, computed on this process's first device.
     host: the host parts' state to fill (its masters), with offload.
     pinned: the host masters are filled through pinned host memory.
   """
@@ -153,23 +153,23 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
     layout = plan.leaves[i]
     c, k = layout.on_device, layout.shard_size
-    flat = draw_leaf(i, layout.flatten)  # the only float32 copy of the leaf
+    flat = draw_leaf(i, layout)  # the only float32 copy of the leaf
     if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
-      new = jax.jit(functools.partial(step_lib.lowp_from_master, plan, layout))(flat)
+      new = _lowp_from_master(flat, plan.compute_dtype, plan.sharded_lowp, layout)
       lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
       del new
     # One device reads each part straight out of the draw; several need
     # the parts as arrays of their own (copies) to spread them over the mesh.
-    part = lambda side: (lambda x: layout.split(x)[side])
+    device_part = partition.SplitPart(layout, 0)
     if master is not None and c:
       if mesh.devices.size == 1:
-        master[i] = _write_into(master[i], flat, part(0))
+        master[i] = _write_into(master[i], flat, device_part)
       else:
         master[i] = _write_into(master[i], _to_global(
-            jax.jit(part(0))(flat), NamedSharding(mesh, master_specs[i])))
+            _computed(flat, device_part), NamedSharding(mesh, master_specs[i])))
     if host is not None and c < k:
-      mine = slice(positions.start, positions.stop)
-      copy_to_host(flat, host_masters[i], lambda x: layout.split(x)[1][mine], pinned=pinned)
+      mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
+      copy_to_host(flat, host_masters[i], mine, pinned=pinned)
     del flat
     if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
       host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
@@ -181,12 +181,25 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   return built
 
 
+# The programs below take hashable static arguments (layouts, dtypes,
+# partition.SplitPart), never lambdas: one program then serves every leaf
+# and engine alike (a new one costs what transfer.full's comment says).
+_lowp_from_master = jax.jit(step_lib.lowp_from_master, static_argnums=(1, 2, 3))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _computed(x: jax.Array, fn) -> jax.Array:
+  """fn(x), fn a hashable function (a static argument)."""
+  return fn(x)
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
-def _write_into(buffer: jax.Array, values: jax.Array, of=lambda x: x) -> jax.Array:
-  """of(values) written into `buffer` (donated: the result is buffer's
-  memory; `of`, a slice say, is computed in the same program, not apart)."""
-  return jax.lax.dynamic_update_slice(buffer, of(values).astype(buffer.dtype),
-                                      (0,) * buffer.ndim)
+def _write_into(buffer: jax.Array, values: jax.Array, of=None) -> jax.Array:
+  """of(values) (default: values) written into `buffer` (donated: the
+  result is buffer's memory; `of`, a hashable function such as a SplitPart,
+  is computed in the same program, not apart)."""
+  values = values if of is None else of(values)
+  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
 
 
 def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:

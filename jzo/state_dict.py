@@ -190,10 +190,11 @@ def _lowp(plan: Plan, mesh: Mesh, layout: LeafLayout, master, spec: P) -> jax.Ar
   to = NamedSharding(mesh, spec, memory_kind="pinned_host" if plan.params_on_host(layout) else None)
   if not isinstance(master, jax.Array) or master.is_fully_addressable:
     flat = layout.flatten(np.asarray(master))
-    return jax.device_put(step_lib.lowp_from_master(plan, layout, flat), to)
+    return jax.device_put(step_lib.lowp_from_master(flat, plan.compute_dtype, plan.sharded_lowp,
+                                                    layout), to)
   on_devices = jax.device_put(master, NamedSharding(mesh, layout.spec(plan.axis)))
-  return jax.jit(lambda m: step_lib.lowp_from_master(plan, layout, m), out_shardings=to)(
-      on_devices)
+  lowp = lambda m: step_lib.lowp_from_master(m, plan.compute_dtype, plan.sharded_lowp, layout)
+  return jax.jit(lowp, out_shardings=to)(on_devices)
 
 
 def _several_processes() -> bool:

@@ -32,13 +32,14 @@ sums are added to in their backward passes (`_sums_in_layers`,
 jzo.layer_scan), and the last micro-batch writes them over the weights.
 
 `host_part_installer` writes a leaf's host part's new weights, once
-uploaded, into the params in place. Nothing here keeps Python state: the engine holds
-the state and calls these.
+uploaded, into the params in place. Nothing here keeps Python state but
+caches of programs: the engine holds the state and calls these.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -149,30 +150,35 @@ def grad_buffer_shape(plan: Plan, layout: LeafLayout) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------ the weights
-def lowp_from_master(plan: Plan, layout: LeafLayout, flat_master):
+def lowp_from_master(flat_master, compute_dtype, sharded: bool, layout: LeafLayout):
   """The compute-dtype params the forward uses, from a flat float32 master
   (numpy or a jax array, and the same kind back; the same rounding as the
-  step and the host kernel: to nearest even)."""
-  lowp = flat_master.astype(plan.compute_dtype)
-  return lowp if plan.sharded_lowp else layout.unflatten(lowp)
+  step and the host kernel: to nearest even): flat where the plan keeps
+  them sharded (`Plan.sharded_lowp`), else in the leaf's shape. Hashable
+  arguments besides the master, so a program of it serves every leaf and
+  engine alike."""
+  lowp = flat_master.astype(compute_dtype)
+  return lowp if sharded else layout.unflatten(lowp)
 
 
-def write_part(plan: Plan, layout: LeafLayout, params, part, start: int, row: int = 0):
+def write_part(stage: int, axis: str, layout: LeafLayout, params, part, start: int,
+               row: int = 0):
   """Inside shard_map: params with elements [start, start + n) of every
   shard's last axis replaced by `part` (local, compute dtype: (n,), or per
   layer (r, n) for layers [row, row + r)). A whole shard rebuilds the leaf;
   a part is written in place (the params are donated), so no second copy
   of the leaf is made. Offsets of 2**31 elements or more need 64-bit
-  indices: trace it under `jax.enable_x64` (the installer does)."""
+  indices: trace it under `jax.enable_x64` (the installer does). `stage`
+  and `axis` are the plan's (hashable, where a Plan is not)."""
   n, k = part.shape[-1], layout.shard_size
   if n == 0:
     return params
-  if plan.sharded_lowp:  # the params are this device's shard: (k,) or (L, k)
+  if stage == 3:  # Plan.sharded_lowp: the params are this device's shard, (k,) or (L, k)
     if part.shape == params.shape:
       return part
     return jax.lax.dynamic_update_slice(params, part, (row, start)[-params.ndim:])
-  if plan.stage > 0:
-    part = jax.lax.all_gather(part, plan.axis, tiled=True)  # (S * n,)
+  if stage > 0:
+    part = jax.lax.all_gather(part, axis, tiled=True)  # (S * n,)
   if n == k:
     return layout.unflatten(part)
   S = layout.shards
@@ -197,26 +203,30 @@ def host_part_installer(plan: Plan, mesh: Mesh) -> Callable:
   or span at a time, so only its new weights wait on a device beside the
   params."""
   layouts = plan.leaves
-  specs = [lowp_spec(plan, l) for l in layouts]
-  compiled: dict[tuple, Callable] = {}
 
   def install(i: int, params_leaf, uploaded, span: tuple[int, int] | None = None):
-    if (i, span) not in compiled:
-      l = layouts[i]
-      lo = span[0] if span is not None else 0
-      start, row = (l.on_device, lo) if l.per_layer else (l.on_device + lo, 0)
-      fn = jax.shard_map(lambda p, u: write_part(plan, l, p, u, start, row), mesh=mesh,
-                         in_specs=(specs[i], l.spec(plan.axis)), out_specs=specs[i],
-                         check_vma=False)
-      # keep_unused: a whole host part never reads the old weights, and an
-      # unused argument would be dropped, with it the donation (and the
-      # new weights would take a second buffer beside the old).
-      compiled[(i, span)] = jax.jit(fn, donate_argnums=0, keep_unused=True)
+    l = layouts[i]
+    lo = span[0] if span is not None else 0
+    start, row = (l.on_device, lo) if l.per_layer else (l.on_device + lo, 0)
+    program = _install_program(mesh, plan.stage, plan.axis, lowp_spec(plan, l), l, start, row)
     # 64-bit offsets: a 32-bit one wraps silently past 2**31 elements (one
     # device's shard of a stacked 14B-model leaf has 6.8e9).
     with jax.enable_x64(True):
-      return compiled[(i, span)](params_leaf, uploaded)
+      return program(params_leaf, uploaded)
   return install
+
+
+@functools.lru_cache(maxsize=1024)
+def _install_program(mesh: Mesh, stage: int, axis: str, spec: P, layout: LeafLayout,
+                     start: int, row: int) -> Callable:
+  # Keyed by hashable values, so every engine with these layouts shares it.
+  fn = jax.shard_map(lambda p, u: write_part(stage, axis, layout, p, u, start, row),
+                     mesh=mesh, in_specs=(spec, layout.spec(axis)), out_specs=spec,
+                     check_vma=False)
+  # keep_unused: a whole host part never reads the old weights, and an
+  # unused argument would be dropped, with it the donation (and the new
+  # weights would take a second buffer beside the old).
+  return jax.jit(fn, donate_argnums=0, keep_unused=True)
 
 
 def resident_copier(plan: Plan, mesh: Mesh) -> Callable | None:
@@ -524,10 +534,10 @@ def end_step(plan: Plan, tx: optax.GradientTransformation, state: EngineState, d
   # part's gradient, and the host's come up into the rest after the step.
   lowp = jax.tree.map(lambda m: m.astype(plan.compute_dtype), master)
   in_params = plan.grads_over_weights
-  params = kept_params(plan, jax.tree.map(lambda l, p, w: write_part(plan, l, p, w, 0),
-                                          layouts, state.params, lowp, is_leaf=is_layout))
+  write = functools.partial(write_part, plan.stage, plan.axis, start=0)
+  params = kept_params(plan, jax.tree.map(write, layouts, state.params, lowp, is_leaf=is_layout))
   if buffer is not None:
-    buffer = jax.tree.map(lambda l, b, w: write_part(plan, l, b, w, 0) if in_params(l) else b,
+    buffer = jax.tree.map(lambda l, b, w: write(l, b, w) if in_params(l) else b,
                           layouts, buffer, lowp, is_leaf=is_layout)
   return (EngineState(params, master, opt_state, buffer, **counters, resident=state.resident),
           metrics, factor)

@@ -46,15 +46,22 @@ def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax
   """A new array of zeros placed by `sharding` (its memory kind included),
   made by a program of its own: each buffer is allocated where it lives,
   never copied there."""
-  return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
+  return full(shape, dtype, sharding, 0)
+
+
+def full(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, value) -> jax.Array:
+  """A new array of `value` (a Python number) placed as `zeros` places
+  its arrays."""
+  return _fill_program(tuple(shape), jnp.dtype(dtype), sharding, value)()
 
 
 @functools.lru_cache(maxsize=1024)
-def _zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding):
-  # One per shape, dtype and placement, shared by every leaf and engine that
-  # asks. A new program each time costs ~17 ms to trace, lower and compile
-  # or look up: test_grads_in_params.py made 1735 one-off programs.
-  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+def _fill_program(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+                  value):
+  # One per shape, dtype, placement and value, shared by every leaf and
+  # engine that asks. A new program each time costs ~17 ms to trace, lower
+  # and compile or look up: test_grads_in_params.py made 1735 one-off programs.
+  return jax.jit(functools.partial(jnp.full, shape, value, dtype), out_shardings=sharding)
 
 
 def has_pinned_host(device) -> bool:
@@ -117,8 +124,6 @@ class ShardTransfer:
     specs = [l.spec(axis) for l in self.layouts]
     self._on_device = [NamedSharding(mesh, s) for s in specs]
     self._pinned = [NamedSharding(mesh, s, memory_kind="pinned_host") for s in specs]
-    # (leaf index, span or None) -> its compiled slice
-    self._host_part_fns: dict[tuple, object] = {}
 
   def download(self, i: int, grad: jax.Array, span: tuple[int, int] | None = None) -> jax.Array:
     """Starts the copy of every shard's host part of leaf i's gradient
@@ -132,12 +137,11 @@ class ShardTransfer:
     whole = span is None or span == (0, self._span_axis_size(i))
     if self.pinned and whole and not layout.on_device:  # the shard itself: nothing to slice
       return jax.device_put(grad, self._pinned[i])
-    key = (i, None if whole else span)
-    if key not in self._host_part_fns:
-      self._host_part_fns[key] = self._host_part_fn(i, key[1])
+    host_part = _host_part_program(self._mesh, self._axis, layout, None if whole else span,
+                                   self._pinned[i] if self.pinned else None)
     if self.pinned:
-      return self._host_part_fns[key](grad)
-    part = grad if whole and not layout.on_device else self._host_part_fns[key](grad)
+      return host_part(grad)
+    part = grad if whole and not layout.on_device else host_part(grad)
     return HostLanding([np.array(shard.data)
                         for shard in _by_position(part, layout, self._positions)])
 
@@ -214,24 +218,29 @@ class ShardTransfer:
       return landing.pieces
     return host_pieces(jax.block_until_ready(landing), self.layouts[i], self._positions)
 
-  def _host_part_fn(self, i: int, span: tuple[int, int] | None):
-    layout = self.layouts[i]
-    spec = layout.spec(self._axis)
-    c = layout.on_device
 
-    # A split leaf's host part (or a span of any) is sliced on the device
-    # here, after the step, rather than in it, where the slice would be a
-    # second copy of the gradient at the step's peak. Static slices: their
-    # bounds may pass 2**31 elements, where a traced offset would wrap.
-    def host_part(g):
-      if span is None:
-        return g[..., c:]
-      lo, hi = span
-      if layout.per_layer:  # (L, k): layers lo..hi of the host part
-        return jax.lax.slice_in_dim(g[..., c:], lo, hi, axis=0)
-      return jax.lax.slice_in_dim(g, c + lo, c + hi, axis=-1)
-    host_part = jax.shard_map(host_part, mesh=self._mesh, in_specs=spec, out_specs=spec)
-    return jax.jit(host_part, out_shardings=self._pinned[i] if self.pinned else None)
+@functools.lru_cache(maxsize=1024)
+def _host_part_program(mesh: Mesh, axis: str, layout: LeafLayout,
+                       span: tuple[int, int] | None, out_sharding: NamedSharding | None):
+  """The program that slices a leaf's host part (or a span of it) out of
+  its local flat gradients; keyed by hashable values, so every engine with
+  the same layouts shares it."""
+  spec = layout.spec(axis)
+  c = layout.on_device
+
+  # A split leaf's host part (or a span of any) is sliced on the device
+  # here, after the step, rather than in it, where the slice would be a
+  # second copy of the gradient at the step's peak. Static slices: their
+  # bounds may pass 2**31 elements, where a traced offset would wrap.
+  def host_part(g):
+    if span is None:
+      return g[..., c:]
+    lo, hi = span
+    if layout.per_layer:  # (L, k): layers lo..hi of the host part
+      return jax.lax.slice_in_dim(g[..., c:], lo, hi, axis=0)
+    return jax.lax.slice_in_dim(g, c + lo, c + hi, axis=-1)
+  host_part = jax.shard_map(host_part, mesh=mesh, in_specs=spec, out_specs=spec)
+  return jax.jit(host_part, out_shardings=out_sharding)
 
 
 def _by_position(part: jax.Array, layout: LeafLayout, positions: range) -> list:
@@ -290,7 +299,9 @@ def copy_to_host(x: jax.Array, out: np.ndarray, part=None, pinned: bool = True) 
   host memory (pinned=False: pageable, the portable path), in chunks of
   BUILD_CHUNK_BYTES: the device makes one chunk at a time (a part that is
   a contiguous slice is never copied whole), the host holds one chunk
-  beside `out`, and a pinned copy runs at PCIe speed."""
+  beside `out`, and a pinned copy runs at PCIe speed. `part` is a static
+  argument of the programs that slice it: a hashable function (such as
+  partition.SplitPart), so that equal parts share them."""
   dest = out.reshape(-1)
   size = math.prod(jax.eval_shape(part, x).shape) if part is not None else x.size
   if size != dest.size:
@@ -310,8 +321,7 @@ def copy_to_host(x: jax.Array, out: np.ndarray, part=None, pinned: bool = True) 
     chunk = _rows_of(x, row, n, part)  # a traced start: one compiled slice per size
     np.copyto(dest[row * _ROW:(row + n) * _ROW], down(chunk), casting="same_kind")
   if main < size:
-    tail = jax.jit(lambda x: _flat(x, part)[main:])(x)
-    np.copyto(dest[main:], down(tail), casting="same_kind")
+    np.copyto(dest[main:], down(_tail_of(x, main, part)), casting="same_kind")
 
 
 _ROW = 1 << 16
@@ -319,6 +329,12 @@ _ROW = 1 << 16
 
 def _flat(x: jax.Array, part) -> jax.Array:
   return (x if part is None else part(x)).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _tail_of(x: jax.Array, start: int, part) -> jax.Array:
+  """Elements [start:] of part(x), flat."""
+  return _flat(x, part)[start:]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
