@@ -165,8 +165,9 @@ def test_write_part_takes_offsets_past_two_to_the_31_elements_in_64_bits():
   mesh = mesh_of(1)
   spec = NamedSharding(mesh, P())
   offset = 3 * 2**30
-  write = jax.jit(jax.shard_map(lambda p, u: write_part(plan, layout, p, u, offset),
-                                mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+  write = jax.jit(jax.shard_map(
+      lambda p, u: write_part(plan.stage, plan.axis, layout, p, u, offset), mesh=mesh,
+      in_specs=(P(), P()), out_specs=P(), check_vma=False))
   args = (jax.ShapeDtypeStruct(layout.shape, jnp.bfloat16, sharding=spec),
           jax.ShapeDtypeStruct((2**16,), jnp.bfloat16, sharding=spec))
   with jax.enable_x64(True):
