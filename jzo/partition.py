@@ -145,17 +145,17 @@ class LeafLayout:
 
 @dataclasses.dataclass(frozen=True)
 class SplitPart:
-  """flat -> one part of `layout.split(flat)`: 0 the device part, 1 the host
-  part (of the shards at positions [start, stop) of the data axis, with
-  `shards`). A hashable function: programs that take it as a static
-  argument are shared by every leaf and engine of an equal layout."""
+  """flat -> one part of `layout.split(flat)`: side 0 the device part, 1 the
+  host part (only the shards at data-axis positions [start, stop) where
+  `positions` is given). A hashable function: programs that take it as a
+  static argument are shared by every leaf and engine of an equal layout."""
   layout: LeafLayout
   side: int
-  shards: tuple[int, int] | None = None
+  positions: tuple[int, int] | None = None  # (start, stop)
 
   def __call__(self, flat):
     part = self.layout.split(flat)[self.side]
-    return part if self.shards is None else part[slice(*self.shards)]
+    return part if self.positions is None else part[slice(*self.positions)]
 
 
 def make_layouts(params, shards: int, per_layer_path: str | None) -> Any:
