@@ -9,6 +9,15 @@ paths) compile the same few programs again and again, and loading them took
 the recipe's tests from 441 s to 147 s (2 cores, beside other work). The
 cache holds XLA's executables only: what a program computes is the same
 whether it was compiled or loaded.
+
+The session and its processes also ask XLA for little optimization
+(JAX_DISABLE_MOST_OPTIMIZATIONS, jax's own switch: LLVM at -O0), unless the
+environment sets it: compiling is most of the suite's CPU time, and the
+tests' programs are tiny. It changes no HLO, so two programs the tests
+compare still compute alike; but LLVM at -O0 fuses no multiply-add, so the
+tests that compare XLA's bits with the C++ kernel's (which fuses them) take
+the `optimized_xla` fixture. The GPU machine's suite (experiments/gpu_runs.sh)
+runs everything at XLA's default level.
 """
 
 import atexit
@@ -23,6 +32,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # read when JAX is imported
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # read when JAX is imported
 
 import jax  # noqa: E402  (after the cache's environment)
 import pytest  # noqa: E402
@@ -51,6 +61,16 @@ SLOWEST_FILES = ("test_resilience.py",  # ~190 s
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture
+def optimized_xla():
+  """XLA's default optimization for the programs this test compiles (fresh
+  jits: one compiled before at -O0 would be reused)."""
+  saved = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", saved)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -109,7 +109,7 @@ def test_inject_hyperparams():
   assert float(state.hyperparams["b1"]) == pytest.approx(0.85)
 
 
-def test_xla_path_matches_kernel_path():
+def test_xla_path_matches_kernel_path(optimized_xla):
   """The branch used when traced for an accelerator computes the same update."""
   n = 4099
   g = jax.random.normal(jax.random.PRNGKey(1), (n,)).astype(jnp.bfloat16)
@@ -253,7 +253,7 @@ def test_adamw_step_eager_with_schedule_and_bf16_moments():
   assert state.mu["w"].dtype == jnp.bfloat16
 
 
-def test_adamw_step_xla_path_matches_kernel_path():
+def test_adamw_step_xla_path_matches_kernel_path(optimized_xla):
   """The branch used when traced for an accelerator computes the same step."""
   n = 4099
   g = jax.random.normal(jax.random.PRNGKey(1), (n,)).astype(jnp.bfloat16)

@@ -72,7 +72,7 @@ def test_fused_step_matches_optax(n, grad_dtype):
   np.testing.assert_array_equal(lowp, p.astype(BF16))
 
 
-def test_fused_step_matches_cpu_adamw_bitwise():
+def test_fused_step_matches_cpu_adamw_bitwise(optimized_xla):
   """The offload kernel and the optax transform compute the same bits."""
   n = 70_001
   p, g, m, v = host_state(n, BF16)
