@@ -16,9 +16,10 @@
   go on; nothing hangs. (Faults in the host update's own thread:
   test_offload.py.)
 
-Each run is a subprocess on 2 CPU devices. They share a persistent
-compilation cache, so that after the first run of a configuration a process
-starts in about 5 s (jax's import, the engine's build) rather than 10-20 s.
+Each run is a subprocess on 2 CPU devices. They share the session's
+persistent compilation cache, so that after the first run of a configuration
+a process starts in about 5 s (jax's import, the engine's build) rather than
+10-20 s.
 """
 
 import concurrent.futures
@@ -64,12 +65,11 @@ PLAIN = SMALL + ["--steps", "12", "--eval-every", "6", "--offload"]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  cache = tmp_path_factory.mktemp("jax-cache")
+def env():
+  """The recipe's environment: 2 CPU devices, the session's compilation cache
+  (tests/conftest.py: test_train.py's runs of these shapes load what these
+  compiled)."""
   return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
-          "JAX_COMPILATION_CACHE_DIR": str(cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
           "PYTHONUNBUFFERED": "1"}  # log lines as they happen: the tests wait for them
 
 

@@ -53,7 +53,7 @@ def test_throughput_counts_training_steps_only(tmp_path, monkeypatch):
   assert max(l["step_s"] for l in lines[1:]) < 1.0
 
 
-def test_loss_falls_on_the_embedded_corpus(tmp_path):
+def test_loss_falls_on_the_embedded_corpus(tmp_path, optimized_xla):  # 60 steps: mostly running
   last = train.train(train.TrainConfig(steps=60, warmup=5, log_every=30, eval_every=30,
                                        eval_batches=2, batch_size=8, seq_len=64,
                                        sample_tokens=0, devices=1, out=str(tmp_path)))
