@@ -10,10 +10,10 @@ the recipe's tests from 441 s to 147 s (2 cores, beside other work). The
 cache holds XLA's executables only: what a program computes is the same
 whether it was compiled or loaded.
 
-The session and its processes also ask XLA for little optimization
-(JAX_DISABLE_MOST_OPTIMIZATIONS, jax's own switch: LLVM at -O0), unless the
-environment sets it: compiling is most of the suite's CPU time, and the
-tests' programs are tiny. It changes no HLO, so two programs the tests
+On the CPU alone, the session and its processes also ask XLA for little
+optimization (JAX_DISABLE_MOST_OPTIMIZATIONS, jax's own switch: LLVM at
+-O0), unless the environment sets it: compiling is most of the suite's CPU
+time, and the tests' programs are tiny. It changes no HLO, so two programs the tests
 compare still compute alike; but LLVM at -O0 fuses no multiply-add, so the
 tests that compare XLA's bits with the C++ kernel's (which fuses them) take
 the `optimized_xla` fixture, as do the few that run more than they compile.
@@ -33,7 +33,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # read when JAX is imported
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # read when JAX is imported
+if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # not for the GPU tests' kernels
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # read when JAX is imported
 
 import jax  # noqa: E402  (after the cache's environment)
 import pytest  # noqa: E402
