@@ -186,7 +186,7 @@ class ZeroEngine:
     # This process's devices: their shards' host state, batch rows and draws.
     self.positions = distributed.local_positions(mesh)
     device = mesh.devices.flat[self.positions[0]]
-    shapes, draw_leaf = _leaf_sources(params, device)
+    shapes, draw_leaves = _leaf_sources(params, device)
     if offloading:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
@@ -224,7 +224,7 @@ class ZeroEngine:
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
                                pinned=pinned)
       transfer.reserve(self.plan.pinned_bytes())  # before the build pins its chunks
-    self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaf, adam,
+    self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaves, adam,
                                          pinned=pinned)
     if self.plan.has_host_state:
       self.host_update = HostUpdate(self.trained, transfer)
@@ -543,30 +543,35 @@ class ZeroEngine:
 
 def _leaf_sources(params, device):
   """(shapes, draw) for params given as a tree of arrays or of HostLeafs, or
-  as a function returning a tree: draw(i, layout) is leaf i as float32,
-  flattened by `layout.flatten`, computed on `device` in one program, so
-  it is the only copy made. A function is traced once, then each leaf is
-  computed alone by replaying the trace (XLA drops the rest of the
-  function), so no whole float32 copy is ever held; a HostLeaf is loaded
-  only when drawn, and its host array is let go as soon as it is on the
-  device."""
+  as a function returning a tree: draw([(i, layout), ...]) is a list of
+  those leaves as float32, each flattened by its `layout.flatten` and
+  computed on `device`, so each is the only copy made. A function is traced
+  once, then the leaves asked for are computed together by replaying the
+  trace in one program (XLA drops the rest of the function), so no whole
+  float32 copy is ever held; a HostLeaf is loaded only when drawn, and its
+  host array is let go as soon as it is on the device."""
   from jzo.host_leaf import HostLeaf
   if callable(params):
     # Replaying the trace is cheaper than tracing the model's initializer
-    # again for each leaf (those traces were half of a small model's build).
+    # again for each leaf (those traces were half of a small model's build),
+    # and one program for several leaves than one for each (each program
+    # costs its lowering and compile or cache lookup).
     traced, shapes = jax.make_jaxpr(params, return_shape=True)()
     replay = jaxpr_as_fun(traced)
 
-    def draw(i, layout):
+    def draw(leaves):
+      def program():
+        values = replay()
+        return [layout.flatten(values[i].astype(jnp.float32)) for i, layout in leaves]
       with jax.default_device(device):
-        return jax.jit(lambda: layout.flatten(replay()[i].astype(jnp.float32)))()
+        return jax.jit(program)()
   else:
     leaves = jax.tree.leaves(params)
     lazy = lambda x: isinstance(x, HostLeaf)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if lazy(x) else x,
                           params)
 
-    def draw(i, layout):
+    def draw_one(i, layout):
       x = leaves[i]
       if lazy(x):
         host = x.load()
@@ -580,6 +585,9 @@ def _leaf_sources(params, device):
       # A new buffer (jit does not hand back its input): the state is donated
       # each step and must not alias the caller's arrays.
       return _flat_float32(x, layout)
+
+    def draw(leaves):
+      return [draw_one(i, layout) for i, layout in leaves]
   if not jax.tree.leaves(shapes):
     raise ValueError("params has no leaves")
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):

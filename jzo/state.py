@@ -125,21 +125,23 @@ def empty_device_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation
 
 
 def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
-                draw_leaf: Callable, host: HostAdam | None = None, *,
+                draw_leaves: Callable, host: HostAdam | None = None, *,
                 pinned: bool = False) -> ZeroState:
   """The first state. Its device buffers are allocated first, side by side
-  (`empty_device_state`), then filled one leaf at a time, largest first,
-  from the leaf's float32 values drawn on this process's first device
-  (every process draws the same values and keeps its devices' parts): so at
-  most one leaf's float32 weights exist beside the state, and the draws'
+  (`empty_device_state`), then filled a leaf at a time, largest first, from
+  the leaves' float32 values drawn on this process's first device (every
+  process draws the same values and keeps its devices' parts). Leaves are
+  drawn in groups of at most the largest leaf's size (`draw_groups`): so at
+  most that many float32 weights exist beside the state, and the draws'
   memory, freed, leaves one free block for the step (the allocator could
   not fit gpt2-10b's step into the holes of state allocated between draws).
   Every buffer is new: the state is donated each step and must never alias
   the caller's arrays.
 
   Args:
-    draw_leaf: draw_leaf(i, layout) is leaf i as float32, flattened by
-      `layout.flatten`, computed on this process's first device.
+    draw_leaves: draw_leaves([(i, layout), ...]) is a list of those leaves
+      as float32, each flattened by its `layout.flatten`, computed on this
+      process's first device.
     host: the host parts' state to fill (its masters), with offload.
     pinned: the host masters are filled through pinned host memory.
   """
@@ -150,35 +152,52 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   host_masters = jax.tree.leaves(host.master) if host is not None else None
   master_specs = jax.tree.leaves(specs.master)
   positions = local_positions(mesh)
-  for i in sorted(range(len(lowp)), key=lambda i: -math.prod(plan.leaves[i].shape)):
-    layout = plan.leaves[i]
-    c, k = layout.on_device, layout.shard_size
-    flat = draw_leaf(i, layout)  # the only float32 copy of the leaf
-    if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
-      new = _lowp_from_master(flat, plan.compute_dtype, plan.sharded_lowp, layout)
-      lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
-      del new
-    # One device reads each part straight out of the draw; several need
-    # the parts as arrays of their own (copies) to spread them over the mesh.
-    device_part = partition.SplitPart(layout, 0)
-    if master is not None and c:
-      if mesh.devices.size == 1:
-        master[i] = _write_into(master[i], flat, device_part)
-      else:
-        master[i] = _write_into(master[i], _to_global(
-            _computed(flat, device_part), NamedSharding(mesh, master_specs[i])))
-    if host is not None and c < k:
-      mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
-      copy_to_host(flat, host_masters[i], mine, pinned=pinned)
-    del flat
-    if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
-      host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
+  for group in draw_groups([math.prod(layout.shape) for layout in plan.leaves]):
+    drawn = draw_leaves([(i, plan.leaves[i]) for i in group])
+    for i in group:
+      layout = plan.leaves[i]
+      c, k = layout.on_device, layout.shard_size
+      flat = drawn.pop(0)  # the only float32 copy of the leaf
+      if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
+        new = _lowp_from_master(flat, plan.compute_dtype, plan.sharded_lowp, layout)
+        lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
+        del new
+      # One device reads each part straight out of the draw; several need
+      # the parts as arrays of their own (copies) to spread them over the mesh.
+      device_part = partition.SplitPart(layout, 0)
+      if master is not None and c:
+        if mesh.devices.size == 1:
+          master[i] = _write_into(master[i], flat, device_part)
+        else:
+          master[i] = _write_into(master[i], _to_global(
+              _computed(flat, device_part), NamedSharding(mesh, master_specs[i])))
+      if host is not None and c < k:
+        mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
+        copy_to_host(flat, host_masters[i], mine, pinned=pinned)
+      del flat
+      if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
+        host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
   state = state._replace(params=jax.tree.unflatten(treedef, lowp))
   if master is not None:
     state = state._replace(master=jax.tree.unflatten(treedef, master))
   built = ZeroState(plan, mesh, tx, state, host)
   built.refresh_resident()
   return built
+
+
+def draw_groups(sizes: list[int]) -> list[list[int]]:
+  """The leaves' indices, largest first, in runs whose sizes (elements) add
+  up to at most the largest leaf's: what one draw computes at once, so
+  that a small model's leaves are drawn by a few programs, not one each."""
+  order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+  groups, room = [], 0
+  for i in order:
+    if not groups or sizes[i] > room:
+      groups.append([])
+      room = sizes[order[0]]
+    groups[-1].append(i)
+    room -= sizes[i]
+  return groups
 
 
 # The programs below take hashable static arguments (layouts, dtypes,
