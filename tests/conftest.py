@@ -13,10 +13,11 @@ whether it was compiled or loaded.
 On the CPU alone, the session and its processes also ask XLA for little
 optimization (JAX_DISABLE_MOST_OPTIMIZATIONS, jax's own switch: LLVM at
 -O0), unless the environment sets it: compiling is most of the suite's CPU
-time, and the tests' programs are tiny. It changes no HLO, so two programs the tests
-compare still compute alike; but LLVM at -O0 fuses no multiply-add, so the
-tests that compare XLA's bits with the C++ kernel's (which fuses them) take
-the `optimized_xla` fixture, as do the few that run more than they compile.
+time, and the tests' programs are tiny. It changes no HLO, so two programs
+the tests compare still compute alike; but LLVM at -O0 fuses no
+multiply-add, so the tests that compare XLA's bits with the C++ kernel's
+(which fuses them) take the `optimized_xla` fixture, as do the few that run
+more than they compile.
 The GPU machine's suite (experiments/gpu_runs.sh) runs everything at XLA's
 default level.
 """

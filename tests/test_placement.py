@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jzo
-from jzo import checkpoint, partition, plan as plan_lib
+from jzo import checkpoint, partition, plan as plan_lib, state as state_lib
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
@@ -143,7 +143,14 @@ def test_bad_offload_values():
     jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", mesh=mesh_of(1))
 
 
-def test_params_as_a_function_are_drawn_leaf_by_leaf_to_the_same_weights():
+def test_draws_are_grouped_largest_first_within_the_largest_leafs_size():
+  """Each group a program: never more float32 at once than the largest leaf."""
+  assert state_lib.draw_groups([2, 8, 3, 5, 1, 8]) == [[1], [5], [3, 2], [0, 4]]
+  assert state_lib.draw_groups([4, 4, 4]) == [[0], [1], [2]]
+  assert state_lib.draw_groups([7]) == [[0]]
+
+
+def test_params_as_a_function_are_drawn_to_the_same_weights():
   make = lambda: init_params()
   from_fn = jzo.ZeroEngine(loss_fn, make, TX(), offload=0.5, mesh=mesh_of(2))
   # Each leaf is the jitted function's leaf (eager code may round differently).
