@@ -17,9 +17,8 @@ time, and the tests' programs are tiny. It changes no HLO, so two programs
 the tests compare still compute alike; but LLVM at -O0 fuses no
 multiply-add, so the tests that compare XLA's bits with the C++ kernel's
 (which fuses them) take the `optimized_xla` fixture, as do the few that run
-more than they compile.
-The GPU machine's suite (experiments/gpu_runs.sh) runs everything at XLA's
-default level.
+more than they compile. The GPU machine's suite (experiments/gpu_runs.sh)
+runs everything at XLA's default level.
 """
 
 import atexit

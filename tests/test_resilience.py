@@ -66,9 +66,8 @@ PLAIN = SMALL + ["--steps", "12", "--eval-every", "6", "--offload"]
 
 @pytest.fixture(scope="module")
 def env():
-  """The recipe's environment: 2 CPU devices, the session's compilation cache
-  (tests/conftest.py: test_train.py's runs of these shapes load what these
-  compiled)."""
+  """The recipe's environment: 2 CPU devices, and the session's compilation
+  cache (tests/conftest.py), shared with the other files' runs."""
   return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2",
           "PYTHONUNBUFFERED": "1"}  # log lines as they happen: the tests wait for them
 
