@@ -189,11 +189,11 @@ def draw_groups(sizes: list[int]) -> list[list[int]]:
   """The leaves' indices, largest first, in runs whose sizes (elements) add
   up to at most the largest leaf's: what one draw computes at once, so
   that a small model's leaves are drawn by a few programs, not one each."""
-  groups, room = [], 0
+  groups, room, largest = [], 0, max(sizes)
   for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
     if not groups or sizes[i] > room:
       groups.append([])
-      room = max(sizes)
+      room = largest
     groups[-1].append(i)
     room -= sizes[i]
   return groups
