@@ -65,6 +65,7 @@ from flax import traverse_util
 
 from jzo import checkpoint, config as config_lib
 from jzo.models import gpt, hf, llama
+from jzo.quick_exit import quick_exit
 from jzo.recipe import runs
 
 FORMATS = ("jzo", "hf")
@@ -293,4 +294,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  quick_exit(main())

@@ -42,6 +42,7 @@ from jzo import config as config_lib
 from jzo.recipe.loop import claim_gpu_memory, start_processes, train
 from jzo.recipe.options import TrainConfig, UserError
 from jzo.peer_watch import PeerWatch
+from jzo.quick_exit import quick_exit
 from jzo.recipe.signals import Interrupted, Interrupts, quiet_failed_reads
 
 
@@ -94,5 +95,5 @@ def stop_alone(watch: PeerWatch | None, status: int, reason: str) -> int:
 
 if __name__ == "__main__":
   quiet_failed_reads()
-  sys.exit(main())
+  quick_exit(main())
 
