@@ -23,7 +23,8 @@ with a host part wait on the device until they are down while leaves' new
 weights come up). Host (all devices' shards): masters and moments of the
 host part and one landing buffer per leaf, which carries the gradients down
 and the new weights up, in XLA's pinned pool; the runtime. Building draws
-one leaf at a time in float32 on the first device, largest first.
+the leaves in float32 on the first device, largest first, a group at a time
+(`draw_groups`).
 
 Host accumulation (grad_accum > 1, `Plan.host_accumulation`) moves the
 float32 sum of the host parts to the host. Bytes per parameter whose state
@@ -130,6 +131,27 @@ def limit_pinned_pool(landing: int) -> int:
 _ALIGN = 16
 GiB = 2**30
 
+# Where the devices report no memory limit (a CPU's are host RAM), draws may
+# hold this many float32 elements (64 MiB) beside the state even where the
+# largest leaf is smaller: a small model's leaves are then drawn by one
+# program, not by one for each leaf's size (`Plan.draw_floor`).
+DRAW_GROUP_FLOOR = 1 << 24
+
+
+def draw_groups(sizes: list[int], floor: int) -> list[list[int]]:
+  """The leaves' indices, largest first, in runs whose sizes (elements) add
+  up to at most the largest leaf's or `floor`, whichever is more: what one
+  draw computes at once, so that a model's leaves are drawn by a few
+  programs, not one each."""
+  groups, room, limit = [], 0, max(max(sizes), floor)
+  for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+    if not groups or sizes[i] > room:
+      groups.append([])
+      room = limit
+    groups[-1].append(i)
+    room -= sizes[i]
+  return groups
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -166,6 +188,10 @@ class Plan:
   # weights in device memory (EngineState.resident, (r, S*k) a leaf), so the
   # step fetches only the others; those layers' new weights then come up once.
   resident_layers: int = 0
+  # Elements the build's draws may hold at once where the largest leaf has
+  # fewer (`draw_groups`): DRAW_GROUP_FLOOR where the devices report no
+  # memory limit, none where the plan budgets the device's memory.
+  draw_floor: int = 0
 
   def __post_init__(self):
     if self.resident_layers:
@@ -341,14 +367,17 @@ class Plan:
 
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
-    while the engine draws a leaf: its float32 values and their
-    low-precision copy (offloaded weights are made on the host), and on
-    several devices a float32 copy of a split leaf's device part on its
-    way to them."""
+    while the engine draws a group of leaves (`draw_groups`): their
+    float32 values, and beside them one leaf's low-precision copy
+    (offloaded weights are made on the host) and, on several devices, a
+    float32 copy of a split leaf's device part on its way to them."""
     copy = lambda l: (4 * l.shards * _rows(l) * l.on_device
                       if self.n_devices > 1 and 0 < l.on_device < l.shard_size else 0)
-    drawn = lambda l: (4 if self.params_on_host(l) else 6) * math.prod(l.shape)
-    return max(drawn(l) + copy(l) for l in self.leaves)
+    lowp = lambda l: 0 if self.params_on_host(l) else 2 * math.prod(l.shape)
+    leaves = self.leaves
+    return max(sum(4 * math.prod(leaves[i].shape) for i in group)
+               + max(lowp(leaves[i]) + copy(leaves[i]) for i in group)
+               for group in draw_groups([math.prod(l.shape) for l in leaves], self.draw_floor))
 
   def __str__(self) -> str:
     return format_plan(self)
@@ -552,8 +581,8 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
     if state + plan.build_bytes() > device_memory:
       raise PlacementError(
           f"cannot draw the weights on a device beside the state: needs "
-          f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the largest "
-          f"leaf drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
+          f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the leaves "
+          f"drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
   if plan.cpu_adam and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
@@ -685,7 +714,8 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
-        resident_layers=resident_layers)
+        resident_layers=resident_layers,
+        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

@@ -29,7 +29,7 @@ from jzo import partition, step as step_lib, transfer
 from jzo.distributed import local_positions
 from jzo.offload import HostAdam
 from jzo.partition import is_layout
-from jzo.plan import Plan
+from jzo.plan import Plan, draw_groups
 from jzo.precision import init_loss_scale
 from jzo.step import EngineState
 from jzo.transfer import copy_to_host, host_pieces
@@ -131,10 +131,11 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   (`empty_device_state`), then filled a leaf at a time, largest first, from
   the leaves' float32 values drawn on this process's first device (every
   process draws the same values and keeps its devices' parts). Leaves are
-  drawn in groups of at most the largest leaf's size (`draw_groups`): so at
-  most that many float32 weights exist beside the state, and the draws'
-  memory, freed, leaves one free block for the step (the allocator could
-  not fit gpt2-10b's step into the holes of state allocated between draws).
+  drawn in groups of at most the largest leaf's size, or `plan.draw_floor`
+  where that is more (`plan.draw_groups`): so at most that many float32
+  weights exist beside the state, and the draws' memory, freed, leaves one
+  free block for the step (the allocator could not fit gpt2-10b's step
+  into the holes of state allocated between draws).
   Every buffer is new: the state is donated each step and must never alias
   the caller's arrays.
 
@@ -152,7 +153,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   host_masters = jax.tree.leaves(host.master) if host is not None else None
   master_specs = jax.tree.leaves(specs.master)
   positions = local_positions(mesh)
-  for group in draw_groups([math.prod(layout.shape) for layout in plan.leaves]):
+  for group in draw_groups([math.prod(layout.shape) for layout in plan.leaves],
+                           plan.draw_floor):
     drawn = draw_leaves([(i, plan.leaves[i]) for i in group])
     for i in group:
       layout = plan.leaves[i]
@@ -183,20 +185,6 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   built = ZeroState(plan, mesh, tx, state, host)
   built.refresh_resident()
   return built
-
-
-def draw_groups(sizes: list[int]) -> list[list[int]]:
-  """The leaves' indices, largest first, in runs whose sizes (elements) add
-  up to at most the largest leaf's: what one draw computes at once, so
-  that a small model's leaves are drawn by a few programs, not one each."""
-  groups, room, largest = [], 0, max(sizes)
-  for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-    if not groups or sizes[i] > room:
-      groups.append([])
-      room = largest
-    groups[-1].append(i)
-    room -= sizes[i]
-  return groups
 
 
 # The programs below take hashable static arguments (layouts, dtypes,

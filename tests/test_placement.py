@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jzo
-from jzo import checkpoint, partition, plan as plan_lib, state as state_lib
+from jzo import checkpoint, partition, plan as plan_lib
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
@@ -143,11 +143,22 @@ def test_bad_offload_values():
     jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", mesh=mesh_of(1))
 
 
-def test_draws_are_grouped_largest_first_within_the_largest_leafs_size():
-  """Each group a program: never more float32 at once than the largest leaf."""
-  assert state_lib.draw_groups([2, 8, 3, 5, 1, 8]) == [[1], [5], [3, 2], [0, 4]]
-  assert state_lib.draw_groups([4, 4, 4]) == [[0], [1], [2]]
-  assert state_lib.draw_groups([7]) == [[0]]
+def test_draws_are_grouped_largest_first_within_the_largest_leafs_size_or_the_floor():
+  """Each group a program: never more float32 at once than the largest
+  leaf, or than the floor where that is more."""
+  assert plan_lib.draw_groups([2, 8, 3, 5, 1, 8], floor=0) == [[1], [5], [3, 2], [0, 4]]
+  assert plan_lib.draw_groups([4, 4, 4], floor=0) == [[0], [1], [2]]
+  assert plan_lib.draw_groups([7], floor=0) == [[0]]
+  assert plan_lib.draw_groups([2, 8, 3, 5, 1, 8], floor=10) == [[1], [5], [3, 2, 0], [4]]
+
+  # 64 MiB of float32 where the devices report no memory limit; where the
+  # plan budgets it, none.
+  shapes = {"a": jnp.zeros((8, 4)), "b": jnp.zeros(3), "c": jnp.zeros(5)}
+  plan = lambda memory: plan_lib.make_plan(shapes, 8, jzo.EngineOptions(offload=0.0),
+                                           n_devices=1, device_memory=memory)
+  assert plan(None).draw_floor == plan_lib.DRAW_GROUP_FLOOR and plan(2**30).draw_floor == 0
+  assert plan(None).build_bytes() == 4 * 40 + 2 * 32  # every leaf, and the largest's bf16
+  assert plan(2**30).build_bytes() == 6 * 32  # the largest leaf alone
 
 
 def test_params_as_a_function_are_drawn_to_the_same_weights():
