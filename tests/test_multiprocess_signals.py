@@ -34,7 +34,7 @@ from test_resilience import env  # noqa: F401  (the recipe's environment, a fixt
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WAIT = 120  # seconds any wait may take before the test fails
 STOPPED_WITHIN = 15  # seconds from a process's death to the other's exit
-STEPS = 40
+STEPS = 16  # checkpoints at 4, 8, 12 and 16: the kills and signals come by step 10
 ARGS = ["--model", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", str(STEPS),
         "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
         "--checkpoint-every", "4", "--sample-tokens", "0", "--offload", "--delayed-update"]

@@ -52,10 +52,16 @@ TIMEOUT = 120  # seconds any one wait may take before the test fails
 # Tiny runs: a step takes ~50 ms, a checkpoint write ~100 ms.
 SMALL = ["--warmup", "2", "--log-every", "1", "--eval-batches", "1", "--batch-size", "4",
          "--seq-len", "32", "--sample-tokens", "0", "--devices", "2"]
-# Steps to spare for 20 kills, each of which may let the run get a
-# checkpoint or two further (at 30, one sequence of kills ran out of steps).
-DELAYED = SMALL + ["--steps", "48", "--eval-every", "10", "--checkpoint-every", "2",
-                   "--offload", "--delayed-update"]
+
+
+def delayed(steps: int) -> list[str]:
+  """Offload and the delayed update, a checkpoint every 2 steps. Each kill
+  may let the run get a checkpoint or two further: 20 kills need 48 steps
+  (at 30, one sequence ran out), 5 kills 24."""
+  return SMALL + ["--steps", str(steps), "--eval-every", "10", "--checkpoint-every", "2",
+                  "--offload", "--delayed-update"]
+
+
 STAGE3 = SMALL + ["--steps", "10", "--eval-every", "5", "--checkpoint-every", "2",
                   "--stage", "3", "--offload", "--delayed-update"]
 # No delayed update where a signal picks the checkpoint's step: saving applies
@@ -234,18 +240,19 @@ def test_sigkill_at_moments_of_each_kind(tmp_path, env):
   moment (their times within it seeded), with offload and the delayed
   update; beside them the uninterrupted run. (The 20 random ones below are
   a slow case.)"""
+  args = delayed(24)
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    whole = pool.submit(lambda: finish(start(tmp_path / "whole", DELAYED, env, "run")))
+    whole = pool.submit(lambda: finish(start(tmp_path / "whole", args, env, "run")))
     aims = ["write", "training", "after a write", "start-up", "write"]
-    landed = kill_at_random_moments(tmp_path / "killed", DELAYED, env, len(aims),
+    landed = kill_at_random_moments(tmp_path / "killed", args, env, len(aims),
                                     random.Random(5), aims)
-    finish_after_kills(tmp_path / "killed", DELAYED, env)
+    finish_after_kills(tmp_path / "killed", args, env)
     whole.result()
   print("kills landed:", landed)
   # A kill aimed at training may land in the write that follows a step: at
   # least one cuts a write short.
   assert "write" in landed, landed
-  assert_same_run(tmp_path / "killed", tmp_path / "whole", 48)
+  assert_same_run(tmp_path / "killed", tmp_path / "whole", 24)
 
 
 @pytest.mark.slow
@@ -253,8 +260,10 @@ def test_sigkill_at_random_moments(tmp_path, env):
   """20 SIGKILLs at random moments (seeded) with offload and the delayed
   update; beside them (a process starting keeps one core busy) the
   uninterrupted run, then 3 kills at stage 3 and its uninterrupted run."""
+  args = delayed(48)
+
   def beside():
-    finish(start(tmp_path / "whole", DELAYED, env, "run"))
+    finish(start(tmp_path / "whole", args, env, "run"))
     landed = kill_at_random_moments(tmp_path / "stage3", STAGE3, env, 3, random.Random(3))
     finish_after_kills(tmp_path / "stage3", STAGE3, env)
     finish(start(tmp_path / "stage3-whole", STAGE3, env, "run"))
@@ -262,8 +271,8 @@ def test_sigkill_at_random_moments(tmp_path, env):
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     stage3 = pool.submit(beside)
-    landed = kill_at_random_moments(tmp_path / "killed", DELAYED, env, 20, random.Random(13))
-    finish_after_kills(tmp_path / "killed", DELAYED, env)
+    landed = kill_at_random_moments(tmp_path / "killed", args, env, 20, random.Random(13))
+    finish_after_kills(tmp_path / "killed", args, env)
     print("stage 3 kills landed:", stage3.result())
   print("kills landed:", {k: landed.count(k) for k in sorted(set(landed))})
   assert len(landed) >= 20 and landed.count("write") >= 3 and landed.count("training") >= 3
