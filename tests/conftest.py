@@ -50,14 +50,29 @@ if "JAX_PLATFORMS" not in os.environ:
 # left set, a later test's subprocess would inherit a small model's cap
 # (test_export's module fixture runs the recipe in this process).
 
-# The files that take longest, longest first (seconds alone on 2 cores).
-# Under the README's `-n 2 --dist loadfile` each worker takes the next file
-# as it finishes one: started last, the multi-process files kept one worker
-# busy for minutes after the other had run out of files.
-SLOWEST_FILES = ("test_resilience.py",  # ~190 s
-                 "test_multiprocess_signals.py",  # ~150 s
-                 "test_train.py",  # ~150 s
-                 "test_multiprocess.py")  # ~90 s
+# The files that take longest, longest first (seconds in the README's run,
+# 2 cores); the rest, each under 40 s, follow in their own order. Under
+# `-n 2 --dist loadfile` (with pyproject's --no-loadscope-reorder: xdist's
+# own order is by the number of tests in a file) each worker takes the next
+# file as the one it runs has two tests left: started last, a long file kept
+# one worker busy for minutes after the other had run out of files.
+SLOWEST_FILES = ("test_multiprocess.py",  # ~180 s
+                 "test_train.py",  # ~180 s
+                 "test_cli.py",  # ~160 s
+                 "test_multiprocess_signals.py",  # ~145 s
+                 "test_grads_in_params.py",  # ~145 s
+                 "test_resilience.py",  # ~145 s
+                 "test_engine.py",  # ~115 s
+                 "test_accumulation.py",  # ~115 s
+                 "test_placement.py",  # ~105 s
+                 "test_cpu_adam.py",  # ~100 s
+                 "test_state_spans.py",  # ~75 s
+                 "test_offload.py",  # ~65 s
+                 "test_finetune.py",  # ~60 s
+                 "test_quant8.py",  # ~55 s
+                 "test_cross_entropy.py",  # ~50 s
+                 "test_export.py",  # ~45 s
+                 "test_kernel_properties.py")  # ~40 s
 
 
 def pytest_collection_modifyitems(items):
