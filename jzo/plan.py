@@ -367,17 +367,21 @@ class Plan:
 
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
-    while the engine draws a group of leaves (`draw_groups`): their
+    while the engine draws a group of leaves (`build_groups`): their
     float32 values, and beside them one leaf's low-precision copy
     (offloaded weights are made on the host) and, on several devices, a
     float32 copy of a split leaf's device part on its way to them."""
     copy = lambda l: (4 * l.shards * _rows(l) * l.on_device
                       if self.n_devices > 1 and 0 < l.on_device < l.shard_size else 0)
-    lowp = lambda l: 0 if self.params_on_host(l) else 2 * math.prod(l.shape)
     leaves = self.leaves
+    lowp = lambda i: 0 if self.params_on_host(leaves[i]) else 2 * math.prod(leaves[i].shape)
     return max(sum(4 * math.prod(leaves[i].shape) for i in group)
-               + max(lowp(leaves[i]) + copy(leaves[i]) for i in group)
-               for group in draw_groups([math.prod(l.shape) for l in leaves], self.draw_floor))
+               + max(lowp(i) + copy(leaves[i]) for i in group)
+               for group in self.build_groups())
+
+  def build_groups(self) -> list[list[int]]:
+    """The leaves' indices in the groups the build draws together (`draw_groups`)."""
+    return draw_groups([math.prod(l.shape) for l in self.leaves], self.draw_floor)
 
   def __str__(self) -> str:
     return format_plan(self)

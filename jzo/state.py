@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -29,7 +28,7 @@ from jzo import partition, step as step_lib, transfer
 from jzo.distributed import local_positions
 from jzo.offload import HostAdam
 from jzo.partition import is_layout
-from jzo.plan import Plan, draw_groups
+from jzo.plan import Plan
 from jzo.precision import init_loss_scale
 from jzo.step import EngineState
 from jzo.transfer import copy_to_host, host_pieces
@@ -132,7 +131,7 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   the leaves' float32 values drawn on this process's first device (every
   process draws the same values and keeps its devices' parts). Leaves are
   drawn in groups of at most the largest leaf's size, or `plan.draw_floor`
-  where that is more (`plan.draw_groups`): so at most that many float32
+  where that is more (`Plan.build_groups`): so at most that many float32
   weights exist beside the state, and the draws' memory, freed, leaves one
   free block for the step (the allocator could not fit gpt2-10b's step
   into the holes of state allocated between draws).
@@ -153,8 +152,7 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   host_masters = jax.tree.leaves(host.master) if host is not None else None
   master_specs = jax.tree.leaves(specs.master)
   positions = local_positions(mesh)
-  for group in draw_groups([math.prod(layout.shape) for layout in plan.leaves],
-                           plan.draw_floor):
+  for group in plan.build_groups():
     drawn = draw_leaves([(i, plan.leaves[i]) for i in group])
     for i in group:
       layout = plan.leaves[i]

@@ -11,8 +11,8 @@ from jzo import quick_exit
 
 def exiting(tmp_path) -> str:
   """A program that leaves a thread, an open thread pool, an atexit
-  handler and unflushed output to quick_exit(3) (its module loaded alone: not jzo, which
-  loads JAX)."""
+  handler and unflushed output to quick_exit(3) (its module loaded alone:
+  not jzo, which loads JAX)."""
   return textwrap.dedent(f"""
       import atexit, concurrent.futures, importlib.util, pathlib, sys, threading, time
       spec = importlib.util.spec_from_file_location("quick_exit", {quick_exit.__file__!r})
