@@ -28,7 +28,8 @@
 #   bench-10b      gpt2-10b in offload_bench.py: the step's parts, planned against measured
 #   peers-4b       gpt2-4b: jzo on the GPU alone and offload auto; DeepSpeed ZeRO-2 offload
 #   figure-P       experiments/figure_runs.py's part P (1.5b 4b 10b 13b edges check dpu):
-#                  the single-GPU figures, each system in its own process
+#                  the single-GPU figures, each system in its own process; its scale-*
+#                  parts (on a machine of several GPUs) over the GPU counts GPUS (1 2 4)
 #   llama8b        llama-3.1-8b, micro-batch 4, offload auto + delayed update
 #   loss-tests     --help of each command; the loss's tests with the GPU as default backend
 #                  (and the GPU tests of offload), and the models' CPU tests on this Python
@@ -392,7 +393,8 @@ for part in "$@"; do
       record $part offload_bench.py --model gpt2-4b --configs device auto --steps 4
       record $part torch_baselines.py --model gpt2-4b --system deepspeed --steps 4 ;;
     figure-*)
-      python3 experiments/figure_runs.py "${part#figure-}" --out "$OUT" >"$OUT/$part.log" 2>&1
+      python3 experiments/figure_runs.py "${part#figure-}" --out "$OUT" ${GPUS:+--gpus $GPUS} \
+        >"$OUT/$part.log" 2>&1
       echo "$part: exit $?"; grep -E '^\{|status' "$OUT/$part.log" | cut -c1-300 | tail -12 ;;
     loss-tests)
       for m in jzo.train jzo.estimate jzo.export; do

@@ -1,5 +1,6 @@
-"""ZeRO-Offload on one GPU: jzo with and without offload (and with delayed
-parameter update) training the same GPT, with the step-time breakdown.
+"""ZeRO-Offload on one GPU (or --gpus of them): jzo with and without offload
+(and with delayed parameter update) training the same GPT, with the step-time
+breakdown.
 
 Each configuration runs in a fresh process (its own GPU peak and host RSS):
   device       ZeroEngine stage 2, optax.adamw on the GPU (where it fits);
@@ -22,6 +23,10 @@ host (a device call per micro-batch); the result then also has the device
 time per micro-batch (the device calls alone / K), the host's summing
 passes a step and the time the engine waited for micro-batches' gradients
 to leave the GPU.
+
+With --gpus N the engine spans the first N GPUs (one process, --batch
+sequences per GPU): tokens/s counts them all, model TFLOPS are per GPU and
+the GPU peak is GPU 0's.
 
   python experiments/offload_bench.py --model gpt2-1.5b --batch 8 --json out.json
 """
@@ -49,6 +54,15 @@ def timed(fn, repeats=3):
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def devices(count: int) -> list:
+  """The first `count` accelerators, refusing a count the machine lacks."""
+  import jax
+  found = jax.devices()
+  if count > len(found):
+    raise SystemExit(f"--gpus {count}: this machine has {len(found)} {found[0].platform} devices")
+  return found[:count]
 
 
 def model_config(args):
@@ -93,7 +107,7 @@ def run_one(args) -> list[dict]:
       grads_in_params=args.grads_in_params,
       offload_params={None: False, "all": True, "auto": "auto"}[args.offload_params],
       resident_layers=args.resident_layers,
-      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+      mesh=jax.sharding.Mesh(np.array(devices(args.gpus)), ("data",)),
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
@@ -111,7 +125,7 @@ def run_one(args) -> list[dict]:
   results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
                            activations[micro])
              for micro in args.batch]
-  if engine.host_update is not None and engine.state.grads is not None:
+  if args.breakdown and engine.host_update is not None and engine.state.grads is not None:
     # The engine's transfers apart (host accumulation keeps no step's gradients to time): every host part down, then up, one set
     # of landing buffers at a time (a second set of gpt2-10b's does not fit
     # the host).
@@ -139,7 +153,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
   import jzo
   gib = lambda b: round(b / 2**30, 2)
   offload = args.config != "device"
-  batch_size = micro * args.grad_accum
+  batch_size = micro * args.grad_accum * args.gpus
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (batch_size, args.seq_len + 1),
                                         0, config.vocab_size, jnp.int32)}
   if args.compiled_memory:
@@ -169,8 +183,8 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "offload_params": engine.plan.offload_params,
       "host_params_gib": engine.plan.host_params_bytes() / 2**30,
       "resident_layers": engine.plan.resident_layers,
-      "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
-      "tflops": tokens_per_s * config.flops_per_token() / 1e12,
+      "gpus": args.gpus, "step_s": seconds, "times_s": times, "tokens_per_s": tokens_per_s,
+      "tflops": tokens_per_s * config.flops_per_token() / args.gpus / 1e12,  # per GPU
       # The process's peak so far: with several micro-batches, the largest yet.
       "peak_gpu_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
       "host_rss_gib": psutil.Process().memory_info().rss / 2**30,
@@ -198,7 +212,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       result["host_accumulate_s"] = statistics.median(t["accumulate"] for t in timings)
       result["wait_micro_s"] = statistics.median(t["wait_micro"] for t in timings)
   print("result:", json.dumps(result), file=sys.stderr, flush=True)  # kept if a later one fails
-  if engine.host_update is not None and not engine.plan.grads_in_params:
+  if args.breakdown and engine.host_update is not None and not engine.plan.grads_in_params:
     # The device step alone: forward, backward, device-part update (under
     # grads_in_params it would remake the layers' weights too).
     print("timing the device step alone", file=sys.stderr, flush=True)
@@ -258,6 +272,10 @@ def parse_args():
                       help="print the compiled step's memory analysis first")
   parser.add_argument("--device-memory-gb", type=float,
                       help="device memory the plan may use (default: the allocator's limit)")
+  parser.add_argument("--gpus", type=int, default=1,
+                      help="GPUs the engine spans (one process; --batch sequences per GPU)")
+  parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                      help="skip the timings apart (the device step alone, the transfers)")
   parser.add_argument("--json")
   parser.add_argument("--config", help=argparse.SUPPRESS)  # child process: one run
   return parser.parse_args()
@@ -275,7 +293,9 @@ def main():
            "--seq-len", str(args.seq_len), "--batch", *map(str, args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--moments", args.moments, "--remat", args.remat, "--accumulation", args.accumulation,
-           "--stage", str(args.stage)]
+           "--stage", str(args.stage), "--gpus", str(args.gpus)]
+    if not args.breakdown:
+      cmd.append("--no-breakdown")
     if args.grads_in_params:
       cmd.append("--grads-in-params")
     if args.offload_params:
@@ -325,7 +345,7 @@ def main():
   if results:
     print(f"model {args.model} ({results[0]['n_params'] / 1e9:.2f}B), micro-batch "
           f"{' '.join(map(str, args.batch))} x {args.grad_accum} accumulation, "
-          f"seq {args.seq_len}, {results[0]['device']}")
+          f"seq {args.seq_len}, {results[0]['device']} x {args.gpus}")
 
 
 if __name__ == "__main__":
