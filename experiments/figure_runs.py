@@ -69,6 +69,7 @@ class Point:
   limit: float     # seconds before it is stopped
   gpus: int = 0    # GPUs it is given (CUDA_VISIBLE_DEVICES); 0: the environment's
   alone: bool = True  # nothing runs beside it (it uses the host's memory and cores)
+  env: dict[str, str] = dataclasses.field(default_factory=dict)  # set for its process
 
 
 def jzo_points(model, configs, *, batch=(8,), n_layer=None, moments="fp32", steps=4,
@@ -86,12 +87,16 @@ def jzo_points(model, configs, *, batch=(8,), n_layer=None, moments="fp32", step
 
 def peer_point(system, model, *, n_layer=None, steps=4, limit=240, gpus=0):
   """PyTorch alone ("torch") or DeepSpeed ("deepspeed") on the same shapes;
-  with `gpus` > 1, a process per GPU under torchrun."""
+  with `gpus` > 1, a process per GPU under torchrun, each with its share of
+  the host's cores for DeepSpeed's CPU Adam (torchrun's default of one
+  OpenMP thread a process ran it 2-4x slower: RESULTS.md, session 34)."""
   script = os.path.join(HERE, "torch_baselines.py")
   launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
              str(gpus), script] if gpus > 1 else [sys.executable, script])
   cmd = launch + ["--model", model, "--system", system, "--steps", str(steps)]
-  return [Point(system, cmd + (["--n-layer", str(n_layer)] if n_layer else []), limit, gpus)]
+  env = {"OMP_NUM_THREADS": str(max(1, os.cpu_count() // gpus))} if gpus > 1 else {}
+  return [Point(system, cmd + (["--n-layer", str(n_layer)] if n_layer else []), limit, gpus,
+                env=env)]
 
 
 def loss_curve(name, *flags):
@@ -135,8 +140,8 @@ PARTS = {
                                  for p in jzo_points("gpt2-13b", ["offload_dpu"], stage=2,
                                                      gpus=n, steps=4, limit=420)],
     "scale-ds": lambda counts: [p for n in counts
-                                for p in peer_point("deepspeed", "gpt2-13b", steps=3,
-                                                    limit=480, gpus=n)],
+                                for p in peer_point("deepspeed", "gpt2-13b", steps=2,
+                                                    limit=420, gpus=n)],
     "scale-ds-1.5b": lambda counts: [p for n in counts
                                      for p in peer_point("deepspeed", "gpt2-1.5b", steps=4,
                                                          gpus=n)],
@@ -165,7 +170,9 @@ def run(point: Point, gpu_ids: list[str]) -> list[dict]:
   """Runs one point on `gpu_ids` (none: the environment's); returns its
   records (several for a multi-batch bench)."""
   system, cmd, limit = point.system, point.cmd, point.limit
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpu_ids)) if gpu_ids else None
+  env = dict(os.environ, **point.env)
+  if gpu_ids:
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
   with tempfile.TemporaryDirectory() as tmp:
     out_json = os.path.join(tmp, "out.json")
     if system.startswith("loss"):

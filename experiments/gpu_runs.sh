@@ -468,9 +468,10 @@ for part in "$@"; do
       common=(--model gpt2-1.5b --seq-len 1024 --batch-size 16 --steps 30 --warmup 2
               --log-every 10 --eval-every 1000 --checkpoint-every 0 --sample-tokens 0
               --offload --delayed-update)
-      timeout 400 python3 -m jzo.train "${common[@]}" --out /tmp/run-one \
+      # GPUs 0 and 1 both ways, whatever the machine has.
+      CUDA_VISIBLE_DEVICES=0,1 timeout 400 python3 -m jzo.train "${common[@]}" --out /tmp/run-one \
         >"$OUT/$part-one.log" 2>&1
-      echo "one process: exit $?"; grep -E "^step 30" "$OUT/$part-one.log"
+      echo "one process: exit $?"; grep -o "step 30: [^%]*%" "$OUT/$part-one.log"
       port=$((20000 + RANDOM % 20000))
       for i in 0 1; do
         CUDA_VISIBLE_DEVICES=$i timeout 400 python3 -m jzo.train "${common[@]}" \
@@ -478,7 +479,7 @@ for part in "$@"; do
           >"$OUT/$part-pair$i.log" 2>&1 &
       done
       wait; echo "a process per GPU: $(grep -c "" "$OUT/$part-pair0.log") lines"
-      grep -E "^step 30" "$OUT/$part-pair0.log"
+      grep -o "step 30: [^%]*%" "$OUT/$part-pair0.log"
       cp /tmp/run-one/metrics.jsonl "$OUT/$part-one.jsonl"
       cp /tmp/run-pair/metrics.jsonl "$OUT/$part-pair.jsonl" ;;
     pair-save)

@@ -1,5 +1,6 @@
-"""Draws the single-GPU figures of issue 14 from the records that
-experiments/figure_runs.py wrote (default: experiments/results/session6/).
+"""Draws the figures of issue 14 from the records that
+experiments/figure_runs.py wrote (default: experiments/results/session6/ for
+the single-GPU ones, SCALING_RUNS for figure 3).
 
   python experiments/plot_figures.py [--results DIR] [--out experiments/figures]
 
@@ -8,6 +9,9 @@ experiments/figure_runs.py wrote (default: experiments/results/session6/).
   fig_memory_per_param.png  GPU and host bytes per parameter of the largest
                           runs, the planner's against measured
   fig2_throughput.png     model TFLOPS against model size, and what did not fit
+  fig3_scaling.png        tokens/s per GPU over 1, 2 and 4 GPUs against linear:
+                          gpt2-1.5b without offload at stages 1-3, gpt2-13b
+                          with offload beside DeepSpeed
   fig4_dpu.png            the delayed parameter update: step time against
                           micro-batch, and the loss of two runs
 
@@ -45,6 +49,16 @@ LARGEST_SINCE = [("session13/run1-6cf64fc/grads-20b.json",
 # The runs of figure "memory per parameter": (records under results/, model).
 MEMORY_RUNS = [("session6/h100_10b.json", "gpt2-10b"), ("session7/llama8b.json", "llama-3.1-8b"),
                ("session13/run1-6cf64fc/grads-20b.json", "gpt2-20b")]
+# Figure 3's runs (nvidia-h200-x4, session 34), under results/: figure_runs.py's
+# scale-1.5b and scale-13b, DeepSpeed with each process's share of the cores
+# (torch_baselines.py's own records), and DeepSpeed under torchrun's default of
+# one OpenMP thread a process (figure_runs.py's scale-ds before that was set).
+SCALING_RUNS = {"jzo": ["session34/call1/scale-1.5b.json", "session34/call1/scale-13b.json"],
+                "deepspeed": ["session34/call3/ds1.json", "session34/call4/ds2.json",
+                              "session34/call4/ds4.json"],
+                "deepspeed, 1 thread": ["session34/call2/scale-ds.json"]}
+SCALING_MACHINE = ("nvidia-h200-x4: 4 H200 141GB (NVLink), 64-core Xeon, 503 GiB host; jax "
+                   "0.11.2, DeepSpeed 0.19.8; 2026-11-27")
 FAILED = {"oom": "GPU out of memory", "killed": "killed: host out of memory",
           "refused": "refused by jzo's planner", "timeout": "no result in time"}
 
@@ -200,6 +214,77 @@ def fig_dpu(records: list[dict], date: str, out: str) -> None:
   fig.savefig(os.path.join(out, "fig4_dpu.png"), dpi=130)
 
 
+def scaling_records() -> dict[str, list[dict]]:
+  """SCALING_RUNS' records by line of figure 3, each a list sorted by GPUs."""
+  def read(path):
+    with open(os.path.join(HERE, "results", path)) as f:
+      data = json.load(f)
+    return data["records"] if "records" in data else [data]
+  runs = {name: [r for path in paths for r in read(path) if r["status"] == "ok"]
+          for name, paths in SCALING_RUNS.items()}
+  lines = {f"jzo stage {stage}, no offload": [r for r in runs["jzo"] if r["config"] == "device"
+                                              and r["stage"] == stage] for stage in (1, 2, 3)}
+  lines["jzo stage 2 offload + DPU"] = [r for r in runs["jzo"] if r["config"] == "offload_dpu"]
+  lines["DeepSpeed ZeRO-2 offload"] = runs["deepspeed"]
+  lines["DeepSpeed, torchrun's 1 OpenMP thread a process"] = runs["deepspeed, 1 thread"]
+  return {name: sorted(rs, key=lambda r: r["gpus"]) for name, rs in lines.items()}
+
+
+def fig_scaling(out: str) -> None:
+  """Figure 3: tokens/s per GPU against GPU count, each line's 1-GPU point
+  times the count being linear; the ratio to linear at each point, and
+  jzo's to DeepSpeed's on the offload panel."""
+  lines = scaling_records()
+  fig, panels = plt.subplots(1, 2, figsize=(13, 5.2))
+  styles = {"jzo stage 1, no offload": ("tab:olive", "o", "-"),
+            "jzo stage 2, no offload": ("tab:green", "s", "-"),
+            "jzo stage 3, no offload": ("tab:cyan", "^", "-"),
+            "jzo stage 2 offload + DPU": ("tab:blue", "o", "-"),
+            "DeepSpeed ZeRO-2 offload": ("tab:red", "s", "-"),
+            "DeepSpeed, torchrun's 1 OpenMP thread a process": ("tab:red", "x", ":")}
+  for ax, names, title in (
+      (panels[0], [n for n in lines if "no offload" in n], "gpt2-1.5b (1.56B), no offload"),
+      (panels[1], [n for n in lines if "no offload" not in n],
+       "gpt2-13b (12.8B), all optimizer state on the host")):
+    for name in names:
+      rs = lines[name]
+      if not rs:
+        continue
+      color, marker, style = styles[name]
+      gpus = [r["gpus"] for r in rs]
+      per_gpu = [r["tokens_per_s"] / r["gpus"] for r in rs]
+      label = name
+      if rs[0]["gpus"] == 1:
+        ax.plot(gpus, [per_gpu[0]] * len(gpus), ls="--", lw=0.8, color=color, alpha=0.6)
+        label += "\n" + ", ".join(f"{g} GPUs {v / per_gpu[0]:.3f}x"
+                                  for g, v in zip(gpus[1:], per_gpu[1:])) + " linear"
+      ax.plot(gpus, per_gpu, marker=marker, ls=style, color=color, label=label)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("GPUs (micro-batch 8 a GPU, seq 1024)")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_xticks([1, 2, 4])
+    ax.set_xlim(0.7, 4.6)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    flops = PRESETS["gpt2-1.5b" if ax is panels[0] else "gpt2-13b"].flops_per_token()
+    right = ax.secondary_yaxis("right", functions=(lambda t, f=flops: t * f / 1e12,
+                                                   lambda x, f=flops: x * 1e12 / f))
+    right.set_ylabel("model TFLOPS per GPU")
+  jzo, ds = lines["jzo stage 2 offload + DPU"], lines["DeepSpeed ZeRO-2 offload"]
+  for a, b in zip(jzo, ds):
+    if a["gpus"] == b["gpus"]:
+      panels[1].annotate(f"jzo {a['tokens_per_s'] / b['tokens_per_s']:.2f}x DeepSpeed",
+                         (a["gpus"], a["tokens_per_s"] / a["gpus"]), textcoords="offset points",
+                         xytext=(-20, -14), fontsize=8, color="tab:blue")
+  fig.suptitle("Scaling over GPUs: tokens/s per GPU against linear (dashed: the 1-GPU point "
+               "times the count)", fontsize=11)
+  fig.text(0.01, 0.01, f"{SCALING_MACHINE}; jzo: one process over the GPUs; DeepSpeed: a "
+           "process per GPU (torchrun)", fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig3_scaling.png"), dpi=130)
+
+
 def fig_memory(out: str) -> None:
   """GPU and host bytes per parameter of MEMORY_RUNS (the largest micro-batch
   of each), planned against measured: the GPU's process peak against the
@@ -267,6 +352,7 @@ def main():
   fig_largest(records, date, args.out)
   fig_throughput(records, date, args.out)
   fig_dpu(records, date, args.out)
+  fig_scaling(args.out)
   fig_memory(args.out)
   print("wrote", ", ".join(sorted(os.listdir(args.out))), "in", args.out)
 
