@@ -104,7 +104,7 @@
 #                  tensorstore alone in jzo's spans, zstd and uncompressed, and dd's write speed
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
-# Parts on two GPUs (nvidia-h200-x2):
+# Parts on several GPUs (nvidia-h200-x2; x4 for 4-GPU counts):
 #   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
 #                  and 2 GPUs (zero_stages_bench.py)
 #   pair-recipe    gpt2-1.5b through the recipe: one process over both GPUs, then one
@@ -114,6 +114,10 @@
 #                  process's peak host memory without checkpoints and saving at steps 2 and 4,
 #                  for RUNS of moments:host share (default fp32:auto, fp32:1, int8:1); the
 #                  pairs' CPU tests on this machine's Python; the logs in $OUT/pair-save.tar
+#   scale-flags    gpt2-1.5b without offload at STAGES (3 2) on GPUS (4) GPUs and on one,
+#                  for each set of XLA flags in FLAGSETS (collectives overlapped or not)
+#   largest        experiments/largest_model.py: the largest GPT the planner fits with
+#                  offload on each of GPUS (1 2 4) GPUs, each trained 2 steps (figure 5)
 #   pair-runtime   a process's runtime alone (runtime_probe.py), one process on one GPU
 #                  and each of a pair; then gpt2-1.5b through the recipe for RUNS of
 #                  moments:host share (default int8:1 fp32:1), 4 steps, no checkpoints, one
@@ -353,6 +357,32 @@ for part in "$@"; do
           --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|rror" "$OUT/$name.log" | cut -c1-400 | tail -4
       done ;;
+    scale-flags)
+      # Does XLA overlap the ZeRO collectives with compute? gpt2-1.5b without
+      # offload at STAGES (3 2) over GPUS (4) GPUs, once for each set of XLA
+      # flags in FLAGSETS (';' between sets; default: none, the stage-3
+      # all-gather pipelined across the layers' loop, that and the loop
+      # double-buffered, that and larger combine thresholds), then on 1 GPU.
+      default=";--xla_gpu_enable_pipelined_all_gather=true"
+      default+=";--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
+      default+=";--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_all_gather_combine_threshold_bytes=134217728 --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728"
+      IFS=';' read -ra sets <<<"${FLAGSETS-$default}"
+      for stage in ${STAGES:-3 2}; do
+        for n in ${GPUS:-4} 1; do
+          for i in "${!sets[@]}"; do
+            [ "$n" = 1 ] && [ "$i" != 0 ] && continue  # one GPU has no collectives
+            name=$part-s$stage-g$n-$i; echo "$name: XLA_FLAGS=${sets[$i]}"
+            XLA_FLAGS="${sets[$i]}" timeout 200 python3 experiments/offload_bench.py --config device \
+              --model gpt2-1.5b --stage $stage --gpus $n --no-breakdown --steps 5 \
+              >"$OUT/$name.json" 2>"$OUT/$name.log"
+            echo "$name: exit $?"; grep -o '"step_s": [0-9.]*\|rror.*' "$OUT/$name.log" | head -2
+          done
+        done
+      done ;;
+    largest)
+      python3 experiments/largest_model.py --gpus ${GPUS:-1 2 4} --run --json "$OUT/$part.json" \
+        >"$OUT/$part.log" 2>&1
+      echo "$part: exit $?"; grep -E "GPU\(s\)|trained" "$OUT/$part.log" ;;
     params-schedule)
       rm -rf /tmp/hlo
       XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text ${XLA_EXTRA:-}" timeout 200 python3 \
