@@ -104,12 +104,10 @@
 #                  tensorstore alone in jzo's spans, zstd and uncompressed, and dd's write speed
 #   probe          param_offload_probe.py: a scanned stack streamed from pinned host
 #                  memory, fetched in the layer's iteration and a layer ahead
-# Parts on several GPUs (nvidia-h200-x2; x4 for 4-GPU counts):
-#   scaling        gpt2-1.5b, stages 1-3, without and with offload, one process over 1
-#                  and 2 GPUs (zero_stages_bench.py)
+# Parts on several GPUs (nvidia-h200-x2; x4 for 4-GPU counts); the scaling figure's are
+# figure-scale-* above (jzo stages 1-3 with and without offload, DeepSpeed, over GPUS):
 #   pair-recipe    gpt2-1.5b through the recipe: one process over both GPUs, then one
 #                  process per GPU (--coordinator), stage 2, offload + delayed update
-#   ds-2gpu        DeepSpeed ZeRO-2 offload, gpt2-1.5b, on 1 GPU and on 2 (one process each)
 #   pair-save      gpt2-1.5b through the recipe, one process per GPU, 4 steps: each
 #                  process's peak host memory without checkpoints and saving at steps 2 and 4,
 #                  for RUNS of moments:host share (default fp32:auto, fp32:1, int8:1); the
@@ -489,11 +487,6 @@ for part in "$@"; do
       record $part offload_bench.py --model gpt2-10b --moments bf16 --batch 8 --grad-accum 4 \
         --accumulation host --configs auto_dpu --steps 5 ;;
     host-sums) python3 experiments/host_sums_bench.py --log2n 30 2>&1 | tee "$OUT/$part.log" ;;
-    scaling)
-      for offload in "" --offload; do
-        record $part zero_stages_bench.py --model gpt2-1.5b --gpus 1 2 --stages 1 2 3 \
-          --steps 5 $offload
-      done ;;
     pair-recipe)
       common=(--model gpt2-1.5b --seq-len 1024 --batch-size 16 --steps 30 --warmup 2
               --log-every 10 --eval-every 1000 --checkpoint-every 0 --sample-tokens 0
@@ -560,12 +553,6 @@ for part in "$@"; do
           rm -rf /tmp/run-$name
         done
       done ;;
-    ds-2gpu)
-      record $part torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5
-      python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-        experiments/torch_baselines.py --model gpt2-1.5b --system deepspeed --steps 5 \
-        --json "$OUT/$part-2.json" >>"$OUT/$part.log" 2>&1
-      echo "$part on 2 GPUs: exit $?"; cat "$OUT/$part-2.json" >>"$OUT/$part.jsonl" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -8,11 +8,13 @@ experiments/offload_bench.py: median step time, tokens/s, model TFLOPS
 (6 N + 12 L D T per token), peak GPU memory, host RSS.
 
   python experiments/torch_baselines.py --model gpt2-4b --system deepspeed
-  python -m torch.distributed.run --standalone --nproc-per-node 2 \
-      experiments/torch_baselines.py --model gpt2-1.5b --system deepspeed
+  OMP_NUM_THREADS=$(($(nproc) / 2)) python -m torch.distributed.run --standalone \
+      --nproc-per-node 2 experiments/torch_baselines.py --model gpt2-1.5b --system deepspeed
 
 Under torchrun each process trains --batch sequences on its GPU; tokens/s
-counts every GPU's, model TFLOPS are per GPU.
+counts every GPU's, model TFLOPS are per GPU. Give each process its share of
+the cores: torchrun's default of one OpenMP thread a process runs
+DeepSpeed's CPU Adam on one core (2-4x slower at 13B on 2 and 4 GPUs).
 """
 
 from __future__ import annotations
