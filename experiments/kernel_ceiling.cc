@@ -1,16 +1,19 @@
 // The fp32 Adam kernel against the memory's ceiling for its traffic: the
-// AVX-512 kernel (float32 gradients, moments and weights, updated in place:
-// 16 bytes read and 12 written a parameter) and a loop that moves the same
-// bytes with almost no arithmetic, taking turns in one process on T
-// threads, tasks of 2^16 parameters handed out as the module's pool does.
-// If the two run at the same speed, the kernel is bound by memory, and no
-// fused AdamW that moves these 28 bytes can be faster on this host.
+// AVX-512 kernel (or the AVX2 one, built without AVX-512 flags; float32
+// gradients, moments and weights, updated in place: 16 bytes read and 12
+// written a parameter) and a loop that moves the same bytes with almost no
+// arithmetic, taking turns in one process on T threads, tasks of 2^16
+// parameters handed out as the module's pool does; and the kernel again on
+// T contiguous parts, one a thread (as OpenMP's static schedule splits
+// torch's). If the kernel runs as fast as the loop, it is bound by memory,
+// and no fused AdamW that moves these 28 bytes can be faster on this host.
 //
 // Built and run from the repository's root (gpu_runs.sh's part kernel-ceiling):
 //   FLAGS="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
 //   g++ $FLAGS -Iext -c ext/adam_avx512.cc -o /tmp/k.o
 //   g++ $FLAGS -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o -o /tmp/kc -lpthread
 //   /tmp/kc E ROUNDS T   ->  each one's median Gparam/s over rounds 2..ROUNDS (round 1 warms up)
+// On an AVX2 host: FLAGS="-O3 -std=c++17 -mavx2 -mfma -mf16c" and ext/adam_avx2.cc.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -72,7 +75,20 @@ int main(int argc, char** argv) {
       });
     for (auto& t : pool) t.join();
   };
+#ifdef __AVX512F__
   auto kernel = [&](int64_t lo, int64_t hi) { jzo::isa::adam_range_avx512(b, s, lo, hi); };
+#else
+  auto kernel = [&](int64_t lo, int64_t hi) { jzo::isa::adam_range_avx2(b, s, lo, hi); };
+#endif
+  auto in_parts = [&](auto body) {  // thread t: [n t / T, n (t + 1) / T), a task at a time
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        for (int64_t c = lo; c < hi; c += kChunk) body(c, std::min(hi, c + kChunk));
+      });
+    for (auto& t : pool) t.join();
+  };
   // Vectorized as wide as the kernel (the file is built with its flags;
   // restrict: the arrays do not overlap).
   auto same_bytes = [&](int64_t lo, int64_t hi) {
@@ -87,17 +103,17 @@ int main(int argc, char** argv) {
     }
   };
 
-  const char* names[] = {"kernel", "same bytes, no Adam"};
-  std::vector<double> seconds[2];
+  const char* names[] = {"kernel", "same bytes, no Adam", "kernel, contiguous parts"};
+  std::vector<double> seconds[3];
   for (int r = 0; r < rounds; ++r) {
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < 3; ++k) {
       const auto start = std::chrono::steady_clock::now();
-      k == 0 ? in_tasks(kernel) : in_tasks(same_bytes);
+      k == 0 ? in_tasks(kernel) : k == 1 ? in_tasks(same_bytes) : in_parts(kernel);
       const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (r > 0) seconds[k].push_back(took);  // round 0 warms up
     }
   }
-  for (int k = 0; k < 2; ++k) {
+  for (int k = 0; k < 3; ++k) {
     std::sort(seconds[k].begin(), seconds[k].end());
     const double median = seconds[k][seconds[k].size() / 2];
     std::printf("%-20s 2^%s, %d threads: %.3f Gparam/s (%.1f GB/s at 28 B a parameter)\n",
