@@ -55,10 +55,15 @@ def fits(config, gpus: int, placement: str, args) -> bool:
   return found.fits
 
 
+def base_config(args):
+  """The base preset at --seq-len with full remat: the shape whose layers are counted."""
+  from jzo.models import gpt
+  return dataclasses.replace(gpt.PRESETS[args.base], seq_len=args.seq_len, remat="full")
+
+
 def largest_layers(gpus: int, placement: str, args) -> int:
   """The most layers of the base shape that fit (0: not even one)."""
-  from jzo.models import gpt
-  base = dataclasses.replace(gpt.PRESETS[args.base], seq_len=args.seq_len, remat="full")
+  base = base_config(args)
   ok = lambda n: fits(dataclasses.replace(base, n_layer=n), gpus, placement, args)
   low, high = 0, 1
   while ok(high):  # doubling until one does not fit, then halving the gap
@@ -110,8 +115,7 @@ def main():
   parser.add_argument("--json")
   args = parser.parse_args()
 
-  from jzo.models import gpt
-  base = gpt.PRESETS[args.base]
+  base = base_config(args)  # the shape planned, so its parameter count is the plan's
   results = []
   for gpus in args.gpus:
     layers = {p: largest_layers(gpus, p, args) for p in PLACEMENTS}
