@@ -96,7 +96,7 @@ def run_one(args) -> list[dict]:
   activations = {micro: gpt.activation_bytes(config, micro, args.seq_len) for micro in args.batch}
   # As the recipe: the pinned pool is not rounded up past the landing
   # buffers and offloaded weights (at most 2 B a parameter).
-  jzo.plan.limit_pinned_pool(2 * config.n_params)
+  jzo.plan.limit_pinned_pool(2 * config.n_params, args.gpus)
   jax.devices()  # the runtime's own host memory counts as the baseline
   rss_before = psutil.Process().memory_info().rss
   start = time.perf_counter()
@@ -200,6 +200,10 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "planned_build_gib": (sum(engine.plan.device_bytes().values())
                             + engine.plan.build_bytes()) / 2**30,
       "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
+      # ... and beside it the pinned pools' rounding and the runtime, to set against the RSS.
+      "planned_host_gib": ((sum(engine.plan.host_bytes().values()) + engine.plan.pool_rounding()
+                            if offload else 0)
+                           + jzo.plan.host_runtime_bytes(engine.plan.local_devices)) / 2**30,
       "host_state_gib": engine.host_bytes_in_use() / 2**30,
   }
   if engine.host_update is not None:

@@ -196,7 +196,8 @@ class ZeroEngine:
         device_memory=device_memory or plan_lib.device_memory_limit(device),
         host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions),
-        checkpoint_memory=checkpoint_memory)
+        checkpoint_memory=checkpoint_memory,
+        runtime_bytes=plan_lib.host_runtime_bytes(len(self.positions), device.platform))
     if int8 and self.plan.has_device_state:
       # The engine's device state is flat shards of float moments; int8
       # moments are for host RAM, where the C++ kernel runs them.

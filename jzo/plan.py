@@ -22,7 +22,8 @@ and, with offload, the exchange after the step (the gradients of the leaves
 with a host part wait on the device until they are down while leaves' new
 weights come up). Host (all devices' shards): masters and moments of the
 host part and one landing buffer per leaf, which carries the gradients down
-and the new weights up, in XLA's pinned pool; the runtime. Building draws
+and the new weights up, in XLA's pinned pools (one per device); the runtime
+(more for each more GPU of the process). Building draws
 the leaves in float32 on the first device, largest first, a group at a time
 (`draw_groups`).
 
@@ -81,10 +82,13 @@ DEVICE_HEADROOM = 0.06
 # CUDA, XLA, Python (measured on the H100 machine with offload: host RSS -
 # state - pool = 3.8 GiB at 1.56B, 3.9 at 4.24B, 4.2 at 10.28B, 4.7 at 12.85B).
 HOST_RUNTIME_BYTES = int(4.5 * 2**30)
+# ... and for each more GPU the process drives (one process over 1, 2 and 4
+# H200s without offload: host RSS 5.9, 10.6 and 19.3 GiB).
+HOST_RUNTIME_BYTES_PER_DEVICE = int(4.4 * 2**30)
 
 
-# XLA's pinned host pool on GPUs: its cap in GiB is read from this variable
-# when JAX starts its GPU backend (XLA's default: 64).
+# XLA's pinned host pools on GPUs, one per device: the cap in GiB of each is
+# read from this variable when JAX starts its GPU backend (XLA's default: 64).
 PINNED_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 _XLA_PINNED_POOL_LIMIT_GIB = 64
 # A streamed host update (jzo.offload) holds this many spans under its landing
@@ -93,12 +97,16 @@ STREAM_SPANS = 4
 # The landing limit of an update that is not delayed, where one step's host
 # parts are more: spans of 512 MiB.
 STREAM_LANDING_BYTES = 2 * 2**30
-# Pinned memory besides the landing buffers: staging of the batches and checkpoint reads.
+# Pinned memory of a process besides the landing buffers: staging of the
+# batches and checkpoint reads; each device's pool keeps its share of it, but
+# at least MIN_POOL_HEADROOM (a chunk of the build, and room for the pool's
+# fragments).
 PINNED_POOL_HEADROOM = 2 * 2**30
+MIN_POOL_HEADROOM = 2**30
 
 
 def pinned_pool_limit() -> int:
-  """Bytes XLA's pinned host pool may hold (see PINNED_POOL_LIMIT_VAR)."""
+  """Bytes each device's pinned host pool may hold (see PINNED_POOL_LIMIT_VAR)."""
   value = os.environ.get(PINNED_POOL_LIMIT_VAR, "")
   try:
     return int(value) * 2**30 if value else _XLA_PINNED_POOL_LIMIT_GIB * 2**30
@@ -107,25 +115,63 @@ def pinned_pool_limit() -> int:
                      f"got {value!r}") from None
 
 
-def pinned_pool_bytes(landing: int) -> int:
-  """Host bytes XLA's pinned pool takes for `landing` bytes of landing
-  buffers reserved in one piece: its regions grow in powers of two, up to
-  what its cap leaves, and pinned pages are resident (gpt2-13b's 21.6 GiB
-  of landing buffers took a 32 GiB region under the default 64 GiB cap:
-  host RSS 123.2 GiB = state 86.5 + 32 + runtime)."""
-  return min(1 << (landing - 1).bit_length(), pinned_pool_limit()) if landing else 0
+def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
+  """Host bytes XLA's pinned pools take for `landing` bytes of landing
+  buffers of a process spread evenly over its `devices`, each device's
+  share reserved in one piece in its own pool (`ShardTransfer.reserve`): a
+  pool's regions grow in powers of two, up to what its cap leaves, and
+  pinned pages are resident (gpt2-13b's 21.6 GiB of landing buffers took a
+  32 GiB region under the default 64 GiB cap: host RSS 123.2 GiB = state
+  86.5 + 32 + runtime)."""
+  if not landing:
+    return 0
+  share = -(-landing // devices)
+  return devices * min(1 << (share - 1).bit_length(), pinned_pool_limit())
 
 
-def limit_pinned_pool(landing: int) -> int:
-  """Caps XLA's pinned pool at `landing` bytes (the most landing buffers a
-  run can hold, e.g. every parameter's gradient in the compute dtype) plus
-  PINNED_POOL_HEADROOM, so that their region is not rounded up to a power
-  of two (it would be resident: 32 GiB for 21.6 GiB at gpt2-13b). Takes
-  effect only before JAX starts its GPU backend, and leaves a cap the user
-  set alone. Returns the cap in bytes."""
+def limit_pinned_pool(landing: int, devices: int = 1) -> int:
+  """Caps each device's pinned pool at its share of `landing` bytes (the
+  most landing buffers a process can hold, e.g. every parameter's gradient
+  in the compute dtype, spread over at least `devices` devices) plus its
+  headroom, so that the pool does not round its share up to a power of two
+  (it would be resident: 32 GiB for 21.6 GiB at gpt2-13b). Takes effect
+  only before JAX starts its GPU backend, and leaves a cap the user set
+  alone. `devices` must not be more than the devices the run spreads the
+  landing buffers over (a cap too small fails allocations). Returns the cap
+  in bytes."""
   if PINNED_POOL_LIMIT_VAR not in os.environ:
-    os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil((landing + PINNED_POOL_HEADROOM) / 2**30))
+    share = -(-landing // devices) + max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
+    os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil(share / 2**30))
   return pinned_pool_limit()
+
+
+def visible_gpus() -> int:
+  """GPUs this process can see, counted without starting JAX's GPU backend
+  (where the pinned pools' cap must be set): CUDA_VISIBLE_DEVICES's up to
+  its first invalid entry (where CUDA stops), else the NVIDIA driver's; at
+  least 1."""
+  listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if listed is None:
+    try:
+      return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+    except OSError:
+      return 1
+  count = 0
+  for entry in listed.split(","):
+    if not entry.strip() or entry.strip().startswith("-"):
+      break
+    count += 1
+  return max(1, count)
+
+
+def host_runtime_bytes(devices: int, platform: str = "gpu") -> int:
+  """Host RAM of a process that drives `devices` devices of `platform`,
+  besides its state and pinned pools (CUDA, XLA, Python): more for each
+  more accelerator; CPU devices add none."""
+  more = devices - 1 if platform != "cpu" else 0
+  return HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * more
+
+
 # Host part of a large split leaf: a multiple of this many elements (a cache
 # line of float32), so that the split falls on a cache-line boundary.
 _ALIGN = 16
@@ -184,6 +230,8 @@ class Plan:
   # Host RAM a checkpoint's save takes beside the state while it writes (0:
   # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them).
   checkpoint_bytes: int = 0
+  # Host RAM of one process's runtime (CUDA, XLA, Python: host_runtime_bytes).
+  runtime_bytes: int = HOST_RUNTIME_BYTES
   # offload_params: the first this many layers of the stack also keep their
   # weights in device memory (EngineState.resident, (r, S*k) a leaf), so the
   # step fetches only the others; those layers' new weights then come up once.
@@ -231,9 +279,18 @@ class Plan:
                       if self.params_on_host(l)) // self.processes
 
   def pinned_bytes(self) -> int:
-    """Bytes of XLA's pinned pool the engine holds at once in one process:
+    """Bytes of XLA's pinned pools the engine holds at once in one process:
     the landing buffers and the offloaded weights."""
     return self.host_bytes()["landing"] + self.host_params_bytes()
+
+  def pool_rounding(self) -> int:
+    """Bytes the process's pinned pools hold beyond `pinned_bytes()`."""
+    return pinned_pool_bytes(self.pinned_bytes(), self.local_devices) - self.pinned_bytes()
+
+  @property
+  def local_devices(self) -> int:
+    """Devices of one process."""
+    return self.n_devices // self.processes
 
   @property
   def sharded_lowp(self) -> bool:
@@ -427,12 +484,12 @@ def format_plan(plan: Plan, activations: int | None = None,
     for name, b in host.items():
       name = "landing (streamed)" if name == "landing" and plan.streamed else name
       rows.append(f"  {name:<22}{gib(b)}")
-    rounding = pinned_pool_bytes(plan.pinned_bytes()) - plan.pinned_bytes()
+    rounding = plan.pool_rounding()
     rows.append(f"  {'pinned pool rounding':<22}{gib(rounding)}")
-    rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(HOST_RUNTIME_BYTES)}")
+    rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(plan.runtime_bytes)}")
     if plan.checkpoint_bytes:
       rows.append(f"  {'checkpoint writes':<22}{gib(plan.checkpoint_bytes)}")
-    total = sum(host.values()) + rounding + HOST_RUNTIME_BYTES + plan.checkpoint_bytes
+    total = sum(host.values()) + rounding + plan.runtime_bytes + plan.checkpoint_bytes
     rows.append(f"  {'total':<22}{gib(total)}"
                 + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
     seconds = plan.host_elements / plan.processes / HOST_UPDATE_PARAMS_PER_S
@@ -593,15 +650,17 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
     host, pinned = plan.host_bytes(), plan.pinned_bytes()
     what = "the landing buffers and offloaded weights" if plan.offload_params else \
         "the landing buffers"
-    if device_memory is not None and pinned + BUILD_CHUNK_BYTES > pinned_pool_limit():
+    share = -(-pinned // plan.local_devices)  # in each device's pool
+    if device_memory is not None and share + BUILD_CHUNK_BYTES > pinned_pool_limit():
+      per_device = f" ({share / GiB:.2f} a device)" if plan.local_devices > 1 else ""
       raise PlacementError(
-          f"{what} need {pinned / GiB:.2f} GiB of pinned host memory "
-          f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool is "
-          f"capped at {pinned_pool_limit() / GiB:.0f} GiB: set {PINNED_POOL_LIMIT_VAR} "
-          "higher before JAX starts (jzo.plan.limit_pinned_pool)")
+          f"{what} need {pinned / GiB:.2f} GiB of pinned host memory{per_device} "
+          f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool "
+          f"of a device is capped at {pinned_pool_limit() / GiB:.0f} GiB: set "
+          f"{PINNED_POOL_LIMIT_VAR} higher before JAX starts (jzo.plan.limit_pinned_pool)")
     need, parts = _total_and_parts({**host, "building": building,
-                                    "pool rounding": pinned_pool_bytes(pinned) - pinned,
-                                    "runtime": HOST_RUNTIME_BYTES,
+                                    "pool rounding": plan.pool_rounding(),
+                                    "runtime": plan.runtime_bytes,
                                     "checkpoint writes": plan.checkpoint_bytes})
     if need > host_memory:
       without = ""
@@ -618,7 +677,8 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
 def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
               axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              processes: int = 1, checkpoint_memory: int = 0) -> Plan:
+              processes: int = 1, checkpoint_memory: int = 0,
+              runtime_bytes: int = HOST_RUNTIME_BYTES) -> Plan:
   """The plan of an engine with `options` over params of `shapes` (a tree
   of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
   `tx_state_bytes` of optimizer state per parameter besides the masters.
@@ -626,7 +686,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   (`host_memory` is one process's). Checks that the plan fits the memory
   given (None: not checked) before anything is allocated, on the host with
   `checkpoint_memory` bytes for a checkpoint's save beside the state (see
-  `Plan.checkpoint_bytes`); offload="auto" needs `device_memory`.
+  `Plan.checkpoint_bytes`) and `runtime_bytes` for the process's runtime
+  (`host_runtime_bytes`); offload="auto" needs `device_memory`.
 
   `options.accumulation` (grad_accum > 1 with offload): "device" sums the
   micro-batches' gradients in float32 on the device, "host" sums the host
@@ -645,7 +706,7 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
             host_memory=host_memory, activations=activations, processes=processes,
-            checkpoint_memory=checkpoint_memory)
+            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
       or options.grads_in_params):  # which sums the layers in their backward pass
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
@@ -696,7 +757,7 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
                axis: str, device_memory: int | None, host_memory: int | None,
                activations: int, processes: int, host_accumulation: bool,
-               checkpoint_memory: int, landing_limit: int = 0) -> Plan:
+               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0) -> Plan:
   """make_plan with the accumulation decided."""
   stage, layers, offload = options.stage, options.layers, options.offload
   auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
@@ -718,7 +779,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         moment_bytes=tx_state_bytes, processes=processes,
         host_accumulation=host_accumulation, landing_limit=landing_limit,
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
-        resident_layers=resident_layers,
+        runtime_bytes=runtime_bytes, resident_layers=resident_layers,
         draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)

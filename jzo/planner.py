@@ -114,7 +114,9 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   if host_memory is None:
     host_memory = plan_lib.available_host_memory()
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
-  kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory)
+  # The runtime of a process over `devices` of this machine's kind (CPUs add none).
+  kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory,
+            runtime_bytes=plan_lib.host_runtime_bytes(devices, jax.devices()[0].platform))
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
                               device_memory=device_memory, host_memory=host_memory, **kw)

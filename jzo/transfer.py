@@ -174,16 +174,21 @@ class ShardTransfer:
     return layout.shape[0] if layout.per_layer else layout.on_host
 
   def reserve(self, nbytes: int) -> None:
-    """Makes XLA's pinned host pool hold nbytes of landing buffers (this
-    process's: `Plan.host_bytes()["landing"]`) in one piece, before
-    anything else is pinned. The pool grows by regions of doubling size
-    and never shrinks: allocated leaf by leaf, gpt2-10b's 15.6 GiB of
-    landing buffers took regions of 8 + 8 + 16 GiB, and the host killed
-    the run; reserved at once, one region of 16 GiB."""
+    """Makes XLA's pinned host pools hold nbytes of landing buffers (this
+    process's: `Plan.pinned_bytes()`), before anything else is pinned: each
+    of this process's devices has a pool of its own, where its shards of
+    the landing buffers live, and each reserves its share in one piece. A
+    pool grows by regions of doubling size and never shrinks: allocated
+    leaf by leaf, gpt2-10b's 15.6 GiB of landing buffers took regions of
+    8 + 8 + 16 GiB, and the host killed the run; reserved at once, one
+    region of 16 GiB. (All of gpt2-13b's reserved in the first device's
+    pool of four, the other three grew 26 GiB more of their own.)"""
     if nbytes and self.pinned:
-      device = self._mesh.devices.flat[self._positions[0]]
-      pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-      zeros((nbytes,), np.uint8, pinned).delete()
+      share = -(-nbytes // len(self._positions))
+      for position in self._positions:
+        device = self._mesh.devices.flat[position]
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        zeros((share,), np.uint8, pinned).delete()
 
   def new_landing(self, i: int, span: tuple[int, int] | None = None):
     """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), or of a

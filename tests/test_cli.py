@@ -202,6 +202,22 @@ def test_estimate_caps_the_pinned_pool_as_the_recipe_does(monkeypatch):
   assert rounding < 4, done.stdout
 
 
+def test_the_recipe_caps_each_pool_at_the_share_of_the_gpus_it_will_drive(monkeypatch):
+  """Before JAX starts, the recipe spreads the landing buffers' cap over
+  --devices, else over the GPUs the process sees; the pools' cap it sets
+  is the share of one of them."""
+  from jzo.recipe import loop, models
+  from jzo.recipe.options import TrainConfig
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+  assert loop.landing_devices(TrainConfig()) == 4
+  assert loop.landing_devices(TrainConfig(devices=2)) == 2
+  monkeypatch.delenv(plan.PINNED_POOL_LIMIT_VAR, raising=False)
+  model = models.PRESETS["gpt2-13b"]
+  loop.cap_pinned_pool(model, 4)
+  share = 2 * model.config.n_params // 4 + plan.MIN_POOL_HEADROOM  # 5.98 GiB + 1
+  assert os.environ[plan.PINNED_POOL_LIMIT_VAR] == str(-(-share // 2**30)) == "7"
+
+
 def test_estimate_plans_the_share_of_the_gpu_the_recipe_claims(monkeypatch, capsys):
   """jzo.estimate reads the GPU's limit under the share of its memory that
   jzo.train claims (JAX's default, 75%, would plan for 20 GB less of an

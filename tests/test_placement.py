@@ -318,11 +318,49 @@ def test_the_pinned_pool_is_capped_at_the_landing_buffers(monkeypatch):
     plan_lib.pinned_pool_limit()
 
 
+def test_each_devices_pinned_pool_is_capped_at_its_share(monkeypatch):
+  """One process over several GPUs has a pinned pool per GPU, each holding
+  its share of the landing buffers: each is capped at that share and its
+  part of the headroom (at least 1 GiB), and the plan counts every pool's
+  rounding and the runtime of every GPU."""
+  GiB = 2**30
+  monkeypatch.delenv(plan_lib.PINNED_POOL_LIMIT_VAR, raising=False)
+  landing = int(23.9 * GiB)  # gpt2-13b's gradients in bf16
+  assert plan_lib.pinned_pool_bytes(landing, 4) == 4 * 8 * GiB  # 5.98 rounded up to 8
+  assert plan_lib.limit_pinned_pool(landing, 4) == 7 * GiB  # 5.98 + 1 of headroom, whole GiB
+  assert plan_lib.pinned_pool_bytes(landing, 4) == 4 * 7 * GiB
+  monkeypatch.delenv(plan_lib.PINNED_POOL_LIMIT_VAR)
+  assert plan_lib.limit_pinned_pool(landing, 2) == 13 * GiB  # 11.95 + 1
+  assert plan_lib.host_runtime_bytes(1) == plan_lib.HOST_RUNTIME_BYTES
+  assert plan_lib.host_runtime_bytes(4) == (plan_lib.HOST_RUNTIME_BYTES
+                                            + 3 * plan_lib.HOST_RUNTIME_BYTES_PER_DEVICE)
+  assert plan_lib.host_runtime_bytes(4, "cpu") == plan_lib.HOST_RUNTIME_BYTES
+  est = jzo.estimate(init_params(), devices=4, offload=True, device_memory=10**9,
+                     host_memory=1 << 40)
+  pinned = est.plan.pinned_bytes()
+  assert est.plan.pool_rounding() == 4 * plan_lib.pinned_pool_bytes(pinned // 4) - pinned
+  four_gpus = dataclasses.replace(est.plan, runtime_bytes=plan_lib.host_runtime_bytes(4))
+  assert f"runtime (CUDA, XLA)   {plan_lib.host_runtime_bytes(4) / GiB:8.2f}" in str(four_gpus)
+
+
+def test_visible_gpus_are_counted_before_jax_starts(monkeypatch):
+  """The pools' cap is set before JAX starts its GPU backend, so the GPUs
+  are counted as CUDA counts them: CUDA_VISIBLE_DEVICES up to its first
+  invalid entry, at least one."""
+  for listed, count in (("0,1,2,3", 4), ("2", 1), ("0,1,-1,3", 2), ("", 1),
+                        ("GPU-8a1b,GPU-77c2", 2)):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    assert plan_lib.visible_gpus() == count, listed
+
+
 def test_landing_buffers_beyond_the_pinned_pool_cap_are_refused(monkeypatch):
   monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "1")
   params = lambda: {"w": jnp.zeros(2**29)}  # 1 GiB of bf16 gradients; never drawn
   est = jzo.estimate(params, offload=True, device_memory=80 * 2**30, host_memory=100 * 2**30)
-  assert not est.fits and "pinned pool is capped at 1 GiB" in est.error
+  assert not est.fits and "pinned pool of a device is capped at 1 GiB" in est.error
+  # Over four devices each pool holds a quarter, beside a chunk of the build.
+  assert jzo.estimate(params, devices=4, offload=True, device_memory=80 * 2**30,
+                      host_memory=100 * 2**30).fits
   with pytest.raises(MemoryError, match=plan_lib.PINNED_POOL_LIMIT_VAR):
     jzo.ZeroEngine(lambda p, b: jnp.sum(p["w"]), params, jzo.cpu_adamw(1e-3), offload=True,
                    device_memory=80 * 2**30, host_memory=100 * 2**30, mesh=mesh_of(1))

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     # bytes); the environment is left as it was.
     with mock.patch.dict(os.environ):
       claim_gpu_memory()
-      cap_pinned_pool(models.PRESETS[cfg.model])
+      cap_pinned_pool(models.PRESETS[cfg.model], cfg.devices)
       result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                               remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
                               offload=parse_offload(cfg.offload), moments=cfg.moments,

@@ -108,11 +108,24 @@ def claim_gpu_memory() -> None:
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 
-def cap_pinned_pool(model: models.Model) -> None:
-  """Caps XLA's pinned host pool at what the landing buffers can hold at
-  most, every parameter's gradient in the 2-byte compute dtype, so that it
-  does not round them up to a power of two (jzo.plan.limit_pinned_pool)."""
-  jzo.plan.limit_pinned_pool(2 * model.config.n_params)
+def cap_pinned_pool(model: models.Model, devices: int) -> None:
+  """Caps each device's XLA pinned host pool at its share of what the
+  landing buffers can hold at most, every parameter's gradient in the
+  2-byte compute dtype spread over `devices` (or more), so that it does not
+  round them up to a power of two (jzo.plan.limit_pinned_pool)."""
+  jzo.plan.limit_pinned_pool(2 * model.config.n_params, devices)
+
+
+def landing_devices(cfg: TrainConfig) -> int:
+  """The fewest devices the run spreads its landing buffers over, as known
+  before JAX starts its GPU backend: --devices; with several processes,
+  one a process (--num-processes, else one in all: a process may see GPUs
+  it does not drive); else the GPUs this process sees."""
+  if cfg.devices:
+    return cfg.devices
+  if jax.distributed.is_initialized():
+    return cfg.num_processes or 1
+  return jzo.plan.visible_gpus()
 
 
 def per_device_batch(cfg: TrainConfig, devices) -> int:
@@ -245,7 +258,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   model, params = source_model(cfg)
   check_for_model(cfg, model)
   if cfg.offload:
-    cap_pinned_pool(model)  # before JAX starts its GPU backend, which reads the cap
+    cap_pinned_pool(model, landing_devices(cfg))  # before JAX starts its GPU backend
   devices = pick_devices(cfg)
   per_device_batch(cfg, devices)  # refuses a batch that does not split before reading data
   out = pathlib.Path(cfg.out)
