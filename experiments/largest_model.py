@@ -74,6 +74,20 @@ def largest_layers(gpus: int, placement: str, args) -> int:
   return low
 
 
+def device_gib() -> float:
+  """GiB of this machine's first accelerator that a run's plan may use,
+  asked of a process of its own: JAX in this one would start on every GPU
+  and hold their memory and the runtime's host RAM while the runs train."""
+  ask = ("import jax, jzo.plan as p; "
+         "print((p.device_memory_limit(jax.devices()[0]) or 0) / 2**30)")
+  first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=first, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env)
+  if done.returncode or not float(done.stdout.split()[-1]):
+    raise SystemExit(f"no accelerator's memory to plan with; give --device-gb\n{done.stderr}")
+  return float(done.stdout.split()[-1])
+
+
 def run(gpus: int, placement: str, n_layer: int, args) -> dict:
   """offload_bench.py on the largest model: its record, or why it failed."""
   with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +120,8 @@ def main():
   parser.add_argument("--seq-len", type=int, default=1024)
   parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
   parser.add_argument("--device-gb", type=float,
-                      help="GiB of one device the plan may use (default: this machine's)")
+                      help="GiB of one device the plan may use (default: this machine's "
+                      "first accelerator's)")
   parser.add_argument("--host-gb", type=float,
                       help="GiB of host RAM (default: what this machine has available)")
   parser.add_argument("--run", action="store_true", help="train each count's largest")
@@ -114,6 +129,7 @@ def main():
   parser.add_argument("--limit", type=float, default=480, help="seconds a run may take")
   parser.add_argument("--json")
   args = parser.parse_args()
+  args.device_gb = args.device_gb or device_gib()
 
   base = base_config(args)  # the shape planned, so its parameter count is the plan's
   results = []

@@ -85,6 +85,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     host_memory: bytes of host RAM (default: what this machine has available).
     checkpoint_memory: as for `ZeroEngine`: host RAM a checkpoint's save
       takes beside the state (`jzo.checkpoint.SAVE_HOST_BYTES`), or 0.
+    The host's runtime is counted for one process over `devices` GPUs (one
+    CPU's where JAX is limited to CPUs: jax_platforms "cpu").
 
   Returns:
     An Estimate; print it for the table.
@@ -114,9 +116,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
   if host_memory is None:
     host_memory = plan_lib.available_host_memory()
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
-  # The runtime of a process over `devices` of this machine's kind (CPUs add none).
   kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory,
-            runtime_bytes=plan_lib.host_runtime_bytes(devices, jax.devices()[0].platform))
+            runtime_bytes=plan_lib.host_runtime_bytes(devices, _planned_platform()))
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
                               device_memory=device_memory, host_memory=host_memory, **kw)
@@ -129,6 +130,14 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
         offload_params=True if offload_params == "auto" else offload_params)
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
+
+
+def _planned_platform() -> str:
+  """The devices whose runtime an estimate counts: CPUs where JAX may run
+  on nothing else (jax_platforms "cpu"), else accelerators, which the plan
+  is for; read without starting a backend (a process that only plans
+  must not take a GPU from the run it plans)."""
+  return "cpu" if (jax.config.jax_platforms or "").split(",")[0] == "cpu" else "gpu"
 
 
 def local_device_memory() -> int | None:
