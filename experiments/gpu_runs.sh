@@ -116,8 +116,6 @@
 #                  for each set of XLA flags in FLAGSETS (collectives overlapped or not)
 #   largest        experiments/largest_model.py: the largest GPT the planner fits with
 #                  offload on each of GPUS (1 2 4) GPUs, each trained 2 steps (figure 5)
-#   build-copy     build_copy_probe.py: XLA's temporaries of the build's copy of a split
-#                  per-layer leaf's host part, all of a process's shards at once and one
 #   pair-runtime   a process's runtime alone (runtime_probe.py), one process on one GPU
 #                  and each of a pair; then gpt2-1.5b through the recipe for RUNS of
 #                  moments:host share (default int8:1 fp32:1), 4 steps, no checkpoints, one
@@ -379,9 +377,6 @@ for part in "$@"; do
           done
         done
       done ;;
-    build-copy)
-      python3 experiments/build_copy_probe.py >"$OUT/$part.log" 2>&1
-      echo "$part: exit $?"; grep -v "^ *$" "$OUT/$part.log" | tail -4 | cut -c1-300 ;;
     largest)
       python3 experiments/largest_model.py --gpus ${GPUS:-1 2 4} --run --json "$OUT/$part.json" \
         >"$OUT/$part.log" 2>&1

@@ -172,12 +172,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
           master[i] = _write_into(master[i], _to_global(
               _computed(flat, device_part), NamedSharding(mesh, master_specs[i])))
       if host is not None and c < k:
-        # A shard at a time: the host part of several shards of a per-layer
-        # leaf is a transpose of the draw, which flattened XLA copies whole
-        # on the GPU (58.5 GiB at a 47B model over four); one shard's is not.
-        for j, position in enumerate(positions):
-          mine = partition.SplitPart(layout, 1, (position, position + 1))
-          copy_to_host(flat, host_masters[i][j], mine, pinned=pinned)
+        mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
+        copy_to_host(flat, host_masters[i], mine, pinned=pinned)
       del flat
       if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
         host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
