@@ -30,7 +30,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo.distributed import local_positions
 from jzo.partition import LeafLayout, is_layout
@@ -184,11 +184,10 @@ class ShardTransfer:
     region of 16 GiB. (All of gpt2-13b's reserved in the first device's
     pool of four, the other three grew 26 GiB more of their own.)"""
     if nbytes and self.pinned:
-      share = -(-nbytes // len(self._positions))
-      for position in self._positions:
-        device = self._mesh.devices.flat[position]
-        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        zeros((share,), np.uint8, pinned).delete()
+      mine = Mesh(np.array([self._mesh.devices.flat[d] for d in self._positions]), ("d",))
+      share = -(-nbytes // mine.size)  # bytes of each device's piece, in its own pool
+      pinned = NamedSharding(mine, P("d"), memory_kind="pinned_host")
+      zeros((share * mine.size,), np.uint8, pinned).delete()
 
   def new_landing(self, i: int, span: tuple[int, int] | None = None):
     """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), or of a

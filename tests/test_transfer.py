@@ -95,14 +95,15 @@ def test_each_device_reserves_its_share_in_its_own_pinned_pool(monkeypatch):
   real_zeros = transfer.zeros
 
   def zeros(shape, dtype, sharding):
-    reserved.append((shape, sharding.memory_kind, *sharding.device_set))
+    pieces = {d: sharding.shard_shape(shape) for d in sharding.device_set}
+    reserved.append((sharding.memory_kind, pieces))
     return real_zeros(shape, dtype, sharding)
 
   monkeypatch.setattr(transfer, "zeros", zeros)
   mesh = mesh_of(4)
   transfer.ShardTransfer(mesh, "data", [], jnp.bfloat16).reserve(10 * 2**20 + 3)
   share = -(-(10 * 2**20 + 3) // 4)
-  assert reserved == [((share,), "pinned_host", d) for d in mesh.devices.flat]
+  assert reserved == [("pinned_host", {d: (share,) for d in mesh.devices.flat})]
   reserved.clear()
   transfer.ShardTransfer(mesh, "data", [], jnp.bfloat16, pinned=False).reserve(2**20)
   assert reserved == []  # the portable path pins nothing
