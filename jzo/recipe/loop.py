@@ -119,8 +119,8 @@ def cap_pinned_pool(model: models.Model, devices: int) -> None:
 def landing_devices(cfg: TrainConfig) -> int:
   """The fewest devices the run spreads its landing buffers over, as known
   before JAX starts its GPU backend: --devices; with several processes,
-  one a process (--num-processes, else one in all: a process may see GPUs
-  it does not drive); else the GPUs this process sees."""
+  --num-processes (each drives one at least), else 1 (a process may see
+  GPUs it does not drive); with one, the GPUs it sees."""
   if cfg.devices:
     return cfg.devices
   if jax.distributed.is_initialized():
