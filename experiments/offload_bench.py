@@ -120,7 +120,9 @@ def run_one(args) -> list[dict]:
   stats = jax.devices()[0].memory_stats() or {}
   print("built:", {k: gib(v) for k, v in engine.memory_per_device().items()}, "in use",
         gib(stats.get("bytes_in_use", 0)), "peak", gib(stats.get("peak_bytes_in_use", 0)),
-        "limit", gib(stats.get("bytes_limit", 0)), "rss", gib(rss_built), file=sys.stderr)
+        "limit", gib(stats.get("bytes_limit", 0)), "largest free block",
+        gib(stats.get("largest_free_block_bytes", 0)),  # the allocator's fragments
+        "rss", gib(rss_built), file=sys.stderr, flush=True)
   print(engine.plan, file=sys.stderr)
   results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
                            activations[micro])
