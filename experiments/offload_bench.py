@@ -205,7 +205,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       # ... and beside it the pinned pools' rounding and the runtime, to set against the RSS.
       "planned_host_gib": ((sum(engine.plan.host_bytes().values()) + engine.plan.pool_rounding()
                             if offload else 0)
-                           + jzo.plan.host_runtime_bytes(engine.plan.local_devices)) / 2**30,
+                           + engine.plan.runtime_bytes) / 2**30,
       "host_state_gib": engine.host_bytes_in_use() / 2**30,
   }
   if engine.host_update is not None:
