@@ -123,6 +123,8 @@ def run_one(args) -> list[dict]:
         "limit", gib(stats.get("bytes_limit", 0)), "largest free block",
         gib(stats.get("largest_free_block_bytes", 0)),  # the allocator's fragments
         "rss", gib(rss_built), file=sys.stderr, flush=True)
+  if args.live_arrays:
+    print_live_arrays(engine)
   print(engine.plan, file=sys.stderr)
   results = [measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
                            activations[micro])
@@ -143,6 +145,32 @@ def run_one(args) -> list[dict]:
                                                        for i in leaves]) / 1e9
   engine.close()
   return results
+
+
+def print_live_arrays(engine, largest: int = 8) -> None:
+  """Prints the live arrays' bytes in GPU 0's memory, the engine's device
+  state's among them, and the largest of the others (shape, dtype, GiB):
+  what the allocator's bytes in use hold beyond the state."""
+  import jax
+  device = jax.devices()[0]
+  state = {id(x) for x in jax.tree.leaves(engine.state)}
+  total = in_state = 0
+  others = []
+  for x in jax.live_arrays():
+    if x.sharding.memory_kind not in (None, "device"):
+      continue  # pinned host: not the GPU's allocator
+    nbytes = sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+    total += nbytes
+    if id(x) in state:
+      in_state += nbytes
+    elif nbytes:
+      others.append((nbytes, x.shape, str(x.dtype)))
+  others.sort(reverse=True)
+  gib = lambda b: round(b / 2**30, 2)
+  print("live on GPU 0:", gib(total), "GiB, the state's", gib(in_state), "GiB;",
+        len(others), "others, the largest:",
+        [(shape, dtype, gib(n)) for n, shape, dtype in others[:largest]],
+        file=sys.stderr, flush=True)
 
 
 def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
@@ -276,6 +304,8 @@ def parse_args():
                       help="host RAM offload may use (default: what the OS reports available)")
   parser.add_argument("--compiled-memory", action="store_true",
                       help="print the compiled step's memory analysis first")
+  parser.add_argument("--live-arrays", action="store_true",
+                      help="after the build, print the live arrays on GPU 0 beyond the state")
   parser.add_argument("--device-memory-gb", type=float,
                       help="device memory the plan may use (default: the allocator's limit)")
   parser.add_argument("--gpus", type=int, default=1,
@@ -312,6 +342,8 @@ def main():
       cmd += ["--n-layer", str(args.n_layer)]
     if args.compiled_memory:
       cmd.append("--compiled-memory")
+    if args.live_arrays:
+      cmd.append("--live-arrays")
     if args.device_memory_gb:
       cmd += ["--device-memory-gb", str(args.device_memory_gb)]
     if args.host_memory_gb:
