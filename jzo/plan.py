@@ -425,23 +425,25 @@ class Plan:
   def build_bytes(self) -> int:
     """Bytes on the first device, beside the state (`device_bytes()`),
     while the engine draws a group of leaves (`build_groups`): their
-    float32 values, and beside them one leaf's low-precision copy
-    (offloaded weights are made on the host) and, on several devices, a
-    float32 copy of a split leaf's device part on its way to them. A copy
-    spread over several devices in shards puts the first device's shard
-    in a buffer of its own beside the whole (stage 3's low-precision
-    weights: gpt2-20b's shape at 104 layers over 4 H200s peaked at the
-    state 35.54 + the MLP kernel drawn 58.50 + in bf16 29.25 + its shard
-    7.31 = 130.60 GiB, as measured)."""
-    shard = lambda b: b // self.n_devices if self.n_devices > 1 else 0
-    copy = lambda l: (4 * l.shards * _rows(l) * l.on_device
-                      if self.n_devices > 1 and 0 < l.on_device < l.shard_size else 0)
-    leaves = self.leaves
-    lowp = lambda i: 0 if self.params_on_host(leaves[i]) else 2 * math.prod(leaves[i].shape)
-    spread = lambda i: (lowp(i) + (shard(lowp(i)) if self.sharded_lowp else 0)
-                        + copy(leaves[i]) + shard(copy(leaves[i])))
-    return max(sum(4 * math.prod(leaves[i].shape) for i in group)
-               + max(map(spread, group))
+    float32 values and, on several devices, one device's piece of a leaf's
+    low-precision weights (offloaded weights are made on the host) or of
+    its device part's float32 master, made there and moved before the next
+    (jzo.state._placed). On one device each is written straight into its
+    buffer. (Before, the whole low-precision copy and every device's piece
+    of it were made at once: gpt2-20b's shape at 104 layers over 4 H200s
+    peaked at the state 35.54 + the MLP kernel drawn 58.50 + in bf16 29.25
+    + a piece 7.31 = 130.60 GiB, as measured.)"""
+    n = self.n_devices
+
+    def piece(l: LeafLayout) -> int:
+      if n == 1:
+        return 0
+      lowp = 0 if self.params_on_host(l) else 2 * math.prod(l.shape)
+      master = 4 * l.shards * _rows(l) * l.on_device if self.has_device_state else 0
+      return max(lowp // n if self.sharded_lowp else lowp, master // n)
+
+    return max(sum(4 * math.prod(self.leaves[i].shape) for i in group)
+               + max(piece(self.leaves[i]) for i in group)
                for group in self.build_groups())
 
   def build_groups(self) -> list[list[int]]:

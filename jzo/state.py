@@ -132,7 +132,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   process draws the same values and keeps its devices' parts). Leaves are
   drawn in groups of at most the largest leaf's size, or `plan.draw_floor`
   where that is more (`Plan.build_groups`): so at most that many float32
-  weights exist beside the state, and the draws' memory, freed, leaves one
+  weights, and beside them one device's piece of one leaf's copy
+  (`Plan.build_bytes`), exist beside the state, and the draws' memory, freed, leaves one
   free block for the step (the allocator could not fit gpt2-10b's step
   into the holes of state allocated between draws).
   Every buffer is new: the state is donated each step and must never alias
@@ -146,11 +147,9 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
     pinned: the host masters are filled through pinned host memory.
   """
   state = empty_device_state(plan, mesh, tx)
-  specs = step_lib.state_specs(plan, tx)
   lowp, treedef = jax.tree.flatten(state.params)
   master = jax.tree.leaves(state.master) if state.master is not None else None
   host_masters = jax.tree.leaves(host.master) if host is not None else None
-  master_specs = jax.tree.leaves(specs.master)
   positions = local_positions(mesh)
   for group in plan.build_groups():
     drawn = draw_leaves([(i, plan.leaves[i]) for i in group])
@@ -159,18 +158,10 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
       c, k = layout.on_device, layout.shard_size
       flat = drawn.pop(0)  # the only float32 copy of the leaf
       if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
-        new = _lowp_from_master(flat, plan.compute_dtype, plan.sharded_lowp, layout)
-        lowp[i] = _write_into(lowp[i], _to_global(new, lowp[i].sharding))
-        del new
-      # One device reads each part straight out of the draw; several need
-      # the parts as arrays of their own (copies) to spread them over the mesh.
-      device_part = partition.SplitPart(layout, 0)
+        lowp[i] = _fill(lowp[i], flat,
+                        _LowpFromMaster(plan.compute_dtype, plan.sharded_lowp, layout))
       if master is not None and c:
-        if mesh.devices.size == 1:
-          master[i] = _write_into(master[i], flat, device_part)
-        else:
-          master[i] = _write_into(master[i], _to_global(
-              _computed(flat, device_part), NamedSharding(mesh, master_specs[i])))
+        master[i] = _fill(master[i], flat, partition.SplitPart(layout, 0))
       if host is not None and c < k:
         mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
         copy_to_host(flat, host_masters[i], mine, pinned=pinned)
@@ -188,28 +179,72 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
 # The programs below take hashable static arguments (layouts, dtypes,
 # partition.SplitPart), never lambdas: one program then serves every leaf
 # and engine alike (a new one costs what transfer.full's comment says).
-_lowp_from_master = jax.jit(step_lib.lowp_from_master, static_argnums=(1, 2, 3))
+# None is autotuned (transfer.UNTUNED): they run beside a leaf drawn in float32.
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _computed(x: jax.Array, fn) -> jax.Array:
-  """fn(x), fn a hashable function (a static argument)."""
-  return fn(x)
+@dataclasses.dataclass(frozen=True)
+class _LowpFromMaster:
+  """flat float32 master -> the params' leaf (`step.lowp_from_master`), as a
+  hashable function."""
+  compute_dtype: jnp.dtype
+  sharded: bool
+  layout: partition.LeafLayout
+
+  def __call__(self, flat):
+    return step_lib.lowp_from_master(flat, self.compute_dtype, self.sharded, self.layout)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=2)
+def _fill(buffer: jax.Array, x: jax.Array, fn) -> jax.Array:
+  """`buffer` (donated) holding fn(x): x a value every process holds whole on
+  its first device, fn a hashable function. On one device a program computes
+  fn(x) straight into the buffer; on several, each device's piece is made on
+  x's device and moved (`_placed`)."""
+  if len(buffer.sharding.device_set) == 1:
+    return _write_into(buffer, x, fn)
+  return _write_into(buffer, _placed(x, fn, buffer.sharding))
+
+
+def _placed(x: jax.Array, fn, sharding: NamedSharding) -> jax.Array:
+  """fn(x) placed by `sharding` (which may span other processes' devices:
+  each process makes only its own devices' pieces), a piece at a time: each
+  piece is computed on x's device and moved before the next is made, the
+  piece of x's own device last. So that device holds one piece beside x.
+  (`jax.device_put` of the whole fn(x) slices every device's piece there at
+  once: gpt2-20b's shape at 101 layers over 4 H200s ran out of memory with the
+  MLP kernel in float32, in bf16 and two of its four 7.1 GiB pieces on GPU 0.)"""
+  shape = jax.eval_shape(fn, x).shape
+  home = list(x.devices())[0]
+  index_of = sharding.addressable_devices_indices_map(shape)
+  pieces = {}
+  for device in sorted(index_of, key=lambda d: d == home):
+    starts, sizes = zip(*(_bounds(s, n) for s, n in zip(index_of[device], shape)))
+    piece = _piece_of(x, fn, sizes, starts)
+    to = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+    pieces[device] = jax.block_until_ready(jax.device_put(piece, to))
+    del piece  # freed on x's device before the next piece is made
+  return jax.make_array_from_single_device_arrays(shape, sharding,
+                                                  [pieces[d] for d in index_of])
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+  """(start, length) of an index of a dimension of `size`."""
+  start, stop, _ = index.indices(size)
+  return start, stop - start
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=transfer.UNTUNED)
+def _piece_of(x: jax.Array, fn, sizes: tuple[int, ...], starts) -> jax.Array:
+  """The block of fn(x) at `starts` (traced: one program serves every
+  device's piece) of `sizes`, fn a hashable function (computed in the same
+  program: only the block is made)."""
+  return jax.lax.dynamic_slice(fn(x), starts, sizes)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=2,
+                   compiler_options=transfer.UNTUNED)
 def _write_into(buffer: jax.Array, values: jax.Array, of=None) -> jax.Array:
   """of(values) (default: values) written into `buffer` (donated: the
   result is buffer's memory; `of`, a hashable function such as a SplitPart,
   is computed in the same program, not apart)."""
   values = values if of is None else of(values)
   return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
-
-
-def _to_global(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """x, a value every process holds whole (here on its first device), as
-  an array placed by `sharding`, which may span other processes' devices:
-  each process then puts only its own devices' pieces."""
-  if sharding.is_fully_addressable:
-    return jax.device_put(x, sharding)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -39,6 +39,13 @@ from jzo.partition import LeafLayout, is_layout
 # the pinned bounce of a chunk is all the host holds beside the masters.
 BUILD_CHUNK_BYTES = 256 * 2**20
 
+# Compiler options of the programs that copy, slice or convert a leaf while
+# the engine is built: no autotuning. XLA's autotuner profiles even a loop
+# fusion, on buffers as large as its operands, allocated while it compiles:
+# slicing the tail of gpt2-20b's MLP kernel drawn at 101 layers (56.8 GiB in
+# float32) asked for another 56.8 GiB beside it. A copy has nothing to tune.
+UNTUNED = {"xla_gpu_autotune_level": 0}
+
 HOST_TRANSFERS = ("auto", "pinned", "portable")
 
 
@@ -335,13 +342,13 @@ def _flat(x: jax.Array, part) -> jax.Array:
   return (x if part is None else part(x)).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=UNTUNED)
 def _tail_of(x: jax.Array, start: int, part) -> jax.Array:
   """Elements [start:] of part(x), flat."""
   return _flat(x, part)[start:]
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnums=(2, 3), compiler_options=UNTUNED)
 def _rows_of(x: jax.Array, row, n: int, part) -> jax.Array:
   """Rows [row, row + n) of part(x) seen as (size // _ROW, _ROW), flat."""
   whole = _flat(x, part)

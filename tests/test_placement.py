@@ -157,13 +157,16 @@ def test_draws_are_grouped_largest_first_within_the_largest_leafs_size_or_the_fl
   plan = lambda memory: plan_lib.make_plan(shapes, 8, jzo.EngineOptions(offload=0.0),
                                            n_devices=1, device_memory=memory)
   assert plan(None).draw_floor == plan_lib.DRAW_GROUP_FLOOR and plan(2**30).draw_floor == 0
-  assert plan(None).build_bytes() == 4 * 40 + 2 * 32  # every leaf, and the largest's bf16
-  assert plan(2**30).build_bytes() == 6 * 32  # the largest leaf alone
-  # Over 4 devices at stage 3 the first one also holds its shard of the
-  # largest's bf16 weights, beside them whole, on their way to the others.
-  sharded = plan_lib.make_plan(shapes, 8, jzo.EngineOptions(stage=3, offload=0.0),
-                               n_devices=4, device_memory=2**30)
-  assert sharded.build_bytes() == 4 * 32 + 2 * 32 + 2 * 32 // 4
+  # On one device each leaf's copies are written straight into their buffers.
+  assert plan(None).build_bytes() == 4 * 40  # every leaf
+  assert plan(2**30).build_bytes() == 4 * 32  # the largest leaf alone
+  # Over 4 devices the first one also holds one device's piece of a leaf on
+  # its way there: stage 3's bf16 weights and the float32 master in quarters
+  # (the larger), stage 2's bf16 weights whole (every device's are).
+  over4 = lambda stage: plan_lib.make_plan(shapes, 8, jzo.EngineOptions(stage=stage, offload=0.0),
+                                           n_devices=4, device_memory=2**30)
+  assert over4(3).build_bytes() == 4 * 32 + 4 * 32 // 4
+  assert over4(2).build_bytes() == 4 * 32 + 2 * 32
 
 
 def test_params_as_a_function_are_drawn_to_the_same_weights():
