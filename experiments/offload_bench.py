@@ -148,28 +148,27 @@ def run_one(args) -> list[dict]:
 
 
 def print_live_arrays(engine, largest: int = 8) -> None:
-  """Prints the live arrays' bytes in GPU 0's memory, the engine's device
-  state's among them, and the largest of the others (shape, dtype, GiB):
-  what the allocator's bytes in use hold beyond the state."""
+  """Prints the bytes of the live arrays' buffers in GPU 0's memory, the
+  engine's device state's among them, and the largest of the others (shape,
+  dtype, GiB): what the allocator's bytes in use hold beyond the state. A
+  buffer counts once, though a global array's shard is also a live array."""
   import jax
   device = jax.devices()[0]
-  state = {id(x) for x in jax.tree.leaves(engine.state)}
-  total = in_state = 0
-  others = []
-  for x in jax.live_arrays():
-    if x.sharding.memory_kind not in (None, "device"):
-      continue  # pinned host: not the GPU's allocator
-    nbytes = sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
-    total += nbytes
-    if id(x) in state:
-      in_state += nbytes
-    elif nbytes:
-      others.append((nbytes, x.shape, str(x.dtype)))
-  others.sort(reverse=True)
+  on_gpu = lambda x: x.sharding.memory_kind in (None, "device")  # not pinned host
+  buffers = lambda x: {s.data.unsafe_buffer_pointer(): s.data.nbytes
+                       for s in x.addressable_shards if s.device == device}
+  state = {}
+  for x in filter(on_gpu, jax.tree.leaves(engine.state)):
+    state.update(buffers(x))
+  others = {}
+  for x in filter(on_gpu, jax.live_arrays()):
+    others.update({p: (n, x.shape, str(x.dtype)) for p, n in buffers(x).items()
+                   if p not in state})
+  largest_others = sorted(others.values(), reverse=True)[:largest]
   gib = lambda b: round(b / 2**30, 2)
-  print("live on GPU 0:", gib(total), "GiB, the state's", gib(in_state), "GiB;",
-        len(others), "others, the largest:",
-        [(shape, dtype, gib(n)) for n, shape, dtype in others[:largest]],
+  print("live on GPU 0: the state's", gib(sum(state.values())), "GiB;", len(others),
+        "other buffers,", gib(sum(n for n, _, _ in others.values())), "GiB, the largest:",
+        [(shape, dtype, gib(n)) for n, shape, dtype in largest_others],
         file=sys.stderr, flush=True)
 
 
