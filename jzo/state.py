@@ -131,11 +131,11 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   the leaves' float32 values drawn on this process's first device (every
   process draws the same values and keeps its devices' parts). Leaves are
   drawn in groups of at most the largest leaf's size, or `plan.draw_floor`
-  where that is more (`Plan.build_groups`): so at most that many float32
-  weights, and beside them one device's piece of one leaf's copy
-  (`Plan.build_bytes`), exist beside the state, and the draws' memory, freed, leaves one
-  free block for the step (the allocator could not fit gpt2-10b's step
-  into the holes of state allocated between draws).
+  where that is more (`Plan.build_groups`). So beside the state there are
+  at most that many float32 weights and one device's piece of a leaf's
+  copy (`Plan.build_bytes`), and the draws' memory, freed, leaves one free
+  block for the step (the allocator could not fit gpt2-10b's step into the
+  holes of state allocated between draws).
   Every buffer is new: the state is donated each step and must never alias
   the caller's arrays.
 

@@ -186,7 +186,8 @@ def test_the_build_writes_a_leafs_copies_into_their_buffers_without_a_copy_of_th
                partition.SplitPart(layout, 0)):
       out = jax.eval_shape(fn, flat)
       write = compiled(state_lib._write_into, jnp.zeros(out.shape, out.dtype), flat, fn)
-      assert write.temp_size_in_bytes == 0 and write.alias_size_in_bytes == write.output_size_in_bytes
+      assert write.temp_size_in_bytes == 0
+      assert write.alias_size_in_bytes == write.output_size_in_bytes  # into the buffer
     device_part = partition.SplitPart(layout, 0)
     part = jax.eval_shape(device_part, flat).shape
     piece = part[:-1] + (part[-1] // 4,)
