@@ -115,6 +115,12 @@ def pinned_pool_limit() -> int:
                      f"got {value!r}") from None
 
 
+def pool_share(nbytes: int, devices: int) -> int:
+  """Bytes of each device's pinned pool for `nbytes` of landing buffers
+  spread evenly over `devices` (rounded up)."""
+  return -(-nbytes // devices)
+
+
 def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
   """Host bytes XLA's pinned pools take for `landing` bytes of landing
   buffers of a process spread evenly over its `devices`, each device's
@@ -125,7 +131,7 @@ def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
   86.5 + 32 + runtime)."""
   if not landing:
     return 0
-  share = -(-landing // devices)
+  share = pool_share(landing, devices)
   return devices * min(1 << (share - 1).bit_length(), pinned_pool_limit())
 
 
@@ -140,7 +146,7 @@ def limit_pinned_pool(landing: int, devices: int = 1) -> int:
   landing buffers over (a cap too small fails allocations). Returns the cap
   in bytes."""
   if PINNED_POOL_LIMIT_VAR not in os.environ:
-    share = -(-landing // devices) + max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
+    share = pool_share(landing, devices) + max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
     os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil(share / 2**30))
   return pinned_pool_limit()
 
@@ -660,7 +666,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
     host, pinned = plan.host_bytes(), plan.pinned_bytes()
     what = "the landing buffers and offloaded weights" if plan.offload_params else \
         "the landing buffers"
-    share = -(-pinned // plan.local_devices)  # in each device's pool
+    share = pool_share(pinned, plan.local_devices)
     if device_memory is not None and share + BUILD_CHUNK_BYTES > pinned_pool_limit():
       per_device = f" ({share / GiB:.2f} a device)" if plan.local_devices > 1 else ""
       raise PlacementError(
