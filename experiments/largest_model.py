@@ -97,9 +97,9 @@ def run(gpus: int, placement: str, n_layer: int, args) -> dict:
            "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--moments", args.moments,
            "--steps", str(args.steps), "--no-breakdown", "--json", out,
            *PLACEMENTS[placement][0]]
-    # The run plans with the memory the search planned with.
-    cmd += ["--device-memory-gb", str(args.device_gb)] if args.device_gb else []
-    cmd += ["--host-memory-gb", str(args.host_gb)] if args.host_gb else []
+    # The run plans with the memory the search planned with: the host's as it
+    # was before any run, which the run's own runtime then takes from.
+    cmd += ["--device-memory-gb", str(args.device_gb), "--host-memory-gb", str(args.host_gb)]
     print("$", " ".join(cmd), flush=True)
     try:
       done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
@@ -123,13 +123,17 @@ def main():
                       help="GiB of one device the plan may use (default: this machine's "
                       "first accelerator's)")
   parser.add_argument("--host-gb", type=float,
-                      help="GiB of host RAM (default: what this machine has available)")
+                      help="GiB of host RAM (default: what this machine has available at the "
+                      "start)")
   parser.add_argument("--run", action="store_true", help="train each count's largest")
   parser.add_argument("--steps", type=int, default=2, help="timed steps of each run")
   parser.add_argument("--limit", type=float, default=480, help="seconds a run may take")
   parser.add_argument("--json")
   args = parser.parse_args()
   args.device_gb = args.device_gb or device_gib()
+  if not args.host_gb:  # read once, before any run: the search and each run plan with it
+    from jzo.plan import available_host_memory
+    args.host_gb = available_host_memory() / 2**30
 
   base = base_config(args)  # the shape planned, so its parameter count is the plan's
   results = []

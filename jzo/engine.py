@@ -80,7 +80,8 @@ class ZeroEngine:
       device part is never delayed).
     dpu_warmup: plain (not delayed) steps before delayed_update starts.
     host_memory: bytes of host RAM offload may use (default: what the OS
-      reports available); the state is refused up front if it does not fit.
+      reports available, plus the part of this process's runtime it already
+      holds); the state is refused up front if it does not fit.
     checkpoint_memory: bytes of host RAM to count beside the offloaded state
       for a checkpoint's save while it writes (`jzo.checkpoint.SAVE_HOST_BYTES`
       where the engine will be saved; 0: not counted).
@@ -191,13 +192,13 @@ class ZeroEngine:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
       state_bytes = _state_bytes_per_param(tx)
+    runtime = plan_lib.host_runtime_bytes(len(self.positions), device.platform)
     self.plan = plan_lib.make_plan(
         shapes, state_bytes, options, n_devices=mesh.shape[axis], axis=axis,
         device_memory=device_memory or plan_lib.device_memory_limit(device),
-        host_memory=(host_memory or plan_lib.available_host_memory()) if offloading else None,
+        host_memory=(host_memory or plan_lib.host_memory_for(runtime)) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions),
-        checkpoint_memory=checkpoint_memory,
-        runtime_bytes=plan_lib.host_runtime_bytes(len(self.positions), device.platform))
+        checkpoint_memory=checkpoint_memory, runtime_bytes=runtime)
     if int8 and self.plan.has_device_state:
       # The engine's device state is flat shards of float moments; int8
       # moments are for host RAM, where the C++ kernel runs them.

@@ -65,6 +65,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import psutil
 
 from jzo import partition
 from jzo.options import EngineOptions
@@ -535,6 +536,16 @@ def available_host_memory() -> int:
   except (OSError, ValueError):
     pass
   return available
+
+
+def host_memory_for(runtime_bytes: int) -> int:
+  """Host bytes a plan that counts `runtime_bytes` for this process's runtime
+  may use: what is available, plus what this process already holds up to
+  that runtime. Once JAX has run anything on a GPU, the process holds most
+  of its runtime (about 4.2 GiB a GPU), which the available memory no
+  longer includes; without this the plan would count it twice, and a plan
+  made in another process (jzo.estimate) would fit what the run refuses."""
+  return available_host_memory() + min(psutil.Process().memory_info().rss, runtime_bytes)
 
 
 def device_memory_limit(device) -> int | None:

@@ -113,11 +113,12 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
                           resident_layers=resident_layers)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
+  runtime = plan_lib.host_runtime_bytes(devices, _planned_platform())
   if host_memory is None:
-    host_memory = plan_lib.available_host_memory()
+    host_memory = plan_lib.host_memory_for(runtime)
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
   kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory,
-            runtime_bytes=plan_lib.host_runtime_bytes(devices, _planned_platform()))
+            runtime_bytes=runtime)
   try:
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
                               device_memory=device_memory, host_memory=host_memory, **kw)

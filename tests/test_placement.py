@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -325,6 +326,33 @@ def test_the_host_check_counts_a_checkpoints_save():
   tight = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=2**30,
                        checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
   assert not tight.fits and "it fits without" not in tight.error
+
+
+def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
+  """Once JAX has run anything on a GPU, the process holds most of its
+  runtime: the available memory no longer includes it, and the plan counts
+  it as a need. The engine and jzo.estimate add back what the process holds,
+  up to the runtime the plan counts, so they answer as a fresh process would."""
+  runtime = plan_lib.host_runtime_bytes(1, "cpu")
+  gib = plan_lib.GiB
+  held = {"rss": 0}
+  monkeypatch.setattr(plan_lib.psutil, "Process", lambda: types.SimpleNamespace(
+      memory_info=lambda: types.SimpleNamespace(rss=held["rss"])))
+  engine = lambda: jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(1))
+  # The tiny model's state is a few MiB beside the runtime.
+  monkeypatch.setattr(plan_lib, "available_host_memory", lambda: runtime - gib)
+  held["rss"] = gib // 2
+  with pytest.raises(jzo.PlacementError, match=rf"{(runtime - gib // 2) / gib:.2f} GiB available"):
+    engine()
+  held["rss"] = 2 * gib
+  assert engine().plan.offloaded_fraction == 1
+  est = jzo.estimate(init_params(), devices=1, offload=True, device_memory=10**9)
+  assert est.fits and est.host_memory == runtime + gib
+  # What the process holds beyond the runtime is not the runtime's: not added back.
+  monkeypatch.setattr(plan_lib, "available_host_memory", lambda: 0)
+  held["rss"] = 10 * runtime
+  with pytest.raises(jzo.PlacementError, match=rf"{runtime / gib:.2f} GiB available"):
+    engine()
 
 
 def test_estimate_agrees_with_the_engine():
