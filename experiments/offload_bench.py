@@ -229,8 +229,8 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "planned_build_gib": (sum(engine.plan.device_bytes().values())
                             + engine.plan.build_bytes()) / 2**30,
       "planned_host_state_gib": (sum(engine.plan.host_bytes().values()) if offload else 0) / 2**30,
-      # ... and beside it the pinned pools' rounding and the runtime, to set against the RSS.
-      "planned_host_gib": ((sum(engine.plan.host_bytes().values()) + engine.plan.pool_rounding()
+      # ... and beside it the pinned pools' overhead and the runtime, to set against the RSS.
+      "planned_host_gib": ((sum(engine.plan.host_bytes().values()) + engine.plan.pool_overhead()
                             if offload else 0)
                            + engine.plan.runtime_bytes) / 2**30,
       "host_state_gib": engine.host_bytes_in_use() / 2**30,

@@ -79,13 +79,18 @@ HOST_UPDATE_PARAMS_PER_S = 4.5e9
 # Share of the device memory the planner leaves free for what it does not
 # model (XLA's fragmentation, cuDNN and cuBLAS workspaces).
 DEVICE_HEADROOM = 0.06
-# Host RAM of the process besides the offloaded state and the pinned pool:
-# CUDA, XLA, Python (measured on the H100 machine with offload: host RSS -
-# state - pool = 3.8 GiB at 1.56B, 3.9 at 4.24B, 4.2 at 10.28B, 4.7 at 12.85B).
-HOST_RUNTIME_BYTES = int(4.5 * 2**30)
-# ... and for each more GPU the process drives (one process over 1, 2 and 4
-# H200s without offload: host RSS 5.9, 10.6 and 19.3 GiB).
-HOST_RUNTIME_BYTES_PER_DEVICE = int(4.4 * 2**30)
+# Host RAM of a process besides its state, its pinned pools and its GPUs'
+# allocator tables (below): Python, jax, XLA's compiler, CUDA (measured with
+# experiments/host_rss_phases.py on H200s: 1.5 GiB on one GPU and 1.9 on
+# two of a 32-core host, 1.9 on one and 2.6 on four of a 64-core host).
+HOST_RUNTIME_BYTES = 2 * 2**30
+# ... and for each more GPU the process drives.
+HOST_RUNTIME_BYTES_PER_DEVICE = 2**28
+# XLA's allocator of a GPU's memory keeps, in host RAM, an 8-byte handle for
+# each 256 bytes of the device memory it manages (tsl's BFC allocator), all
+# made when the device first runs something: 4.19 GiB for 95% of an H200
+# (measured: one anonymous mapping of 4,288 MiB a GPU), 2.36 for an H100.
+DEVICE_BYTES_PER_HOST_BYTE = 32
 
 
 # XLA's pinned host pools on GPUs, one per device: the cap in GiB of each is
@@ -122,18 +127,27 @@ def pool_share(nbytes: int, devices: int) -> int:
   return -(-nbytes // devices)
 
 
+def pool_headroom(devices: int) -> int:
+  """Bytes of each of `devices` pinned pools beyond its share of the landing
+  buffers (PINNED_POOL_HEADROOM)."""
+  return max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
+
+
 def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
   """Host bytes XLA's pinned pools take for `landing` bytes of landing
   buffers of a process spread evenly over its `devices`, each device's
-  share reserved in one piece in its own pool (`ShardTransfer.reserve`): a
-  pool's regions grow in powers of two, up to what its cap leaves, and
-  pinned pages are resident (gpt2-13b's 21.6 GiB of landing buffers took a
-  32 GiB region under the default 64 GiB cap: host RSS 123.2 GiB = state
-  86.5 + 32 + runtime)."""
+  share reserved in one piece in its own pool (`ShardTransfer.reserve`).
+  Pinned pages are resident, and a pool never shrinks: its first region is
+  the share rounded up to a power of two, up to what its cap leaves
+  (gpt2-13b's 21.6 GiB of landing buffers took a 32 GiB region under the
+  default 64 GiB cap), and what else is pinned beside the landing buffers
+  grows it by its headroom (measured: 4.1 GiB for a streamed update's 2 GiB
+  of spans, on one GPU and on two)."""
   if not landing:
     return 0
   share = pool_share(landing, devices)
-  return devices * min(1 << (share - 1).bit_length(), pinned_pool_limit())
+  region = max(1 << (share - 1).bit_length(), share + pool_headroom(devices))
+  return devices * min(region, pinned_pool_limit())
 
 
 def limit_pinned_pool(landing: int, devices: int = 1) -> int:
@@ -147,7 +161,7 @@ def limit_pinned_pool(landing: int, devices: int = 1) -> int:
   landing buffers over (a cap too small fails allocations). Returns the cap
   in bytes."""
   if PINNED_POOL_LIMIT_VAR not in os.environ:
-    share = pool_share(landing, devices) + max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
+    share = pool_share(landing, devices) + pool_headroom(devices)
     os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil(share / 2**30))
   return pinned_pool_limit()
 
@@ -171,12 +185,15 @@ def visible_gpus() -> int:
   return max(1, count)
 
 
-def host_runtime_bytes(devices: int, platform: str = "gpu") -> int:
-  """Host RAM of a process that drives `devices` devices of `platform`,
-  besides its state and pinned pools (CUDA, XLA, Python): more for each
-  more accelerator; CPU devices add none."""
-  more = devices - 1 if platform != "cpu" else 0
-  return HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * more
+def host_runtime_bytes(devices: int, platform: str = "gpu", device_memory: int = 0) -> int:
+  """Host RAM of a process that drives `devices` devices of `platform`, each
+  with an allocator of `device_memory` bytes, besides its state and pinned
+  pools (CUDA, XLA, Python): more for each more accelerator, and its
+  allocator's table; CPU devices add none."""
+  if platform == "cpu":
+    return HOST_RUNTIME_BYTES
+  return (HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * (devices - 1)
+          + devices * (device_memory // DEVICE_BYTES_PER_HOST_BYTE))
 
 
 # Host part of a large split leaf: a multiple of this many elements (a cache
@@ -239,6 +256,9 @@ class Plan:
   checkpoint_bytes: int = 0
   # Host RAM of one process's runtime (CUDA, XLA, Python: host_runtime_bytes).
   runtime_bytes: int = HOST_RUNTIME_BYTES
+  # The devices have XLA's pinned host pools (GPUs), where the landing
+  # buffers live; CPU devices' are plain host arrays.
+  pinned_pools: bool = True
   # offload_params: the first this many layers of the stack also keep their
   # weights in device memory (EngineState.resident, (r, S*k) a leaf), so the
   # step fetches only the others; those layers' new weights then come up once.
@@ -290,8 +310,11 @@ class Plan:
     the landing buffers and the offloaded weights."""
     return self.host_bytes()["landing"] + self.host_params_bytes()
 
-  def pool_rounding(self) -> int:
-    """Bytes the process's pinned pools hold beyond `pinned_bytes()`."""
+  def pool_overhead(self) -> int:
+    """Bytes the process's pinned pools hold beyond `pinned_bytes()`: their
+    regions' rounding and their headroom (`pinned_pool_bytes`)."""
+    if not self.pinned_pools:
+      return 0
     return pinned_pool_bytes(self.pinned_bytes(), self.local_devices) - self.pinned_bytes()
 
   @property
@@ -501,12 +524,12 @@ def format_plan(plan: Plan, activations: int | None = None,
     for name, b in host.items():
       name = "landing (streamed)" if name == "landing" and plan.streamed else name
       rows.append(f"  {name:<22}{gib(b)}")
-    rounding = plan.pool_rounding()
-    rows.append(f"  {'pinned pool rounding':<22}{gib(rounding)}")
+    overhead = plan.pool_overhead()
+    rows.append(f"  {'pinned pool overhead':<22}{gib(overhead)}")
     rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(plan.runtime_bytes)}")
     if plan.checkpoint_bytes:
       rows.append(f"  {'checkpoint writes':<22}{gib(plan.checkpoint_bytes)}")
-    total = sum(host.values()) + rounding + plan.runtime_bytes + plan.checkpoint_bytes
+    total = sum(host.values()) + overhead + plan.runtime_bytes + plan.checkpoint_bytes
     rows.append(f"  {'total':<22}{gib(total)}"
                 + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
     seconds = plan.host_elements / plan.processes / HOST_UPDATE_PARAMS_PER_S
@@ -686,7 +709,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"of a device is capped at {pinned_pool_limit() / GiB:.0f} GiB: set "
           f"{PINNED_POOL_LIMIT_VAR} higher before JAX starts (jzo.plan.limit_pinned_pool)")
     need, parts = _total_and_parts({**host, "building": building,
-                                    "pool rounding": plan.pool_rounding(),
+                                    "pinned pool overhead": plan.pool_overhead(),
                                     "runtime": plan.runtime_bytes,
                                     "checkpoint writes": plan.checkpoint_bytes})
     if need > host_memory:
@@ -807,7 +830,8 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         host_accumulation=host_accumulation, landing_limit=landing_limit,
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
-        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0)
+        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
+        pinned_pools=device_memory is not None)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

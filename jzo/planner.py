@@ -113,7 +113,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
                           resident_layers=resident_layers)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
-  runtime = plan_lib.host_runtime_bytes(devices, _planned_platform())
+  runtime = plan_lib.host_runtime_bytes(devices, _planned_platform(), device_memory)
   if host_memory is None:
     host_memory = plan_lib.host_memory_for(runtime)
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
@@ -130,6 +130,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
         options, offload=1.0 if offload == "auto" else offload,
         offload_params=True if offload_params == "auto" else offload_params)
     plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, **kw)
+    # Made without device_memory (which would check it): its devices are GPUs all the same.
+    plan = dataclasses.replace(plan, pinned_pools=True, draw_floor=0)
   return Estimate(plan, activations, device_memory, host_memory, error)
 
 

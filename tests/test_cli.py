@@ -199,8 +199,8 @@ def test_estimate_caps_the_pinned_pool_as_the_recipe_does(monkeypatch):
                     "--batch-size", "32", "--delayed-update", "--host-gb", "125",
                     "--device-gb", "80")
   assert done.returncode == 0 and done.stdout.splitlines()[-1] == "fits", done.stdout
-  rounding = float(re.search(r"pinned pool rounding +([\d.]+)", done.stdout).group(1))
-  assert rounding < 4, done.stdout
+  overhead = float(re.search(r"pinned pool overhead +([\d.]+)", done.stdout).group(1))
+  assert overhead < 4, done.stdout
 
 
 def test_the_recipe_caps_each_pool_at_the_share_of_the_gpus_it_will_drive(monkeypatch):

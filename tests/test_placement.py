@@ -310,8 +310,10 @@ def test_the_host_check_counts_a_checkpoints_save():
   params = init_params()
   need = jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
                       host_memory=1 << 40)
-  total = sum(need.plan.host_bytes().values()) + plan_lib.HOST_RUNTIME_BYTES
-  host = total + 2**30  # room for the state (and its build), not for 2.5 GiB more
+  total = sum(need.plan.host_bytes().values()) + need.plan.runtime_bytes
+  # Room for the state (and its build), not for 2.5 GiB more: the estimate's
+  # GPUs have pinned pools, the engine's CPU devices none.
+  host = total + need.plan.pool_overhead() + 2**30
   assert jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
                       host_memory=host).fits
   saved = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=host,
@@ -321,7 +323,7 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert "it fits without the 2.50 GiB a checkpoint's save takes" in saved.error
   with pytest.raises(jzo.PlacementError, match="checkpoint writes 2.50 GiB"):
     jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(8),
-                   host_memory=host, checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+                   host_memory=total + 2**30, checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
   # Where the state alone does not fit either, the message does not blame the save.
   tight = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=2**30,
                        checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
@@ -346,8 +348,8 @@ def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
     engine()
   held["rss"] = 2 * gib
   assert engine().plan.offloaded_fraction == 1
-  est = jzo.estimate(init_params(), devices=1, offload=True, device_memory=10**9)
-  assert est.fits and est.host_memory == runtime + gib
+  assert jzo.estimate(init_params(), devices=1, offload=True,
+                      device_memory=10**9).host_memory == runtime + gib
   # What the process holds beyond the runtime is not the runtime's: not added back.
   monkeypatch.setattr(plan_lib, "available_host_memory", lambda: 0)
   held["rss"] = 10 * runtime
@@ -357,7 +359,7 @@ def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
 
 def test_estimate_agrees_with_the_engine():
   params = init_params()
-  est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=10**10)
+  est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=1 << 40)
   engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.4, mesh=mesh_of(8))
   assert est.fits and est.plan.host_bytes() == engine.plan.host_bytes()
   assert est.plan.device_bytes() == engine.plan.device_bytes()
@@ -373,6 +375,10 @@ def test_the_pinned_pool_is_capped_at_the_landing_buffers(monkeypatch):
   assert plan_lib.limit_pinned_pool(landing) == 24 * GiB  # 21.6 + 2 of headroom, whole GiB
   assert plan_lib.pinned_pool_bytes(landing) == 24 * GiB
   # a cap the user chose is kept
+  # A region that is a power of two already grows by the headroom: a
+  # streamed update's 2 GiB of spans took pools of 4.1 GiB on one GPU and two.
+  monkeypatch.delenv(plan_lib.PINNED_POOL_LIMIT_VAR)
+  assert plan_lib.pinned_pool_bytes(2 * GiB) == plan_lib.pinned_pool_bytes(2 * GiB, 2) == 4 * GiB
   monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "40")
   assert plan_lib.limit_pinned_pool(landing) == 40 * GiB
   monkeypatch.setenv(plan_lib.PINNED_POOL_LIMIT_VAR, "lots")
@@ -397,10 +403,13 @@ def test_each_devices_pinned_pool_is_capped_at_its_share(monkeypatch):
   assert plan_lib.host_runtime_bytes(4) == (plan_lib.HOST_RUNTIME_BYTES
                                             + 3 * plan_lib.HOST_RUNTIME_BYTES_PER_DEVICE)
   assert plan_lib.host_runtime_bytes(4, "cpu") == plan_lib.HOST_RUNTIME_BYTES
+  # Each GPU's allocator keeps a table of 1/32 of the memory it manages.
+  assert plan_lib.host_runtime_bytes(2, "gpu", 64 * GiB) == (
+      plan_lib.host_runtime_bytes(2) + 2 * 2 * GiB)
   est = jzo.estimate(init_params(), devices=4, offload=True, device_memory=10**9,
                      host_memory=1 << 40)
-  pinned = est.plan.pinned_bytes()
-  assert est.plan.pool_rounding() == 4 * plan_lib.pinned_pool_bytes(pinned // 4) - pinned
+  pinned = est.plan.pinned_bytes()  # a few KiB: each pool is its share and 1 GiB of headroom
+  assert est.plan.pool_overhead() == 4 * (plan_lib.pool_share(pinned, 4) + GiB) - pinned
   four_gpus = dataclasses.replace(est.plan, runtime_bytes=plan_lib.host_runtime_bytes(4))
   assert f"runtime (CUDA, XLA)   {plan_lib.host_runtime_bytes(4) / GiB:8.2f}" in str(four_gpus)
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     check_estimate_options(cfg)
     # The GPU's share and XLA's pinned pool as the recipe sets them while the
-    # plan is made and printed (the pool's rounding is part of the host's
+    # plan is made and printed (the pool's overhead is part of the host's
     # bytes); the environment is left as it was.
     with mock.patch.dict(os.environ):
       claim_gpu_memory()
