@@ -14,6 +14,8 @@ the single-GPU ones, SCALING_RUNS for figure 3).
                           with offload beside DeepSpeed
   fig4_dpu.png            the delayed parameter update: step time against
                           micro-batch, and the loss of two runs
+  fig5_largest_per_gpus.png  the largest GPT the planner fits with offload on
+                          1, 2 and 4 H200s, each trained (LARGEST_PER_GPUS)
 
 Model TFLOPS count 6 N + 12 L D T flops a token (recomputation not counted).
 """
@@ -62,6 +64,12 @@ SCALING_RUNS = {"jzo": ["session34/call1/scale-1.5b.json", "session34/call1/scal
                 "deepspeed, 1 thread": ["session34/call2/scale-ds.json"]}
 SCALING_MACHINE = ("nvidia-h200-x4: 4 H200 141GB (NVLink), 64-core Xeon, 503 GiB host; jax "
                    "0.11.2, DeepSpeed 0.19.8; 2026-11-27")
+# Figure 5's runs (session 37), under results/: largest_model.py's record of
+# each GPU count, and the machine it ran on with its host RAM.
+LARGEST_PER_GPUS = [
+    ("session37/call7-84ee353/largest1.json", "nvidia-h200-x2, 251 GiB host"),
+    ("session37/call6-84ee353/largest2.json", "nvidia-h200-x2, 251 GiB host"),
+    ("session37/call9-84ee353/largest4.json", "nvidia-h200-x4, 503 GiB host")]
 FAILED = {"oom": "GPU out of memory", "killed": "killed: host out of memory",
           "refused": "refused by jzo's planner", "timeout": "no result in time"}
 
@@ -288,6 +296,44 @@ def fig_scaling(out: str) -> None:
   fig.savefig(os.path.join(out, "fig3_scaling.png"), dpi=130)
 
 
+def fig_largest_per_gpus(out: str) -> None:
+  """Figure 5: the largest GPT (gpt2-20b's layers, fp32 moments, micro-batch
+  8 a GPU) the planner fits with offload on each GPU count, as trained: its
+  parameters, model TFLOPS a GPU, and the host's and GPU's peaks against the
+  plan's (the GPU's: its step's or its build's, whichever is more)."""
+  rows = []
+  for path, machine in LARGEST_PER_GPUS:
+    with open(os.path.join(HERE, "results", path)) as f:
+      (record,) = json.load(f)
+    rows.append((record, record["trained"], machine))
+  fig, ax = plt.subplots(figsize=(9, 5))
+  xs = range(len(rows))
+  sizes = [r["n_params"] / 1e9 for r, _, _ in rows]
+  ax.bar(xs, sizes, 0.55, color="tab:blue", alpha=0.85, edgecolor="black", lw=0.5)
+  for x, (record, run, machine) in zip(xs, rows):
+    planned_gpu = max(run.get("planned_gpu_gib", 0), run.get("planned_build_gib", 0))  # step, build
+    trained = (f"trained: {run['tflops']:.0f} model TFLOPS a GPU\n"
+               f"host RSS {run['host_rss_peak_gib']:.1f} GiB (plan {run['planned_host_gib']:.1f})\n"
+               f"GPU peak {run['peak_gpu_gib']:.1f} GiB (plan {planned_gpu:.1f})"
+               if run["status"] == "ok" else FAILED.get(run["status"], run["status"]))
+    ax.text(x, record["n_params"] / 1e9 + 0.8,
+            f"{record['n_params'] / 1e9:.2f}B, {record['n_layer']} layers\n"
+            f"{100 * run.get('offloaded_fraction', 1):.0f}% of the state on the host\n{trained}",
+            ha="center", va="bottom", fontsize=8)
+  ax.set_xticks(list(xs), [f"{r['gpus']} GPU{'s' * (r['gpus'] > 1)}\n{m}" for r, _, m in rows],
+                fontsize=9)
+  ax.set_ylabel("largest GPT trained (billions of parameters)")
+  ax.set_ylim(0, max(sizes) * 1.45)
+  ax.grid(axis="y", alpha=0.3)
+  ax.set_title("Largest model per GPU count with offload: the planner's answer, trained",
+               fontsize=11)
+  fig.text(0.01, 0.01, "H200 141GB; gpt2-20b's layers (d_model 6144), ZeRO stage 3, offload "
+           "'auto', fp32 moments, micro-batch 8 a GPU, seq 1024; jax 0.11.2; 2026-11-27",
+           fontsize=8)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(os.path.join(out, "fig5_largest_per_gpus.png"), dpi=130)
+
+
 def fig_memory(out: str) -> None:
   """GPU and host bytes per parameter of MEMORY_RUNS (the largest micro-batch
   of each), planned against measured: the GPU's process peak against the
@@ -355,6 +401,7 @@ def main():
   fig_throughput(records, date, args.out)
   fig_dpu(records, date, args.out)
   fig_scaling(args.out)
+  fig_largest_per_gpus(args.out)
   fig_memory(args.out)
   print("wrote", ", ".join(sorted(os.listdir(args.out))), "in", args.out)
 
