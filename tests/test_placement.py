@@ -1,6 +1,7 @@
 """Optimizer state split between device and host memory, and the planner."""
 
 import dataclasses
+import functools
 import math
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 import jzo
 from jzo import checkpoint, partition, plan as plan_lib
+from jzo.recipe import estimate as estimate_cli
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
@@ -261,7 +263,19 @@ def run_estimate(*args):
                         text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_estimate_cli_on_the_10b_model_and_an_h100():
+def estimate_here(capsys, *args):
+  """`python -m jzo.estimate ARGS`'s main in this process, as run_estimate
+  gives it (a subprocess, which takes seconds more to start JAX)."""
+  try:
+    code = estimate_cli.main(list(args))
+  except SystemExit as e:  # the parser's errors
+    code = e.code
+  out = capsys.readouterr()
+  return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def test_estimate_cli_on_the_10b_model_and_an_h100(capsys):
+  run_estimate = functools.partial(estimate_here, capsys)
   h100 = ("--model", "gpt2-10b", "--host-gb", "125", "--device-gb", "75.6")
   for moments in ("fp32", "bf16"):
     out = run_estimate(*h100, "--moments", moments)
@@ -286,19 +300,19 @@ def test_estimate_cli_on_the_10b_model_and_an_h100():
   assert out.returncode == 0 and "checkpoint writes" not in out.stdout
 
 
-def test_estimate_cli_help_and_bad_input():
+def test_estimate_cli_help_and_bad_input(capsys):
   out = run_estimate("--help")
   assert out.returncode == 0 and "--device-gb" in out.stdout
-  out = run_estimate("--model", "gpt2-10b", "--offload", "1.5")
-  assert out.returncode == 2 and "fraction must be in [0, 1]" in out.stderr
   out = run_estimate("--model", "gpt5")
   lines = out.stderr.strip().splitlines()
   assert out.returncode == 2 and len(lines) == 1, out.stderr
   assert "'gpt5'" in lines[0] and "'gpt2-10b'" in lines[0] and "'qwen2.5-14b'" in lines[0]
+  out = estimate_here(capsys, "--model", "gpt2-10b", "--offload", "1.5")
+  assert out.returncode == 2 and "fraction must be in [0, 1]" in out.stderr
   for args, message in ((["--model", "gpt2-4b", "--host-gb", "0"], "--host-gb must be > 0"),
                         (["--model", "gpt2-4b", "--stage", "5"], "for argument '--stage'"),
                         (["--devices", "2"], "Missing from python -m jzo.estimate: --model")):
-    out = run_estimate(*args)
+    out = estimate_here(capsys, *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
 
