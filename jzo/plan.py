@@ -565,9 +565,10 @@ def host_memory_for(runtime_bytes: int) -> int:
   """Host bytes a plan that counts `runtime_bytes` for this process's runtime
   may use: what is available, plus what this process already holds up to
   that runtime. Once JAX has run anything on a GPU, the process holds most
-  of its runtime (about 4.2 GiB a GPU), which the available memory no
-  longer includes; without this the plan would count it twice, and a plan
-  made in another process (jzo.estimate) would fit what the run refuses."""
+  of its runtime (4.2 GiB for each H200, mostly its allocator's table),
+  which the available memory no longer includes; without this the plan
+  would count it twice, and a plan made in another process (jzo.estimate)
+  would fit what the run refuses."""
   return available_host_memory() + min(psutil.Process().memory_info().rss, runtime_bytes)
 
 

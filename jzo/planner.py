@@ -82,7 +82,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     precision: "bf16" or "fp16" compute (or "fp32").
     device_memory: bytes of one device (default: this machine's accelerator,
       else DEFAULT_DEVICE_GIB).
-    host_memory: bytes of host RAM (default: what this machine has available).
+    host_memory: bytes of host RAM (default: what this machine has available,
+      with the part of the planned runtime this process holds: `plan.host_memory_for`).
     checkpoint_memory: as for `ZeroEngine`: host RAM a checkpoint's save
       takes beside the state (`jzo.checkpoint.SAVE_HOST_BYTES`), or 0.
     The host's runtime is counted for one process over `devices` GPUs (one
