@@ -64,9 +64,9 @@ SLOWEST_FILES = ("test_multiprocess.py",  # ~180 s
                  "test_resilience.py",  # ~145 s
                  "test_engine.py",  # ~115 s
                  "test_accumulation.py",  # ~115 s
-                 "test_placement.py",  # ~105 s
                  "test_cpu_adam.py",  # ~100 s
                  "test_state_spans.py",  # ~75 s
+                 "test_placement.py",  # ~75 s
                  "test_offload.py",  # ~65 s
                  "test_finetune.py",  # ~60 s
                  "test_quant8.py",  # ~55 s
