@@ -103,8 +103,10 @@ def main() -> None:
       jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments),
       mesh=jax.sharding.Mesh(np.array(jax.devices()[:args.gpus]), ("data",)), stage=3,
       offload=not args.no_offload, activation_memory=gpt.activation_bytes(config, args.batch, 1024))
+  plan = engine.plan
   phase("built", host_bytes_in_use=engine.host_bytes_in_use(),
-        planned_host=engine.plan.runtime_bytes + sum(engine.plan.host_bytes().values()))
+        planned_host=plan.runtime_bytes + (sum(plan.host_bytes().values()) + plan.pool_overhead()
+                                           if plan.cpu_adam else 0))
   batch = {"tokens": jax.random.randint(jax.random.PRNGKey(1), (args.batch * args.gpus, 1025), 0,
                                         config.vocab_size, jnp.int32)}
   engine.lower(batch).compile()

@@ -275,28 +275,28 @@ def estimate_here(capsys, *args):
 
 
 def test_estimate_cli_on_the_10b_model_and_an_h100(capsys):
-  run_estimate = functools.partial(estimate_here, capsys)
+  estimate = functools.partial(estimate_here, capsys)
   h100 = ("--model", "gpt2-10b", "--host-gb", "125", "--device-gb", "75.6")
   for moments in ("fp32", "bf16"):
-    out = run_estimate(*h100, "--moments", moments)
+    out = estimate(*h100, "--moments", moments)
     assert out.returncode == 0, out.stderr
     assert "10.279B params" in out.stdout and out.stdout.rstrip().endswith("fits")
     assert "on the device" in out.stdout and "host update about" in out.stdout
   # 100 GiB of host has no room for a step's landing buffers beside fp32
   # moments: the update streams through 2 GiB of them
-  out = run_estimate(*h100[:3], "100", *h100[4:])
+  out = estimate(*h100[:3], "100", *h100[4:])
   assert out.returncode == 0 and "landing (streamed)        2.00" in out.stdout
   # 85 GiB is too little even so: refused with the numbers
-  out = run_estimate(*h100[:3], "85", *h100[4:])
+  out = estimate(*h100[:3], "85", *h100[4:])
   assert out.returncode == 1 and "GiB of host RAM" in out.stdout
   assert "85.00 GiB available" in out.stdout
   # All of the state on the host fits 123 GiB, but not beside a checkpoint's save
   on_host = ("--host-gb", "123", "--stage", "3", "--grads-in-params", "--offload", "true",
              "--batch-size", "32")
-  out = run_estimate(*h100[:2], *on_host)
+  out = estimate(*h100[:2], *on_host)
   assert out.returncode == 1 and "checkpoint writes         2.50" in out.stdout
   assert "it fits without the 2.50 GiB a checkpoint's save takes" in out.stdout
-  out = run_estimate(*h100[:2], *on_host, "--no-checkpoints")
+  out = estimate(*h100[:2], *on_host, "--no-checkpoints")
   assert out.returncode == 0 and "checkpoint writes" not in out.stdout
 
 
