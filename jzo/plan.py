@@ -188,12 +188,12 @@ def visible_gpus() -> int:
 def host_runtime_bytes(devices: int, platform: str = "gpu", device_memory: int = 0) -> int:
   """Host RAM of a process that drives `devices` devices of `platform`, each
   with an allocator of `device_memory` bytes, besides its state and pinned
-  pools (CUDA, XLA, Python): more for each more accelerator, and its
+  pools (CUDA, XLA, Python): more for each more accelerator, and a GPU's
   allocator's table; CPU devices add none."""
   if platform == "cpu":
     return HOST_RUNTIME_BYTES
-  return (HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * (devices - 1)
-          + devices * (device_memory // DEVICE_BYTES_PER_HOST_BYTE))
+  table = device_memory // DEVICE_BYTES_PER_HOST_BYTE if platform == "gpu" else 0
+  return HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * (devices - 1) + devices * table
 
 
 # Host part of a large split leaf: a multiple of this many elements (a cache

@@ -420,6 +420,7 @@ def test_each_devices_pinned_pool_is_capped_at_its_share(monkeypatch):
   # Each GPU's allocator keeps a table of 1/32 of the memory it manages.
   assert plan_lib.host_runtime_bytes(2, "gpu", 64 * GiB) == (
       plan_lib.host_runtime_bytes(2) + 2 * 2 * GiB)
+  assert plan_lib.host_runtime_bytes(2, "tpu", 64 * GiB) == plan_lib.host_runtime_bytes(2)
   est = jzo.estimate(init_params(), devices=4, offload=True, device_memory=10**9,
                      host_memory=1 << 40)
   pinned = est.plan.pinned_bytes()  # a few KiB: each pool is its share and 1 GiB of headroom
