@@ -7,7 +7,7 @@ built (beside jzo's own count of its host arrays and landing buffers,
 `host_bytes_in_use`), after the step is compiled ahead of time, after the
 device step alone, and after whole steps; each with the resident set by
 kind of mapping (anonymous, glibc's malloc arenas, thread stacks, files),
-and the anonymous mappings that grew most since the engine was built:
+and the mappings other than files that grew most since the engine was built:
 
   python experiments/host_rss_phases.py --model gpt2-1.5b --moments int8 --gpus 2
 """
@@ -56,7 +56,8 @@ def by_kind(found) -> str:
 
 
 def grown(before, after, top: int = 6) -> str:
-  """The anonymous mappings that grew most between two `mappings()`."""
+  """The mappings other than files (anonymous, arenas, heap, stacks) that
+  grew most between two `mappings()`."""
   rises = sorted(((rss - before.get(addr, ("", 0, 0))[2], kind, size, addr)
                   for addr, (kind, size, rss) in after.items() if kind != "file"), reverse=True)
   return ", ".join(f"{kind} {size / 2**20:.0f} MiB +{rise / 2**20:.0f}"

@@ -192,11 +192,11 @@ class ZeroEngine:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
       state_bytes = _state_bytes_per_param(tx)
-    runtime = plan_lib.host_runtime_bytes(len(self.positions), device.platform,
-                                          plan_lib.device_memory_limit(device) or 0)
+    limit = plan_lib.device_memory_limit(device)  # the allocator's, whatever the plan may use
+    runtime = plan_lib.host_runtime_bytes(len(self.positions), device.platform, limit or 0)
     self.plan = plan_lib.make_plan(
         shapes, state_bytes, options, n_devices=mesh.shape[axis], axis=axis,
-        device_memory=device_memory or plan_lib.device_memory_limit(device),
+        device_memory=device_memory or limit,
         host_memory=(host_memory or plan_lib.host_memory_for(runtime)) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions),
         checkpoint_memory=checkpoint_memory, runtime_bytes=runtime)
