@@ -1,6 +1,7 @@
 """Where a process's host memory grows, phase by phase: gpt2 (--model) at
-stage 3 over --gpus GPUs, with all the optimizer state on the host (int8 or
-fp32 moments) or (--no-offload) none of it.
+--stage (3) over --gpus GPUs, with all the optimizer state on the host (int8
+or fp32 moments; --delayed-update: the paper's one-step delayed update) or
+(--no-offload) none of it.
 
 Prints the resident set after the runtime starts, after the engine is
 built (beside jzo's own count of its host arrays and landing buffers,
@@ -10,6 +11,8 @@ kind of mapping (anonymous, glibc's malloc arenas, thread stacks, files),
 and the mappings other than files that grew most since the engine was built:
 
   python experiments/host_rss_phases.py --model gpt2-1.5b --moments int8 --gpus 2
+  python experiments/host_rss_phases.py --model gpt2-13b --moments fp32 --stage 2 \
+      --delayed-update --gpus 2
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ def mappings() -> dict[str, tuple[str, int, int]]:
   return found
 
 
+def peak_rss() -> int:
+  """This process's peak resident set so far (VmHWM), in bytes: with the
+  delayed update the host's work goes on after a step returns."""
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def by_kind(found) -> str:
   """Resident GiB by kind of mapping, and how many arenas."""
   totals = collections.Counter()
@@ -70,6 +80,10 @@ def main() -> None:
   parser.add_argument("--moments", choices=["fp32", "int8"], default="int8")
   parser.add_argument("--batch", type=int, default=8, help="sequences a GPU")
   parser.add_argument("--gpus", type=int, default=1)
+  parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+  parser.add_argument("--delayed-update", action="store_true",
+                      help="with offload, the update overlaps the next step")
+  parser.add_argument("--steps", type=int, default=3, help="whole steps after the device step")
   parser.add_argument("--no-offload", action="store_true",
                       help="all of the optimizer state on the GPUs")
   args = parser.parse_args()
@@ -89,7 +103,7 @@ def main() -> None:
 
   def phase(name, **extra):
     seen[name] = mappings()
-    print(name, "rss", gib(psutil.Process().memory_info().rss),
+    print(name, "rss", gib(psutil.Process().memory_info().rss), "peak", gib(peak_rss()),
           *(f"{k} {gib(v)}" for k, v in extra.items()), "|", by_kind(seen[name]), flush=True)
     if "built" in seen and name != "built":
       print("  grown since built:", grown(seen["built"], seen[name]), flush=True)
@@ -102,8 +116,9 @@ def main() -> None:
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),
       jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments),
-      mesh=jax.sharding.Mesh(np.array(jax.devices()[:args.gpus]), ("data",)), stage=3,
-      offload=not args.no_offload, activation_memory=gpt.activation_bytes(config, args.batch, 1024))
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:args.gpus]), ("data",)), stage=args.stage,
+      offload=not args.no_offload, delayed_update=args.delayed_update and not args.no_offload,
+      dpu_warmup=1, activation_memory=gpt.activation_bytes(config, args.batch, 1024))
   plan = engine.plan
   phase("built", host_bytes_in_use=engine.host_bytes_in_use(),
         planned_host=plan.runtime_bytes + (sum(plan.host_bytes().values()) + plan.pool_overhead()
@@ -114,7 +129,7 @@ def main() -> None:
   phase("compiled ahead of time")
   jax.block_until_ready(engine.run_device_step(batch)[0].loss)
   phase("device step alone")
-  for i in range(3):
+  for i in range(args.steps):
     jax.block_until_ready(engine.step(batch).loss)
     phase(f"step {i}", host_bytes_in_use=engine.host_bytes_in_use())
   engine.close()
