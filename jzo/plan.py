@@ -86,11 +86,12 @@ DEVICE_HEADROOM = 0.06
 HOST_RUNTIME_BYTES = 2 * 2**30
 # ... and for each more GPU the process drives.
 HOST_RUNTIME_BYTES_PER_DEVICE = 2**28
-# XLA's allocator of a GPU's memory keeps, in host RAM, an 8-byte handle for
-# each 256 bytes of the device memory it manages (tsl's BFC allocator), all
-# made when the device first runs something: 4.19 GiB for 95% of an H200
-# (measured: one anonymous mapping of 4,288 MiB a GPU), 2.36 for an H100.
-DEVICE_BYTES_PER_HOST_BYTE = 32
+# XLA's allocators (tsl's BFC) keep, in host RAM, an 8-byte handle for each
+# 256 bytes they manage. A GPU's memory: made when the device first runs
+# something, 4.19 GiB for 95% of an H200 (measured: one anonymous mapping of
+# 4,288 MiB a GPU), 2.36 for an H100. A pinned host pool: made with each of
+# its regions (measured: 0.74 GiB beside 24 GiB of pools).
+BYTES_PER_TABLE_BYTE = 32
 
 
 # XLA's pinned host pools on GPUs, one per device: the cap in GiB of each is
@@ -142,12 +143,14 @@ def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
   (gpt2-13b's 21.6 GiB of landing buffers took a 32 GiB region under the
   default 64 GiB cap), and what else is pinned beside the landing buffers
   grows it by its headroom (measured: 4.1 GiB for a streamed update's 2 GiB
-  of spans, on one GPU and on two)."""
+  of spans, on one GPU and on two). Each pool's allocator keeps a table of
+  1/32 of it (BYTES_PER_TABLE_BYTE)."""
   if not landing:
     return 0
   share = pool_share(landing, devices)
   region = max(1 << (share - 1).bit_length(), share + pool_headroom(devices))
-  return devices * min(region, pinned_pool_limit())
+  pool = min(region, pinned_pool_limit())
+  return devices * (pool + pool // BYTES_PER_TABLE_BYTE)
 
 
 def limit_pinned_pool(landing: int, devices: int = 1) -> int:
@@ -192,7 +195,7 @@ def host_runtime_bytes(devices: int, platform: str = "gpu", device_memory: int =
   allocator's table; CPU devices add none."""
   if platform == "cpu":
     return HOST_RUNTIME_BYTES
-  table = device_memory // DEVICE_BYTES_PER_HOST_BYTE if platform == "gpu" else 0
+  table = device_memory // BYTES_PER_TABLE_BYTE if platform == "gpu" else 0
   return HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * (devices - 1) + devices * table
 
 
@@ -312,7 +315,8 @@ class Plan:
 
   def pool_overhead(self) -> int:
     """Bytes the process's pinned pools hold beyond `pinned_bytes()`: their
-    regions' rounding and their headroom (`pinned_pool_bytes`)."""
+    regions' rounding, their headroom and their allocators' tables
+    (`pinned_pool_bytes`)."""
     if not self.pinned_pools:
       return 0
     return pinned_pool_bytes(self.pinned_bytes(), self.local_devices) - self.pinned_bytes()
