@@ -46,13 +46,14 @@ COLORS = {"jzo offload auto + DPU": "tab:blue", "jzo offload + DPU": "tab:cyan",
           "DeepSpeed ZeRO-2 offload": "tab:red"}
 # Runs of offload_bench.py since session 6 that trained larger models: (records
 # under results/, the system's name in figure 1, the date they ran).
-LARGEST_SINCE = [("session13/run1-6cf64fc/grads-20b.json",
-                  "jzo stage 3 offload, grads in params", "2026-11-25")]
+LARGEST_SINCE = [("session38/call2-e7b287b/grads-20b.json",
+                  "jzo stage 3 offload, grads in params", "2026-11-27")]
 # The runs of figure "memory per parameter": (records under results/, model).
 MEMORY_RUNS = [("session6/h100_10b.json", "gpt2-10b"), ("session7/llama8b.json", "llama-3.1-8b"),
-               ("session13/run1-6cf64fc/grads-20b.json", "gpt2-20b")]
-# The runtime the planner counted beside the state when MEMORY_RUNS ran (sessions
-# 6-13); it now counts the pinned pools' headroom and the allocator's table too.
+               ("session38/call2-e7b287b/grads-20b.json", "gpt2-20b")]
+# The runtime the planner counted beside the state when the older MEMORY_RUNS
+# ran (sessions 6-7), whose records have no planned_host_gib; it now counts the
+# pinned pools' headroom and the allocators' tables too.
 RUNTIME_PLANNED_THEN_GIB = 4.5
 # Figure 3's runs (nvidia-h200-x4, session 34), under results/: figure_runs.py's
 # scale-1.5b and scale-13b, DeepSpeed with each process's share of the cores
@@ -347,11 +348,11 @@ def fig_memory(out: str) -> None:
              if r.get("model") == model and r["status"] == "ok"), key=lambda r: r["batch"])
     per = lambda gib: gib * 2**30 / r["n_params"]
     grads_in_params = "grads" in path
-    # Records before offload_bench wrote the build's peak: the 20b run's is
-    # computed here; the older runs' steps planned more than their builds.
-    build = r.get("planned_build_gib") or (_build_gib(r) if grads_in_params else 0)
-    planned_gpu = max(r["planned_gpu_gib"], build)
-    planned_host = r["planned_host_state_gib"] + RUNTIME_PLANNED_THEN_GIB
+    # Records from before offload_bench wrote the build's peak (sessions 6-7)
+    # planned more for their steps than for their builds.
+    planned_gpu = max(r["planned_gpu_gib"], r.get("planned_build_gib", 0))
+    planned_host = r.get("planned_host_gib") or (r["planned_host_state_gib"]
+                                                 + RUNTIME_PLANNED_THEN_GIB)
     label = (f"{model} ({r['n_params'] / 1e9:.1f}B), {r['moments']} moments,\n"
              f"{r['config']}{', grads in params' if grads_in_params else ''}, "
              f"micro-batch {r['batch']}")
@@ -377,17 +378,6 @@ def fig_memory(out: str) -> None:
   fig.text(0.01, 0.01, f"{MACHINE}; GPU: process peak; host: peak RSS", fontsize=8)
   fig.tight_layout(rect=(0, 0.04, 1, 1))
   fig.savefig(os.path.join(out, "fig_memory_per_param.png"), dpi=130)
-
-
-def _build_gib(r: dict) -> float:
-  """The planner's build peak of a stage-3 grads_in_params record made
-  before offload_bench wrote it: the state beside the largest leaf drawn
-  (from the shapes)."""
-  from jzo.recipe.estimate import estimate_model
-  found = estimate_model(r["model"], batch_size=r["batch"], seq_len=r["seq_len"], stage=3,
-                         offload=True, moments=r["moments"], grads_in_params=True,
-                         device_memory=80 * 2**30, host_memory=2**40)
-  return (sum(found.plan.device_bytes().values()) + found.plan.build_bytes()) / 2**30
 
 
 def main():
