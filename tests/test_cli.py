@@ -193,14 +193,14 @@ def test_estimate_caps_the_pinned_pool_as_the_recipe_does(monkeypatch):
   """jzo.estimate plans XLA's pinned pool capped at the landing buffers, as
   the recipe runs it: gpt2-13b at micro-batch 32 with the delayed update
   fits 80 GB and 125 GiB, where a pool rounded up to 32 GiB (9.47 GiB past
-  the landing buffers) did not."""
+  the landing buffers, 10.47 with its allocator's table) did not."""
   monkeypatch.delenv(plan.PINNED_POOL_LIMIT_VAR, raising=False)
   done = run_module("jzo.estimate", "--model", "gpt2-13b", "--moments", "bf16", "--stage", "3",
                     "--batch-size", "32", "--delayed-update", "--host-gb", "125",
                     "--device-gb", "80")
   assert done.returncode == 0 and done.stdout.splitlines()[-1] == "fits", done.stdout
   overhead = float(re.search(r"pinned pool overhead +([\d.]+)", done.stdout).group(1))
-  assert overhead < 4, done.stdout
+  assert overhead < 5, done.stdout  # the cap, 26 GiB, and its table, past 22.41 GiB
 
 
 def test_the_recipe_caps_each_pool_at_the_share_of_the_gpus_it_will_drive(monkeypatch):
