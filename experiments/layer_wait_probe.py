@@ -13,9 +13,12 @@ host thread has marked it ready. Times, on one GPU (median of --repeats):
              (what the mechanism costs: its copy up and its wait)
   ahead      the same, the callback fetching the next layer while this one
              computes (if XLA overlaps them)
-  paced      `ahead` while the host marks layer l ready at (l + 1) x --pace s,
-             an update of --pace s a layer: the best end is one layer's
-             compute after the last layer is ready
+  signal     the callback only waits (it returns the layer's index), and the
+             step fetches the layer from a stacked copy in pinned host memory
+             (as jzo.scan_layers fetches offloaded weights)
+  paced      each of `ahead` and `signal` while the host marks layer l ready
+             at (l + 1) x --pace s, an update of --pace s a layer: the best
+             end is one layer's compute after the last layer is ready
 
   python experiments/layer_wait_probe.py --layers 50 --pace 0.04
 """
@@ -81,8 +84,25 @@ def main() -> None:
     first = io_callback(fetch, out_shapes, 0)
     return jax.lax.scan(body, (x, first), jnp.arange(L))[0][0]
 
+  def wait(i):
+    ready[int(i)].wait()
+    return np.int32(i)
+
+  @jax.jit
+  def by_signal(x, pinned):
+    def body(x, i):
+      j = io_callback(wait, jax.ShapeDtypeStruct((), jnp.int32), i)  # the fetch waits on it
+      w = tuple(jax.device_put(jax.lax.dynamic_index_in_dim(p, j, 0, False),
+                               jax.memory.Space.Device) for p in pinned)
+      return layer(x, w), None
+    return jax.lax.scan(body, x, jnp.arange(L))[0]
+
   x = jnp.full((args.tokens, D), 0.01, jnp.bfloat16)
-  stacked = tuple(jnp.asarray(np.stack([h[k] for h in host])) for k in range(3))
+  stacks = [np.stack([h[k] for h in host]) for k in range(3)]
+  stacked = tuple(jnp.asarray(s) for s in stacks)
+  in_pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  pinned = tuple(jax.device_put(s, in_pinned) for s in stacks)
+  del stacks
 
   def timed(fn, pace=None):
     times = []
@@ -107,16 +127,17 @@ def main() -> None:
   del stacked  # the GPU's copy of every layer: the callbacks bring them up
   results["callback"] = timed(lambda: by_callback(x))
   results["ahead"] = timed(lambda: ahead(x))
-  results["paced"] = timed(lambda: ahead(x), pace=args.pace)
+  results["signal"] = timed(functools.partial(by_signal, x, pinned))
+  results["ahead, paced"] = timed(lambda: ahead(x), pace=args.pace)
+  results["signal, paced"] = timed(functools.partial(by_signal, x, pinned), pace=args.pace)
   per_layer = results["device"] / L
   print(json.dumps({"layers": L, "pace_s": args.pace, "layer_bytes": layer_bytes,
                     "gpu": jax.devices()[0].device_kind, "seconds": results}))
   print(f"{L} layers of {layer_bytes / 2**20:.0f} MiB; compute {1e3 * per_layer:.1f} ms a layer")
   for name, seconds in results.items():
-    print(f"{name:<9} {seconds:7.3f} s  ({1e3 * seconds / L:6.1f} ms a layer)")
-  best = L * args.pace + per_layer
-  print(f"paced: best {best:.3f} s (last layer ready at {L * args.pace:.2f} s, then its "
-        f"compute); measured {results['paced']:.3f} s")
+    print(f"{name:<14} {seconds:7.3f} s  ({1e3 * seconds / L:6.1f} ms a layer)")
+  print(f"paced: best {L * args.pace + per_layer:.3f} s (the last layer ready at "
+        f"{L * args.pace:.2f} s, then its compute)")
 
 
 if __name__ == "__main__":
