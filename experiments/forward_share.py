@@ -22,20 +22,15 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
-import time
+
+from offload_bench import timed
 
 
 def median_seconds(fn, steps: int) -> float:
   """Median seconds of `steps` calls of fn() after one warm-up (compile)."""
   import jax
   jax.block_until_ready(fn())
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return timed(lambda: jax.block_until_ready(fn()), steps)
 
 
 def main() -> None:
