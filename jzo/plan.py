@@ -733,16 +733,19 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
               axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
               processes: int = 1, checkpoint_memory: int = 0,
-              runtime_bytes: int = HOST_RUNTIME_BYTES) -> Plan:
+              runtime_bytes: int = HOST_RUNTIME_BYTES, checked: bool = True) -> Plan:
   """The plan of an engine with `options` over params of `shapes` (a tree
   of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
   `tx_state_bytes` of optimizer state per parameter besides the masters.
   `processes`: how many share the data axis, each with its own host memory
-  (`host_memory` is one process's). Checks that the plan fits the memory
-  given (None: not checked) before anything is allocated, on the host with
-  `checkpoint_memory` bytes for a checkpoint's save beside the state (see
-  `Plan.checkpoint_bytes`) and `runtime_bytes` for the process's runtime
-  (`host_runtime_bytes`); offload="auto" needs `device_memory`.
+  (`host_memory` is one process's). `device_memory` None: the devices are
+  CPUs (no pinned pools; the weights are drawn in host RAM). Checks that
+  the plan fits the memory given (None: not checked; `checked=False`:
+  neither, to show where a refused plan's memory would go) before anything
+  is allocated, on the host with `checkpoint_memory` bytes for a
+  checkpoint's save beside the state (see `Plan.checkpoint_bytes`) and
+  `runtime_bytes` for the process's runtime (`host_runtime_bytes`);
+  offload="auto" needs `device_memory`.
 
   `options.accumulation` (grad_accum > 1 with offload): "device" sums the
   micro-batches' gradients in float32 on the device, "host" sums the host
@@ -761,7 +764,7 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
             host_memory=host_memory, activations=activations, processes=processes,
-            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes)
+            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes, checked=checked)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
       or options.grads_in_params):  # which sums the layers in their backward pass
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
@@ -775,11 +778,12 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
 
 def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
                        host_accumulation: bool, device_memory: int | None,
-                       host_memory: int | None, activations: int, **kw) -> Plan:
+                       host_memory: int | None, activations: int, checked: bool,
+                       **kw) -> Plan:
   """make_plan with the accumulation decided and the landing limit given
   or chosen (see make_plan)."""
   kw.update(device_memory=device_memory, activations=activations,
-            host_accumulation=host_accumulation)
+            host_accumulation=host_accumulation, checked=checked)
   landing_limit = options.landing_limit
   if not host_accumulation and landing_limit and options.delayed_update:
     raise ValueError("landing_limit streams the host update in spans, which cannot be "
@@ -789,8 +793,12 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
     return _make_plan(shapes, tx_state_bytes, options, landing_limit=landing_limit,
                       host_memory=host_memory, **kw)
   plan = _make_plan(shapes, tx_state_bytes, options, landing_limit=0, host_memory=None, **kw)
-  check = lambda plan: check_fits(plan, activations=activations, device_memory=device_memory,
-                                 host_memory=host_memory)
+
+  def check(plan: Plan) -> None:
+    if checked:
+      check_fits(plan, activations=activations, device_memory=device_memory,
+                 host_memory=host_memory)
+
   if not host_accumulation:
     if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
       # Streamed, the update overlaps its transfers with the kernel: as fast
@@ -812,7 +820,8 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
                axis: str, device_memory: int | None, host_memory: int | None,
                activations: int, processes: int, host_accumulation: bool,
-               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0) -> Plan:
+               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0,
+               checked: bool = True) -> Plan:
   """make_plan with the accumulation decided."""
   stage, layers, offload = options.stage, options.layers, options.offload
   auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
@@ -852,6 +861,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
       layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
                              layouts, is_leaf=is_layout)
   plan = plan_of(layouts, resident)
-  check_fits(plan, activations=activations, device_memory=device_memory,
-             host_memory=host_memory)
+  if checked:
+    check_fits(plan, activations=activations, device_memory=device_memory,
+               host_memory=host_memory)
   return plan

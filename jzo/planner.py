@@ -130,9 +130,9 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     unchecked = dataclasses.replace(
         options, offload=1.0 if offload == "auto" else offload,
         offload_params=True if offload_params == "auto" else offload_params)
-    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, **kw)
-    # Made without device_memory (which would check it): its devices are GPUs all the same.
-    plan = dataclasses.replace(plan, pinned_pools=True, draw_floor=0)
+    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked,
+                              device_memory=device_memory, host_memory=host_memory,
+                              checked=False, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
 
 

@@ -335,6 +335,9 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert not saved.fits and saved.plan.checkpoint_bytes == checkpoint.SAVE_HOST_BYTES
   assert "checkpoint writes 2.50 GiB" in saved.error
   assert "it fits without the 2.50 GiB a checkpoint's save takes" in saved.error
+  # The refused plan it shows is the GPUs' plan, not checked: their pools, as where it fits.
+  assert saved.plan.pool_overhead() == need.plan.pool_overhead() > 0
+  assert saved.plan.draw_floor == need.plan.draw_floor == 0
   with pytest.raises(jzo.PlacementError, match="checkpoint writes 2.50 GiB"):
     jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(8),
                    host_memory=total + 2**30, checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
