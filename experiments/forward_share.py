@@ -61,7 +61,7 @@ def main() -> None:
 
   @jax.jit
   def hidden(params, tokens):
-    return gpt.GPT.hidden(nnx.merge(gpt._graphdef(config), params), tokens[:, :-1])
+    return nnx.merge(gpt._graphdef(config), params).hidden(tokens[:, :-1])
 
   loss = jax.jit(functools.partial(gpt.loss_fn, config))
   grad = jax.jit(jax.value_and_grad(functools.partial(gpt.loss_fn, config)))
