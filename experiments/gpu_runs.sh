@@ -79,7 +79,9 @@
 #                  accumulation:micro-batch (default 4:8 1:32): accumulation summed in the
 #                  layers' backward pass; each engine in its own process; CONFIGS of
 #                  offload_bench.py (default offload: all the state on the host; auto: as
-#                  much of it on the GPU as fits), each run in each
+#                  much of it on the GPU as fits), each run in each, once for each of
+#                  FORWARD (default overlap: the next step's forward overlaps the host
+#                  update where it can; after: the update first, --no-overlap-forward)
 #   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
 #                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
 #   kernel-ceiling the C++ kernel (fp32) against a loop that moves the same 28 bytes a
@@ -319,14 +321,16 @@ for part in "$@"; do
       model=${MODEL:-gpt2-10b}; moments=${MOMENTS:-fp32}
       for run in ${RUNS:-4:8 1:32}; do
       for config in ${CONFIGS:-offload}; do
+      for forward in ${FORWARD:-overlap}; do
         accum=${run%:*} micro=${run#*:}
-        name=$part-$model-$moments-${accum}x$micro-$config
+        name=$part-$model-$moments-${accum}x$micro-$config-$forward
+        flag=""; [ "$forward" = after ] && flag=--no-overlap-forward
         timeout 500 python3 experiments/offload_bench.py --config $config --model $model \
           --moments $moments --stage 3 --grads-in-params --grad-accum $accum --batch $micro \
-          --steps 3 --compiled-memory >"$OUT/$name.json" 2>"$OUT/$name.log"
+          --steps 3 --compiled-memory $flag >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror|optimizer state" \
           "$OUT/$name.log" | cut -c1-400 | tail -12
-      done; done ;;
+      done; done; done ;;
     kernel-ceiling)
       flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
       g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&

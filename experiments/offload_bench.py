@@ -104,7 +104,7 @@ def run_one(args) -> list[dict]:
       functools.partial(gpt.loss_fn, config),
       functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),  # drawn leaf by leaf
       tx, stage=args.stage, layers="blocks" if args.stage == 3 else None,
-      grads_in_params=args.grads_in_params,
+      grads_in_params=args.grads_in_params, overlap_forward=args.overlap_forward,
       offload_params={None: False, "all": True, "auto": "auto"}[args.offload_params],
       resident_layers=args.resident_layers,
       mesh=jax.sharding.Mesh(np.array(devices(args.gpus)), ("data",)),
@@ -209,6 +209,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "n_layer": config.n_layer, "n_params": config.n_params,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "stage": engine.plan.stage, "grads_in_params": engine.plan.grads_in_params,
+      "overlaps_update": engine.overlaps_update,
       "offload_params": engine.plan.offload_params,
       "host_params_gib": engine.plan.host_params_bytes() / 2**30,
       "resident_layers": engine.plan.resident_layers,
@@ -293,6 +294,9 @@ def parse_args():
                       help="ZeRO stage (3: the layers gathered one at a time)")
   parser.add_argument("--grads-in-params", action="store_true",
                       help="stage 3 + offload: each layer's gradient written over its weights")
+  parser.add_argument("--no-overlap-forward", dest="overlap_forward", action="store_false",
+                      help="with --grads-in-params: finish each host update before the next "
+                           "step (default: the next step's forward overlaps it)")
   parser.add_argument("--offload-params", nargs="?", const="all", choices=["all", "auto"],
                       help="stage 3 + offload: the layers' weights in pinned host memory, or "
                            "(auto) where the largest micro-batch needs it, the first layers that "
@@ -333,6 +337,8 @@ def main():
       cmd.append("--no-breakdown")
     if args.grads_in_params:
       cmd.append("--grads-in-params")
+    if not args.overlap_forward:
+      cmd.append("--no-overlap-forward")
     if args.offload_params:
       cmd += ["--offload-params", args.offload_params]
     if args.resident_layers is not None:

@@ -135,6 +135,12 @@ class ZeroEngine:
       memory (GPUs; the CPU backend runs it too).
     resident_layers: with offload_params=True, how many of the first
       layers stay resident (None: 0), in place of "auto"'s choice.
+    overlap_forward: with grads_in_params, one micro-batch, the layers'
+      weights in device memory, no landing limit and pinned transfers
+      (`plan.overlaps_update`): each step's forward runs beside the last
+      step's host update, a layer at a time, each layer as soon as the host
+      has its new weights (jzo.layer_scan). The same arithmetic as
+      without; False runs the update before the next step instead.
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -159,7 +165,7 @@ class ZeroEngine:
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None, grads_in_params: bool = False,
                offload_params: bool | str = False, resident_layers: int | None = None,
-               checkpoint_memory: int = 0):
+               checkpoint_memory: int = 0, overlap_forward: bool = True):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -169,7 +175,7 @@ class ZeroEngine:
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
         landing_limit=landing_limit, host_transfer=host_transfer,
         grads_in_params=grads_in_params, offload_params=offload_params,
-        resident_layers=resident_layers)
+        resident_layers=resident_layers, overlap_forward=overlap_forward)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
@@ -229,8 +235,10 @@ class ZeroEngine:
       transfer.reserve(self.plan.pinned_bytes())  # before the build pins its chunks
     self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaves, adam,
                                          pinned=pinned)
+    # The step takes the stacked layers' new weights from pinned landing buffers.
+    self._overlap = self.plan.overlaps_update and pinned
     if self.plan.has_host_state:
-      self.host_update = HostUpdate(self.trained, transfer)
+      self.host_update = HostUpdate(self.trained, transfer, overlap=self._overlap)
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
     self._full_params = None  # compute_params' gather, made at its first call
@@ -240,6 +248,12 @@ class ZeroEngine:
   def state(self) -> EngineState:
     """The device state (global arrays; see jzo.step.EngineState)."""
     return self.trained.device
+
+  @property
+  def overlaps_update(self) -> bool:
+    """Each step's forward runs beside the last host update (see
+    `overlap_forward`): `plan.overlaps_update`, with pinned transfers."""
+    return self._overlap
 
   @property
   def host(self) -> HostAdam | None:
@@ -354,7 +368,12 @@ class ZeroEngine:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
       self._set_device(grads=None)
-    self.trained.device, metrics, grad_scale = fn(self.state, batch)
+    if self._overlap:  # the last update's stacked leaves come up in the step
+      # (The state is read once the update's other leaves are installed.)
+      self.trained.device, metrics, grad_scale = self.host_update.overlapped_step(
+          lambda landing: fn(self.state, batch, landing))
+    else:
+      self.trained.device, metrics, grad_scale = fn(self.state, batch)
     if self.plan.grads_in_params:  # the layers' params are in their gradients' memory
       self._set_device(params=jax.tree.map(lambda p, g: g if p is None else p, self.state.params,
                                            self.state.grads, is_leaf=lambda x: x is None))
@@ -373,6 +392,10 @@ class ZeroEngine:
     if self.plan.host_accumulation:
       micro = self._micro_batches(batch)[0]
       return self._step_fn(batch)[0].lower(state, self._global_batch(micro))
+    if self._overlap:
+      transfer = self.host_update.transfer
+      landing = [transfer.landing_struct(i) for i in self.plan.overlapped_leaves()]
+      return self._step_fn(batch).lower(state, self._global_batch(batch), landing)
     return self._step_fn(batch).lower(state, self._global_batch(batch))
 
   def close(self) -> None:
@@ -402,8 +425,9 @@ class ZeroEngine:
       self._step_fns[key] = (make(True), make(False),
                              step_lib.make_finish(self.plan, self.mesh, self.trained.tx))
     else:
+      wait = self.host_update.wait_for_layer if self._overlap else None
       self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn,
-                                               self.trained.tx, batch)
+                                               self.trained.tx, batch, wait)
     return self._step_fns[key]
 
   def _check_batch(self, batch) -> None:

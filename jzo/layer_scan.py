@@ -37,6 +37,16 @@ stay as they are; for micro-batch K it writes the sum with that micro-
 batch's gradient, rounded once to the weights' dtype, over the weights.
 So a device holds the weights and the float32 sums of the layers (6 B a
 parameter in bf16), never a gradient of the whole stack beside them.
+
+Overlapping the host update (`landing` and `wait`, one micro-batch, no
+resident layers): when the step starts, the layers' host parts hold the
+last step's gradients, and the host is still updating them, a layer at a
+time, into landing buffers in pinned host memory (one per leaf with a host
+part, (L, k - c) a device). Before layer i the forward calls `wait(i)` on
+the host (a callback that returns once the host has written layer i's new
+weights), copies them into row i of the layers, after its device part
+(in place), and runs the layer. So the forward over the step's batch runs
+beside the host update instead of after it, and reads the same weights.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 # What the engine watches while it traces its step with grads_in_params:
 # scan_layers marks it when it runs (None: a plain scan).
@@ -61,12 +72,14 @@ class _Watch:
   non-finite count; `sums` (float32, shaped like the layers, or None) the
   earlier micro-batches' gradients of the layers; `adding` whether this
   micro-batch adds into the sums (else it writes over the weights);
-  `resident` the first layers' weights in device memory (or None); `ran`
-  whether scan_layers ran."""
+  `resident` the first layers' weights in device memory (or None);
+  `landing` (a tuple, per leaf of the layers in jax.tree.leaves order, of
+  its host parts' new weights in pinned host memory, or None) and `wait`
+  the overlapped host update's (or None); `ran` whether scan_layers ran."""
 
-  def __init__(self, stats, sums, adding, resident):
+  def __init__(self, stats, sums, adding, resident, landing, wait):
     self.stats, self.sums, self.adding, self.ran = stats, sums, adding, False
-    self.resident = resident
+    self.resident, self.landing, self.wait = resident, landing, wait
 
   def __bool__(self) -> bool:
     return self.ran
@@ -91,12 +104,15 @@ def scan_layers(fn: Callable, carry, layers):
     _check_sums(watching.sums, layers)
   if watching.resident is not None:
     _check_resident(watching.resident, layers)
+  if watching.landing is not None:
+    _check_landing(watching.landing, layers)
   # One layer in device memory: the forward and backward fetch each one
   # before fn sees it (so fn's gradient stays on the device, to be counted).
   first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layers)
   converted, consts = jax.closure_convert(fn, carry, first)
-  return _scan_writing_grads(converted, watching.adding, tuple(consts), carry, layers,
-                             watching.stats, watching.sums, watching.resident)
+  return _scan_writing_grads(converted, watching.adding, watching.wait, tuple(consts), carry,
+                             layers, watching.stats, watching.sums, watching.resident,
+                             watching.landing)
 
 
 def _check_sums(sums, layers) -> None:
@@ -118,8 +134,20 @@ def _check_resident(resident, layers) -> None:
                      f"layers are {jax.tree.map(jnp.shape, resident)}")
 
 
+def _check_landing(landing, layers) -> None:
+  leaves = jax.tree.leaves(layers)
+  fits = len(landing) == len(leaves) and all(
+      h is None or (h.shape[0] == x.shape[0] and h.shape[1:-1] == x.shape[1:-1]
+                    and h.shape[-1] <= x.shape[-1]) for h, x in zip(landing, leaves))
+  if not fits:
+    raise ValueError("overlapping the host update, scan_layers must get the engine's `layers` "
+                     f"subtree whole: got {jax.tree.map(jnp.shape, layers)}, the landing "
+                     f"buffers are {[None if h is None else h.shape for h in landing]}")
+
+
 @contextlib.contextmanager
-def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resident=None):
+def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resident=None,
+                              landing=None, wait: Callable | None = None):
   """While tracing the step: `scan_layers` writes each layer's gradient over
   its weights. stats: float32 zeros of shape (2,) whose gradient is to be
   the layers' gradients' (sum of squares, count of non-finite values), or
@@ -128,10 +156,17 @@ def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resid
   into them, to come out as their gradient, instead of writing over the
   weights (see the module docstring). resident: the first layers' weights
   in device memory, (r, ...) shaped like the layers otherwise, or None.
+  landing, wait: overlap the host update (see the module docstring): per
+  leaf of the layers, its host parts' landing buffer or None, and
+  `wait(i) -> i` (int32), which returns once layer i's are written.
   Yields an object that is true once scan_layers has run."""
   if adding and sums is None:
     raise ValueError("adding into the layers' sums needs the sums")
-  watching = _Watch(stats, sums, adding, resident)
+  if landing is not None and (wait is None or sums is not None or resident is not None):
+    raise ValueError("overlapping the host update needs a wait, one micro-batch and no "
+                     "resident layers")
+  watching = _Watch(stats, sums, adding, resident,
+                    None if landing is None else tuple(landing), wait)
   token = _WRITING_GRADS.set(watching)
   try:
     yield watching
@@ -154,21 +189,25 @@ def on_device(x):
   return _to(jax.memory.Space.Device, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scan_writing_grads(fn, adding, consts, carry, layers, stats, sums, resident):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _scan_writing_grads(fn, adding, wait, consts, carry, layers, stats, sums, resident, landing):
   del stats, sums  # only their gradients are used
-  return _forward(fn, adding, consts, carry, layers, None, None, resident)[0]
+  return _forward(fn, adding, wait, consts, carry, layers, None, None, resident, landing)[0]
 
 
 def _row(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, 0, False)
 
 
-def _forward(fn, adding, consts, carry, layers, stats, sums, resident):
+def _forward(fn, adding, wait, consts, carry, layers, stats, sums, resident, landing):
   """The scan; saves each layer's input: (those of the resident layers or
-  None, those of the others)."""
+  None, those of the others), and the layers (with landing: the new
+  weights written into them)."""
   del adding
   step = lambda c, layer: (fn(c, layer, *consts), c)
+  if landing is not None:
+    out, inputs, layers = _fetching_scan(step, wait, carry, layers, landing)
+    return out, (consts, (None, inputs), layers, stats, sums, resident)
   if resident is None:
     out, inputs = jax.lax.scan(lambda c, layer: step(c, jax.tree.map(on_device, layer)),
                                carry, layers)
@@ -182,11 +221,41 @@ def _forward(fn, adding, consts, carry, layers, stats, sums, resident):
   return out, (consts, (first, rest), layers, stats, sums, resident)
 
 
+def _fetching_scan(step, wait, carry, layers, landing):
+  """The scan overlapping the host update: (out, each layer's input, the
+  layers with each one's host parts' new weights copied in from `landing`
+  once `wait` says the host wrote them)."""
+  leaves, treedef = jax.tree.flatten(layers)
+
+  def body(state, i):
+    c, leaves, here = state
+    j = io_callback(wait, jax.ShapeDtypeStruct((), jnp.int32), i)
+    # Nothing may read the landing buffers before the host says so: the loop
+    # carries them through a barrier with the callback's result, so no read
+    # of them is loop-invariant (XLA:CPU otherwise hoisted a float32 copy of
+    # them, made before the loop, while the host was still writing them).
+    _, here = jax.lax.optimization_barrier((j, here))
+    new = []
+    for x, host in zip(leaves, here):
+      if host is not None:  # after the row's device part, which the last step wrote
+        row = on_device(_row(host, i))[None]
+        start = (i,) + (0,) * (x.ndim - 2) + (x.shape[-1] - row.shape[-1],)
+        x = jax.lax.dynamic_update_slice(x, row, start)
+      new.append(x)
+    out, saved = step(c, jax.tree.unflatten(treedef, [_row(x, i) for x in new]))
+    return (out, new, here), saved
+
+  (out, leaves, _), inputs = jax.lax.scan(body, (carry, leaves, landing),
+                                          jnp.arange(_n_rows(layers)))
+  return out, inputs, jax.tree.unflatten(treedef, leaves)
+
+
 def _n_rows(tree) -> int:
   return jax.tree.leaves(tree)[0].shape[0]
 
 
-def _backward(fn, adding, saved, d_out):
+def _backward(fn, adding, wait, saved, d_out):
+  del wait  # the forward's
   consts, (first_inputs, inputs), layers, stats, sums, resident = saved
   n_layers = _n_rows(layers)
   r = 0 if resident is None else _n_rows(resident)
@@ -236,8 +305,8 @@ def _backward(fn, adding, saved, d_out):
     acc = jax.lax.fori_loop(0, r, resident_layer, acc)
   d_carry, buffer, d_consts, d_stats = acc
   if adding:  # the sums' gradient is the new sums; the weights' is not used
-    return d_consts, d_carry, None, None, buffer, None
-  return d_consts, d_carry, buffer, d_stats, None, None
+    return d_consts, d_carry, None, None, buffer, None, None
+  return d_consts, d_carry, buffer, d_stats, None, None, None
 
 
 _scan_writing_grads.defvjp(_forward, _backward)

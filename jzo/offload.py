@@ -22,6 +22,15 @@ beside the step's activations, and the device keeps the host parts'
 gradients only until they are down, before the next step starts. The host
 holds one set of landing buffers.
 
+Overlapping the next step (`Plan.overlaps_update`, pinned transfers), the
+update leaves the stacked layers' new weights in their landing buffers:
+the update thread runs the other leaves first, which go up before the
+next step starts, then the stacked leaves a layer at a time, marking each
+layer done; the next step's forward waits for each layer's mark
+(`wait_for_layer`, a host callback in the step) and fetches its weights
+from the landing buffers itself (jzo.layer_scan). Anything else that reads
+the params first applies the update as above (`finish`).
+
 Where the host has no room for one set of landing buffers (`plan.streamed`:
 a landing limit without host accumulation), the update streams instead:
 each leaf's host part goes down in spans of a quarter of the limit, each
@@ -51,7 +60,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
 import jax
 import numpy as np
@@ -140,7 +149,7 @@ class HostAdam:
         kernels.cast_(piece, source)
 
   def update_leaves(self, grads_of: Callable[[int], list], grad_scale: float, count: int,
-                    lowp: bool = True) -> Iterator[int]:
+                    lowp: bool = True, skip: Collection[int] = ()) -> Iterator[int]:
     """One AdamW step of every shard, leaf by leaf, largest first; yields
     each leaf's index (jax.tree.leaves order) once it is done, so its upload
     can overlap the update of the rest. Leaves without a host part are
@@ -155,14 +164,29 @@ class HostAdam:
         counter after the step: Adam's bias corrections and schedules).
       lowp: write the new weights over the gradients (host accumulation's
         float32 sums instead leave them to `lowp_weights`).
+      skip: leaves not to update here.
     """
     scalars = self.step_scalars(count)
     masters = jax.tree.leaves(self.master)
     for i in sorted(range(len(masters)), key=lambda i: -masters[i].size):
-      if masters[i].size == 0:
+      if masters[i].size == 0 or i in skip:
         continue
       self.update_part(i, grads_of(i), grad_scale, scalars, count, lowp=lowp)
       yield i
+
+  def update_by_layer(self, leaves: list[int], grads_of: Callable[[int], list],
+                      grad_scale: float, count: int, layer_done: list) -> None:
+    """One AdamW step of stacked leaves (each (L, ...) a device), layer by
+    layer: every leaf's row 0, then row 1, ...; layer_done[l] (a
+    threading.Event) is set once layer l's new weights are written over its
+    gradients. Arguments as `update_leaves`'s."""
+    scalars = self.step_scalars(count)
+    pieces = {i: grads_of(i) for i in leaves}
+    for layer, done in enumerate(layer_done):
+      for i in leaves:
+        self.update_part(i, [p[layer:layer + 1] for p in pieces[i]], grad_scale, scalars, count,
+                         (layer, layer + 1))
+      done.set()
 
   def step_scalars(self, count: int) -> tuple[float, float]:
     """(learning rate, weight decay) of update number `count` (1-based), as
@@ -223,6 +247,9 @@ class HostUpdate:
       its params receive the new weights (`state.install`), and its step
       counter numbers the updates.
     transfer: moves gradients down and weights up.
+    overlap: leave the stacked layers' new weights to the next step (see
+      the module docstring; needs pinned transfers and
+      `Plan.overlaps_update`).
 
   The plan's landing limit bounds the bytes of landing buffers held at once
   (0: one set, every host part's gradient). Under host accumulation it
@@ -239,7 +266,7 @@ class HostUpdate:
       (the engine waiting for micro-batches' gradients to leave the devices).
   """
 
-  def __init__(self, state: ZeroState, transfer: ShardTransfer):
+  def __init__(self, state: ZeroState, transfer: ShardTransfer, overlap: bool = False):
     self.state, self.adam, self.transfer = state, state.host, transfer
     adam, plan, landing_limit = state.host, state.plan, state.plan.landing_limit
     self.timings = {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
@@ -252,6 +279,11 @@ class HostUpdate:
     # offload_params: leaves whose weights, and so gradients, are in pinned
     # host memory: the kernel updates them where they are, nothing moves.
     self._host_params = {i for i, l in enumerate(plan.leaves) if plan.params_on_host(l)}
+    # Overlapping the next step: the leaves whose new weights the step
+    # fetches from their landing buffers, a layer at a time (none: not).
+    self._overlapped = plan.overlapped_leaves() if overlap else []
+    self._layers = plan.leaves[self._overlapped[0]].shape[0] if self._overlapped else 0
+    self._step_update: _Update | None = None  # whose layers the running step waits for
     self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
@@ -328,11 +360,57 @@ class HostUpdate:
     jax.block_until_ready(list(landing.values()))
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for i, x in landing.items()
                                                    if i not in self._host_params))
-    self._pending = _Update(landing, float(grad_scale), count)
+    self._pending = _Update(landing, float(grad_scale), count, self._layers)
     self._pending.future = self._executor.submit(self._run, self._pending)
     self.timings["wait_grads"] = waited - start
-    if not delayed:
+    if not delayed and not self._overlapped:
       self._finish(None)
+
+  def overlapped_step(self, run: Callable[[list], Any]) -> Any:
+    """Runs `run(landing)`, the call of a step that overlaps the host update,
+    and returns what it returns: landing is the overlapped leaves' landing
+    buffers (`Plan.overlapped_leaves()` order), where the update in flight
+    is writing their new weights, once its other leaves are installed in
+    the params. With none in flight (the first step, after a skipped one or
+    `finish`), buffers of the weights made from the masters. The step's
+    `wait_for_layer` waits for this update's layers; an error of the call
+    (the update's, through that callback, where the devices run the step
+    at once) is the update's failure."""
+    with self._guard():
+      return run(self._step_landing())
+
+  def _step_landing(self) -> list:
+    """`overlapped_step`'s landing buffers (its docstring says which)."""
+    if self._pending is not None and self._pending.consumed:  # a step run alone took it
+      self._finish(None)
+    pending = self._pending
+    if pending is None:  # (kept here, its buffers would outlive the step)
+      landing = [self.transfer.new_landing(i) for i in self._overlapped]
+      for i, weights in zip(self._overlapped, landing):
+        self.adam.lowp_weights(i, self.transfer.views(i, weights))
+      self._step_update = _Update({}, 1.0, 0, self._layers)
+      for ready in self._step_update.layer_ready:
+        ready.set()
+      return landing
+    # Its other leaves go first on the update thread.
+    for _ in range(len(self._host_leaves) - len(self._overlapped)):
+      self._install(pending, pending.done.get())
+    pending.consumed = True
+    self._step_update = pending
+    return [pending.landing[i] for i in self._overlapped]
+
+  def wait_for_layer(self, layer) -> np.ndarray:
+    """The overlapping step's host callback: returns `layer` (int32) once
+    the update it overlaps has written that layer's new weights.
+
+    Raises:
+      RuntimeError: the update failed (the step then fails too).
+    """
+    update = self._step_update
+    update.layer_ready[int(layer)].wait()
+    if update.error is not None:
+      raise RuntimeError(f"the host update the step overlaps failed: {update.error!r}")
+    return np.int32(layer)
 
   def _exchange_streamed(self, grads: list, grad_scale: float, count: int) -> None:
     """The update a span at a time (see `ShardTransfer.spans`): each span of
@@ -397,6 +475,10 @@ class HostUpdate:
     (offloaded ones are made where they are; their resident layers' copy
     in device memory, which no step writes, holds them still)."""
     with self._guard():
+      # A step run alone may have overlapped an update, whose landing
+      # buffers it reads until it ends: that update is let go after it.
+      jax.block_until_ready(jax.tree.leaves(self.state.device.params))
+      self._finish(None)
       params = jax.tree.leaves(self.state.device.params)
       for i in self._in_params:
         if i in self._host_params:  # in place, in pinned host memory
@@ -524,19 +606,10 @@ class HostUpdate:
     pending, self._pending = self._pending, None
     landing = {}
     while (i := pending.done.get()) is not None:
-      if isinstance(i, BaseException):
-        pending.future.result()  # re-raises with the update thread's traceback
-      # One leaf at a time: its new weights are in the params, and the
-      # uploaded copy freed, before the next leaf's come up.
-      if i in self._host_params:  # written in place: the params are the landing buffer
-        pending.landing.pop(i, None)
-        self.state.refresh_resident(i)
-      elif i in pending.landing:
-        weights = pending.landing.pop(i)
-        jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
-        del weights
+      if pending.consumed and i in self._overlapped:  # the step fetched them
+        pending.landing.pop(i)
       else:
-        self._upload_from_masters(i)
+        self._install(pending, i)
       if next_grads is not None:
         landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
@@ -546,6 +619,22 @@ class HostUpdate:
     self.timings["update"] = pending.kernel_s
     self.timings["upload"] = time.perf_counter() - pending.kernel_done
     return landing
+
+  def _install(self, pending: "_Update", i) -> None:
+    """Leaf i's new weights (done by the update `pending`), into the params:
+    one leaf at a time, so the uploaded copy is freed before the next
+    leaf's comes up. i may be the update thread's exception: it is raised."""
+    if isinstance(i, BaseException):
+      pending.future.result()  # re-raises with the update thread's traceback
+    if i in self._host_params:  # written in place: the params are the landing buffer
+      pending.landing.pop(i, None)
+      self.state.refresh_resident(i)
+    elif i in pending.landing:
+      weights = pending.landing.pop(i)
+      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
+      del weights
+    else:
+      self._upload_from_masters(i)
 
   def _upload_from_masters(self, i: int) -> None:
     """Host accumulation: leaf i's new weights in the compute dtype, made
@@ -572,10 +661,19 @@ class HostUpdate:
                                          lowp=False)
       else:
         views = lambda i: self.transfer.views(i, update.landing[i])
-        leaves = self.adam.update_leaves(views, update.grad_scale, update.count)
+        leaves = self.adam.update_leaves(views, update.grad_scale, update.count,
+                                         skip=self._overlapped)
       for i in leaves:
         update.done.put(i)
+      if self._overlapped:  # last, a layer at a time, for the next step's forward
+        self.adam.update_by_layer(self._overlapped, views, update.grad_scale, update.count,
+                                  update.layer_ready)
+        for i in self._overlapped:
+          update.done.put(i)
     except BaseException as e:
+      update.error = e
+      for ready in update.layer_ready:  # a step waiting on them fails, not hangs
+        ready.set()
       update.done.put(e)
       raise
     finally:
@@ -590,10 +688,16 @@ class HostUpdate:
 
 class _Update:
   """One step's host update (number `count`): its landing buffers (by leaf
-  index) and the leaves the kernel has finished, in order (None: all done)."""
+  index), the leaves the kernel has finished, in order (None: all done),
+  and overlapping the next step, a mark for each of its `layers` layers
+  done, whether that step took the overlapped leaves' buffers (`consumed`)
+  and the update thread's exception (`error`)."""
 
-  def __init__(self, landing: dict, grad_scale: float, count: int):
+  def __init__(self, landing: dict, grad_scale: float, count: int, layers: int = 0):
     self.landing, self.grad_scale, self.count = landing, grad_scale, count
+    self.layer_ready = [threading.Event() for _ in range(layers)]
+    self.consumed = False
+    self.error: BaseException | None = None
     self.done: queue.Queue = queue.Queue()
     self.future: concurrent.futures.Future | None = None
     self.kernel_s = 0.0

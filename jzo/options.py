@@ -41,6 +41,7 @@ class EngineOptions:
   grads_in_params: bool = False
   offload_params: bool | str = False
   resident_layers: int | None = None
+  overlap_forward: bool = True
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -84,6 +85,8 @@ class EngineOptions:
         raise ValueError("resident_layers keeps the first layers of the weights in host memory "
                          "on the devices as well: it needs offload_params=True "
                          f"(offload_params='auto' chooses them), got {self.offload_params!r}")
+    if not isinstance(self.overlap_forward, bool):
+      raise ValueError(f"overlap_forward must be True or False, got {self.overlap_forward!r}")
     if self.host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer must be one of {HOST_TRANSFERS}, got "
                        f"{self.host_transfer!r}")

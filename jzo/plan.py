@@ -270,6 +270,9 @@ class Plan:
   # fewer (`draw_groups`): DRAW_GROUP_FLOOR where the devices report no
   # memory limit, none where the plan budgets the device's memory.
   draw_floor: int = 0
+  # Asked for: a step's forward may run beside the last step's host update
+  # (`overlaps_update`).
+  overlap_forward: bool = True
 
   def __post_init__(self):
     if self.resident_layers:
@@ -296,6 +299,24 @@ class Plan:
     gradients) live in pinned host memory, fetched a layer at a time
     (offload_params: some or all of the stacked layers' leaves)."""
     return layout.weights_on_host
+
+  @property
+  def overlaps_update(self) -> bool:
+    """Each step's forward runs beside the last step's host update, taking
+    each layer's new weights as the host finishes them (jzo.step.make_step's
+    `wait`): asked for (`overlap_forward`), with grads_in_params, one
+    micro-batch, the stacked layers' weights in device memory and one set of
+    landing buffers (not streamed), where some of them have a host part."""
+    return (self.overlap_forward and self.grads_in_params and self.grad_accum == 1
+            and not self.offload_params and not self.streamed
+            and bool(self.overlapped_leaves()))
+
+  def overlapped_leaves(self) -> list[int]:
+    """Indices (jax.tree.leaves order) of the leaves whose host parts' new
+    weights a step overlapping the host update fetches itself: the stacked
+    layers' leaves with a host part, in device memory."""
+    return [i for i, l in enumerate(self.leaves)
+            if self.grads_over_weights(l) and l.on_host and not self.params_on_host(l)]
 
   @property
   def offload_params(self) -> bool:
@@ -845,7 +866,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
         draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
-        pinned_pools=device_memory is not None)
+        pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

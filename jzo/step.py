@@ -31,6 +31,12 @@ With grads_in_params, grad_accum > 1 stays one call: the layers' float32
 sums are added to in their backward passes (`_sums_in_layers`,
 jzo.layer_scan), and the last micro-batch writes them over the weights.
 
+With grads_in_params and one micro-batch the step may overlap the host
+update (`Plan.overlaps_update`): it takes the stacked leaves' landing
+buffers, where the host is still writing the last update's weights, and
+its forward fetches each layer's as the host finishes it (`wait`,
+jzo.layer_scan), so the forward runs beside the host update.
+
 `host_part_installer` writes a leaf's host part's new weights, once
 uploaded, into the params in place. Nothing here keeps Python state but
 caches of programs: the engine holds the state and calls these.
@@ -303,26 +309,34 @@ def shard_map_without_empty(f: Callable, *, mesh: Mesh, in_specs, out_specs, **k
 
 
 # ---------------------------------------------------------------- the step
-def compiler_options(plan: Plan, platform: str) -> dict | None:
+def compiler_options(plan: Plan, platform: str, fetching: bool = False) -> dict | None:
   """XLA options for the plan's step on devices of `platform` ("gpu", "cpu",
-  "tpu"). On a GPU with weights in host memory (offload_params) the step
-  runs without XLA:GPU's command buffers: a command buffer chains its
-  commands one after another, so the layers' asynchronous fetches from host
-  memory would wait for the matmuls instead of running under them
-  (openxla/xla#48900). At gpt2-10b, micro-batch 32, on one H100: 6.94 s a
-  step with them, 6.45 s without (RESULTS.md, session 17)."""
-  if platform == "gpu" and plan.offload_params:
+  "tpu"). On a GPU with weights in host memory (offload_params, or the
+  landing buffers a step overlapping the host update fetches from:
+  `fetching`) the step runs without XLA:GPU's command buffers: a command
+  buffer chains its commands one after another, so the layers'
+  asynchronous fetches from host memory would wait for the matmuls instead
+  of running under them (openxla/xla#48900). At gpt2-10b, micro-batch 32,
+  on one H100: 6.94 s a step with them, 6.45 s without (RESULTS.md,
+  session 17)."""
+  if platform == "gpu" and (plan.offload_params or fetching):
     return {"xla_gpu_enable_command_buffer": ""}
   return None
 
 
 def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTransformation,
-              batch) -> Callable:
+              batch, wait: Callable | None = None) -> Callable:
   """The jitted step `(state, batch) -> (state, metrics, grad_scale)` for
   batches shaped like `batch`. The state is donated. With offload the
   state's `grads` go in as None and come out as the shards of the leaves
   with a host part, with `grad_scale` the factor (1 / loss scale, times the
-  clip) the host applies."""
+  clip) the host applies.
+
+  wait: overlap the host update (`Plan.overlaps_update`): the step is then
+  `(state, batch, landing) -> ...`, landing the landing buffers of the
+  `Plan.overlapped_leaves()` in that order, and `wait(i)` (on the host: returns
+  i, as int32, once the host has written layer i's weights into them) runs
+  before the forward reads layer i."""
   specs = state_specs(plan, tx)
   batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
   in_state = specs._replace(grads=None) if plan.cpu_adam else specs
@@ -330,12 +344,29 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   # metrics) are equal on every device by construction; the spelling of the
   # invariant all-gather that would prove it differs across JAX versions.
   out_state = specs._replace(params=kept_params(plan, specs.params))
-  fn = shard_map_without_empty(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
-                               in_specs=(in_state, batch_specs),
-                               out_specs=(out_state, StepMetrics(P(), P(), P(), P()), P()),
-                               check_vma=False)
+  out_specs = (out_state, StepMetrics(P(), P(), P(), P()), P())
+  platform = mesh.devices.flat[0].platform
+  if wait is None:
+    fn = shard_map_without_empty(lambda s, b: local_step(plan, loss_fn, tx, s, b), mesh=mesh,
+                                 in_specs=(in_state, batch_specs), out_specs=out_specs,
+                                 check_vma=False)
+    return jax.jit(fn, donate_argnums=0, compiler_options=compiler_options(plan, platform))
+  landing_specs = [plan.leaves[i].spec(plan.axis) for i in plan.overlapped_leaves()]
+  fn = shard_map_without_empty(
+      lambda s, b, landing: local_step(plan, loss_fn, tx, s, b, (landing, wait)), mesh=mesh,
+      in_specs=(in_state, batch_specs, landing_specs), out_specs=out_specs, check_vma=False)
   return jax.jit(fn, donate_argnums=0,
-                 compiler_options=compiler_options(plan, mesh.devices.flat[0].platform))
+                 compiler_options=compiler_options(plan, platform, fetching=True))
+
+
+def _landing_of_layers(plan: Plan, landing: list) -> tuple:
+  """The overlapped leaves' landing buffers (`Plan.overlapped_leaves()` order) as
+  jzo.scan_layers takes them: one entry per leaf of the layers subtree, in
+  its order, None for those without."""
+  index = jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout),
+                             range(len(plan.leaves)))
+  by_leaf = dict(zip(plan.overlapped_leaves(), landing))
+  return tuple(by_leaf.get(i) for i in jax.tree.leaves(partition.subtree(index, plan.layers)))
 
 
 def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:
@@ -375,15 +406,21 @@ def make_full_params(plan: Plan, mesh: Mesh) -> Callable:
 
 
 def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
-               state: EngineState, batch):
-  """One device's step inside shard_map (see the module docstring)."""
+               state: EngineState, batch, overlap: tuple | None = None):
+  """One device's step inside shard_map (see the module docstring);
+  overlap: (the overlapped leaves' local landing buffers, wait), see
+  `make_step`."""
   axis, stage, layouts = plan.axis, plan.stage, plan.layouts
   scale = state.loss_scale.scale
   # offload_params: the layers' gradients are in host memory, where the
   # step cannot read them; jzo.scan_layers counts them into this one's gradient.
   stats = jnp.zeros(2, jnp.float32) if plan.offload_params else None
+  fetch = {}
+  if overlap is not None:
+    fetch = dict(landing=_landing_of_layers(plan, overlap[0]), wait=overlap[1])
   grad_fn = jax.value_and_grad(
-      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s, resident=state.resident),
+      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s, resident=state.resident,
+                                  **fetch),
       argnums=(0, 1), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
 
@@ -614,14 +651,15 @@ def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineStat
 
 
 def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None,
-                sums=None, adding: bool = False, resident=None):
+                sums=None, adding: bool = False, resident=None, landing=None, wait=None):
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale).
   stats: with offload_params, zeros whose gradient jzo.scan_layers makes
   the offloaded layers' gradients' (sum of squares, non-finite count).
   sums, adding: with grads_in_params, the layers' float32 sums of earlier
   micro-batches, and whether this one adds into them, and the state's
-  resident layers' weights (see jzo.layer_scan)."""
+  resident layers' weights; landing, wait: the overlapped host update's
+  (see jzo.layer_scan)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
@@ -643,7 +681,7 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=
         context.enter_context(partition.layer_gathering(gather_one_layer))
       if plan.grads_in_params:
         scanned = context.enter_context(
-            layer_scan.writing_grads_over_layers(stats, sums, adding, resident))
+            layer_scan.writing_grads_over_layers(stats, sums, adding, resident, landing, wait))
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""

@@ -208,6 +208,13 @@ class ShardTransfer:
       return HostLanding([np.zeros(piece, self.dtype) for _ in self._positions])
     return zeros(piece[:-1] + (layout.shards * piece[-1],), self.dtype, self._pinned[i])
 
+  def landing_struct(self, i: int) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and placement of leaf i's whole landing buffer on
+    the pinned path (what `download` and `new_landing` make)."""
+    piece = self.layouts[i].host_shape[1:]
+    return jax.ShapeDtypeStruct(piece[:-1] + (self.layouts[i].shards * piece[-1],), self.dtype,
+                                sharding=self._pinned[i])
+
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`,
     or a span's); returns once the copy is done, so the landing buffer may

@@ -161,3 +161,26 @@ def test_resident_layers_on_a_gpu_train_as_the_weights_on_it():
   assert_close(resident.params, on_gpu.params, rtol=1e-4, atol=1e-5)
   for e in (on_gpu, on_host, resident):
     e.close()
+
+
+def test_the_forward_overlapping_the_host_update_on_a_gpu_trains_as_after_it():
+  """grads_in_params: each step's forward fetches each layer's new weights
+  from pinned host memory once the host update has written them (slowed,
+  so that the two overlap): the same training as the engine that finishes
+  the update before the step, bit for bit."""
+  from test_grads_in_params import assert_overlapped, slow_layers
+  from test_grads_in_params import loss_fn as scanned_loss
+  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  kw = dict(stage=3, layers="blocks", offload=True, grads_in_params=True, mesh=mesh,
+            max_grad_norm=1.0)
+  with jax.default_device(GPUS[0]):
+    inside = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
+    after = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+                           overlap_forward=False, **kw)
+    assert inside.overlaps_update and not after.overlaps_update
+    times = slow_layers(inside, 0.05)
+    for b in batches(6):
+      assert float(inside.step(b).loss) == float(after.step(b).loss)
+  assert_close(inside.params, after.params, rtol=0, atol=0)
+  assert_overlapped(times)
+  inside.close(), after.close()
