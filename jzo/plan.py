@@ -775,7 +775,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   the device where its plan fits, else the host. `options.landing_limit`:
   bytes of landing buffers one process holds at once (`Plan.landing_limit`);
   None: a streamed update through STREAM_LANDING_BYTES where one step's host
-  parts are more; under host accumulation one set where the host has room,
+  parts are more (unless the step overlaps the update and the host has room
+  for them: `Plan.overlaps_update`); under host accumulation one set where the host has room,
   else a ring of two leaves; the delayed update needs one set.
 
   Raises:
@@ -822,6 +823,12 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 
   if not host_accumulation:
     if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
+      if plan.overlaps_update:
+        try:  # one set where the host has room: the next step's forward can then
+          check(plan)  # overlap the update (jzo.step), which a streamed one cannot
+          return plan
+        except PlacementError:
+          pass
       # Streamed, the update overlaps its transfers with the kernel: as fast
       # or faster, in 2 B a parameter less host memory (experiments/RESULTS.md).
       plan = dataclasses.replace(plan, landing_limit=STREAM_LANDING_BYTES)
