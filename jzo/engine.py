@@ -137,10 +137,11 @@ class ZeroEngine:
       layers stay resident (None: 0), in place of "auto"'s choice.
     overlap_forward: with grads_in_params, one micro-batch, the layers'
       weights in device memory, no landing limit and pinned transfers
-      (`plan.overlaps_update`): each step's forward runs beside the last
-      step's host update, a layer at a time, each layer as soon as the host
-      has its new weights (jzo.layer_scan). The same arithmetic as
-      without; False runs the update before the next step instead.
+      (`plan.overlaps_update`), on accelerators (not CPU devices): each
+      step's forward runs beside the last step's host update, a layer at a
+      time, each layer as soon as the host has its new weights
+      (jzo.layer_scan). The same arithmetic as without; False runs the
+      update before the next step instead.
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -235,8 +236,11 @@ class ZeroEngine:
       transfer.reserve(self.plan.pinned_bytes())  # before the build pins its chunks
     self.trained = state_lib.build_state(self.plan, mesh, device_tx, draw_leaves, adam,
                                          pinned=pinned)
-    # The step takes the stacked layers' new weights from pinned landing buffers.
-    self._overlap = self.plan.overlaps_update and pinned
+    # The step takes the stacked layers' new weights from pinned landing
+    # buffers. Not on CPU devices: there XLA's runtime was seen to read them
+    # before the step's callback allowed (tests/test_grads_in_params.py), and
+    # the devices run on the cores the host update needs anyway.
+    self._overlap = self.plan.overlaps_update and pinned and device.platform != "cpu"
     if self.plan.has_host_state:
       self.host_update = HostUpdate(self.trained, transfer, overlap=self._overlap)
     self._step_fns: dict = {}
@@ -252,7 +256,8 @@ class ZeroEngine:
   @property
   def overlaps_update(self) -> bool:
     """Each step's forward runs beside the last host update (see
-    `overlap_forward`): `plan.overlaps_update`, with pinned transfers."""
+    `overlap_forward`): `plan.overlaps_update`, with pinned transfers, on
+    accelerators."""
     return self._overlap
 
   @property

@@ -2,11 +2,7 @@
 (jzo.scan_layers), on 1 and 8 fake CPU devices: the same training as
 without it, the memory it saves, skipped steps, bad input; with gradient
 accumulation, the same training as the device's float32 sums, without a
-gradient buffer of the layers beside the sums; each step's forward
-overlapping the last host update, a layer at a time."""
-
-import threading
-import time
+gradient buffer of the layers beside the sums."""
 
 import jax
 import jax.numpy as jnp
@@ -313,95 +309,14 @@ def test_a_device_step_run_alone_leaves_the_weights_whole(offload):
     np.testing.assert_array_equal(np.asarray(a)[..., c:], b[..., c:])
 
 
-def slow_layers(e, seconds: float) -> dict:
-  """Makes engine e's host update take `seconds` more a layer of the
-  stacked leaves (after each row's kernel), and records when each layer's
-  update ended and when the step's wait for it returned: (update, layer)
-  -> seconds, under "done" and "waited". Call before the first step."""
-  times = {"done": {}, "waited": {}}
-  update_part, wait = e.host.update_part, e.host_update.wait_for_layer
-
-  def slow_part(i, grads, grad_scale, scalars, count, span=None, lowp=True):
-    update_part(i, grads, grad_scale, scalars, count, span, lowp)
-    if span is not None and i == e.plan.overlapped_leaves()[-1]:  # the layer's last leaf
-      time.sleep(seconds)
-      times["done"][count, span[0]] = time.perf_counter()
-
-  def timed_wait(layer):
-    out = wait(layer)
-    times["waited"].setdefault((e.host_update._step_update.count, int(layer)),
-                               time.perf_counter())
-    return out
-  e.host.update_part, e.host_update.wait_for_layer = slow_part, timed_wait
-  return times
-
-
-@pytest.mark.parametrize("mesh_size, offload", [(1, True), (8, 0.5)], ids=["1dev", "8dev-split"])
-def test_the_forward_overlaps_the_host_update(mesh_size, offload):
-  """Each step's forward takes a layer's new weights as soon as the host
-  update has them: it reads layer 0 while the host still updates the last
-  layer, and waits for each. It trains as the engine that finishes the
-  update first, bit for bit, through skipped steps, an evaluation (which
-  applies the update first) and a device step run alone."""
-  kw = dict(grads_in_params=True, offload=offload, max_grad_norm=1.0)
-  inside, after = engine(mesh_size, **kw), engine(mesh_size, overlap_forward=False, **kw)
-  assert inside.overlaps_update and not after.overlaps_update
-  times = slow_layers(inside, 0.1)
-  data = batches(6)
-  bad = dict(data[2], x=data[2]["x"].at[0, 0].set(jnp.nan))
-  for e in (inside, after):
-    for b in (data[0], data[1], bad, data[3]):
-      e.step(b)
-    e.evaluate(data[4])
-    e.step(data[4])
-    e.run_device_step(data[5])
-    e.step(data[5])
-  want, got = after.step(data[0]), inside.step(data[0])
-  assert float(got.loss) == float(want.loss)
-  assert_close(inside.params, after.params, rtol=0, atol=0)
-  for a, b in zip(jax.tree.leaves(inside.state.params), jax.tree.leaves(after.state.params)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  assert_overlapped(times)
-
-
-def assert_overlapped(times: dict) -> None:
-  """`slow_layers`' record shows no layer read before the host was done
-  with it, and a step reading layer 0 while the host still updated the
-  last (once the programs it needs are compiled, the first such step may
-  start late)."""
-  done, waited = times["done"], times["waited"]
-  overlapped = {count for count, _ in waited if count in {c for c, _ in done}}
-  assert len(overlapped) >= 2
-  assert all(waited[c, l] >= done[c, l] for c in overlapped for l in range(LAYERS))
-  assert any(waited[c, 0] < done[c, LAYERS - 1] for c in overlapped), (waited, done)
-
-
-def test_a_failed_update_fails_the_step_that_overlaps_it():
-  """The host update fails in its layers while the next step waits for
-  them: that step raises, naming it (no hang), and the engine refuses to
-  go on."""
-  inside = engine(1, grads_in_params=True)
-  update_part = inside.host.update_part
-
-  def failing(i, grads, grad_scale, scalars, count, span=None, lowp=True):
-    if count == 2 and span == (1, 2):
-      raise OSError("disk on fire")
-    update_part(i, grads, grad_scale, scalars, count, span, lowp)
-  inside.host.update_part = failing
-  data = batches(4)
-  inside.step(data[0]), inside.step(data[1])
-  finished = threading.Event()
-
-  def third():
-    with pytest.raises(Exception, match="host update the step overlaps failed"):
-      inside.step(data[2])
-    finished.set()
-  worker = threading.Thread(target=third, daemon=True)
-  worker.start()
-  worker.join(60)
-  assert finished.is_set()
-  with pytest.raises(RuntimeError, match="an earlier host update failed"):
-    inside.step(data[3])
+def test_cpu_devices_do_not_overlap_the_update():
+  """The plan would overlap the next step's forward with the host update,
+  but not on CPU devices: XLA's CPU runtime was seen to read the landing
+  buffers before the step's callback let it (the step trained on gradients
+  for weights, one run in six), and its devices share the cores the host
+  update runs on. The overlap's tests run on a GPU (test_offload_gpu.py)."""
+  e = engine(1, grads_in_params=True)
+  assert e.plan.overlaps_update and not e.overlaps_update
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -1,6 +1,10 @@
 """The offload data path on a GPU: gradients land in pinned host memory, the
 new weights go back from the same buffers, results match on-device training;
-the portable path (no pinned memory) matches the pinned one."""
+the portable path (no pinned memory) matches the pinned one; each step's
+forward overlapping the last host update (grads_in_params), a layer at a time."""
+
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -163,24 +167,99 @@ def test_resident_layers_on_a_gpu_train_as_the_weights_on_it():
     e.close()
 
 
-def test_the_forward_overlapping_the_host_update_on_a_gpu_trains_as_after_it():
-  """grads_in_params: each step's forward fetches each layer's new weights
-  from pinned host memory once the host update has written them (slowed,
-  so that the two overlap): the same training as the engine that finishes
-  the update before the step, bit for bit."""
-  from test_grads_in_params import assert_overlapped, slow_layers
+def slow_layers(e, seconds: float) -> dict:
+  """Makes engine e's host update take `seconds` more a layer of the
+  stacked leaves (after each row's kernel), and records when each layer's
+  update ended and when the step's wait for it returned: (update, layer)
+  -> seconds, under "done" and "waited". Call before the first step."""
+  times = {"done": {}, "waited": {}}
+  update_part, wait = e.host.update_part, e.host_update.wait_for_layer
+
+  def slow_part(i, grads, grad_scale, scalars, count, span=None, lowp=True):
+    update_part(i, grads, grad_scale, scalars, count, span, lowp)
+    if span is not None and i == e.plan.overlapped_leaves()[-1]:  # the layer's last leaf
+      time.sleep(seconds)
+      times["done"][count, span[0]] = time.perf_counter()
+
+  def timed_wait(layer):
+    out = wait(layer)
+    times["waited"].setdefault((e.host_update._step_update.count, int(layer)),
+                               time.perf_counter())
+    return out
+  e.host.update_part, e.host_update.wait_for_layer = slow_part, timed_wait
+  return times
+
+
+def scanned_engine(**kw):
+  """test_grads_in_params' model (its layers through jzo.scan_layers) at
+  stage 3 with grads_in_params on the first GPU."""
   from test_grads_in_params import loss_fn as scanned_loss
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
-  kw = dict(stage=3, layers="blocks", offload=True, grads_in_params=True, mesh=mesh,
-            max_grad_norm=1.0)
+  kw = dict(dict(stage=3, layers="blocks", offload=True, grads_in_params=True, mesh=mesh,
+                 max_grad_norm=1.0), **kw)
   with jax.default_device(GPUS[0]):
-    inside = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
-    after = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
-                           overlap_forward=False, **kw)
-    assert inside.overlaps_update and not after.overlaps_update
-    times = slow_layers(inside, 0.05)
-    for b in batches(6):
+    return jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
+
+
+@pytest.mark.parametrize("offload, seconds", [(True, 0.05), (0.5, 0.05), (True, 0.002)],
+                         ids=["host", "split", "host-tight"])
+def test_the_forward_overlaps_the_host_update(offload, seconds):
+  """Each step's forward takes a layer's new weights as soon as the host
+  update has them: with the host slowed, it reads layer 0 while the host
+  still updates the last layer, and waits for each (a slowdown of 2 ms a
+  layer: reads right after the writes). It trains as the engine that
+  finishes the update first, bit for bit, through a skipped step, an
+  evaluation (which applies the update first) and a device step run alone."""
+  from test_grads_in_params import LAYERS
+  inside, after = scanned_engine(offload=offload), scanned_engine(offload=offload,
+                                                                 overlap_forward=False)
+  assert inside.overlaps_update and not after.overlaps_update
+  times = slow_layers(inside, seconds)
+  data = batches(6)
+  bad = dict(data[2], x=data[2]["x"].at[0, 0].set(jnp.nan))
+  with jax.default_device(GPUS[0]):
+    for b in (data[0], data[1], bad, data[3]):
+      want, got = after.step(b), inside.step(b)
+      assert float(got.loss) == float(want.loss) or np.isnan(float(want.loss))
+    assert float(inside.evaluate(data[4])) == float(after.evaluate(data[4]))
+    assert float(inside.step(data[4]).loss) == float(after.step(data[4]).loss)
+    inside.run_device_step(data[5]), after.run_device_step(data[5])
+    for b in (data[5], data[0]):
       assert float(inside.step(b).loss) == float(after.step(b).loss)
   assert_close(inside.params, after.params, rtol=0, atol=0)
-  assert_overlapped(times)
+  done, waited = times["done"], times["waited"]
+  overlapped = {count for count, _ in waited if count in {c for c, _ in done}}
+  assert len(overlapped) >= 2
+  assert all(waited[c, l] >= done[c, l] for c in overlapped for l in range(LAYERS))
+  if seconds >= 0.05:  # the step read layer 0 while the host still updated the last
+    assert any(waited[c, 0] < done[c, LAYERS - 1] for c in overlapped), (waited, done)
   inside.close(), after.close()
+
+
+def test_a_failed_update_fails_the_step_that_overlaps_it():
+  """The host update fails in its layers while the next step waits for
+  them: that step raises, naming it (no hang), and the engine refuses to
+  go on."""
+  inside = scanned_engine()
+  update_part = inside.host.update_part
+
+  def failing(i, grads, grad_scale, scalars, count, span=None, lowp=True):
+    if count == 2 and span == (1, 2):
+      raise OSError("disk on fire")
+    update_part(i, grads, grad_scale, scalars, count, span, lowp)
+  inside.host.update_part = failing
+  data = batches(4)
+  finished = threading.Event()
+
+  def steps():
+    with jax.default_device(GPUS[0]):
+      inside.step(data[0]), inside.step(data[1])
+      with pytest.raises(Exception, match="host update the step overlaps failed"):
+        inside.step(data[2])
+    finished.set()
+  worker = threading.Thread(target=steps, daemon=True)
+  worker.start()
+  worker.join(120)
+  assert finished.is_set()
+  with pytest.raises(RuntimeError, match="an earlier host update failed"):
+    inside.step(data[3])
