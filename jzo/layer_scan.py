@@ -233,7 +233,9 @@ def _fetching_scan(step, wait, carry, layers, landing):
     # Nothing may read the landing buffers before the host says so: the loop
     # carries them through a barrier with the callback's result, so no read
     # of them is loop-invariant (XLA:CPU otherwise hoisted a float32 copy of
-    # them, made before the loop, while the host was still writing them).
+    # them, made before the loop, while the host was still writing them; even
+    # so its runtime read them early at times: the engine overlaps only on
+    # accelerators, whose tests are in test_offload_gpu.py).
     _, here = jax.lax.optimization_barrier((j, here))
     new = []
     for x, host in zip(leaves, here):
