@@ -60,7 +60,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              layers: str | None = None, device_memory: int | None = None,
              host_memory: int | None = None, accumulation: str = "auto",
              grads_in_params: bool = False, offload_params: bool | str = False,
-             resident_layers: int | None = None,
+             resident_layers: int | None = None, overlap_forward: bool = True,
              checkpoint_memory: int = 0) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
@@ -73,8 +73,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     stage, grad_accum, delayed_update, layers, accumulation, grads_in_params,
       offload_params: as for `ZeroEngine` (offload_params "auto": the
       layers' weights in host memory where the device needs it, and as many
-      layers resident on the device as fit); resident_layers: as for
-      `ZeroEngine`.
+      layers resident on the device as fit); resident_layers,
+      overlap_forward: as for `ZeroEngine`.
     offload: as for `ZeroEngine` (False, True, a fraction or "auto"; "auto"
       means True with int8 moments or offload_params).
     moments: "fp32", "bf16" or "int8" Adam moments (jzo.cpu_adamw's mu/nu_dtype;
@@ -111,7 +111,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
                           layers=layers, offload=offload, delayed_update=delayed_update,
                           dpu_warmup=0, accumulation=accumulation,
                           grads_in_params=grads_in_params, offload_params=offload_params,
-                          resident_layers=resident_layers)
+                          resident_layers=resident_layers, overlap_forward=overlap_forward)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
   runtime = plan_lib.host_runtime_bytes(devices, _planned_platform(), device_memory)

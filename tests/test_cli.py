@@ -167,7 +167,9 @@ def test_grads_in_params_through_the_real_entry_point(tmp_path, flag, model, bat
   them; jzo.estimate offloads them at micro-batch 96 on an 80 GB device
   and keeps as many layers resident as fit). The run trains, and
   jzo.estimate plans it."""
-  accumulate = ["--micro-batch", "1"] if flag == "--grads-in-params" else []
+  # (--no-overlap-forward: the flag reaches the engine; a CPU overlaps nothing.)
+  accumulate = (["--micro-batch", "1", "--no-overlap-forward"] if flag == "--grads-in-params"
+                else [])
   done = run_module("jzo.train", *SHORT, "--stage", "3", flag, *accumulate, "--out",
                     str(tmp_path))
   assert done.returncode == 0, done.stderr
@@ -254,6 +256,21 @@ def test_offload_params_offloads_what_the_device_memory_needs(tmp_path, flags, p
   assert placed in done.stdout + done.stderr
   records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 10 for r in records)
+
+
+def test_estimate_plans_the_overlapping_step_unless_told_not_to():
+  """gpt2-10b at one micro-batch of 32 with --grads-in-params on an 80 GB
+  device: the plan counts the layers the overlapping step fetches (and so
+  keeps less of the state on the device); --no-overlap-forward plans the
+  update first, without them."""
+  args = ["--model", "gpt2-10b", "--batch-size", "32", "--stage", "3", "--grads-in-params",
+          "--device-gb", "79.19", "--host-gb", "122.56"]
+  overlap, after = (run_module("jzo.estimate", *args, *flag)
+                    for flag in ([], ["--no-overlap-forward"]))
+  assert overlap.returncode == after.returncode == 0, overlap.stderr + after.stderr
+  share = lambda out: float(re.search(r"optimizer state ([\d.]+)% on the device", out).group(1))
+  assert "fetched layers" in overlap.stdout and "fetched layers" not in after.stdout
+  assert share(overlap.stdout) < share(after.stdout)
 
 
 def test_offload_params_offloads_nothing_where_the_weights_fit():
@@ -445,6 +462,7 @@ TRAIN_MISTAKES = [
      "--offload-params needs --offload (jzo's Adam"),
     ("offload_params", ["--stage", "3", "--offload-params", "--offload-fraction", "0.5"],
      "--offload-params needs --offload-fraction auto or 1 (the host kernel"),
+    ("overlap_forward", ["--overlap-forward", "no"], "Unrecognized options: no"),
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
     ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
@@ -499,6 +517,8 @@ ESTIMATE_MISTAKES = [
     ("offload_params", ["--model", "tiny", "--offload-params"],
      "offload_params needs stage=3 and layers="),
     ("checkpoints", ["--model", "tiny", "--checkpoints", "yes"], "Unrecognized options: yes"),
+    ("overlap_forward", ["--model", "tiny", "--overlap-forward", "no"],
+     "Unrecognized options: no"),
     ("host_gb", ["--model", "tiny", "--host-gb", "0"], "--host-gb must be > 0, got 0.0"),
     ("device_gb", ["--model", "tiny", "--device-gb", "lots"], "Error parsing --device-gb"),
 ]

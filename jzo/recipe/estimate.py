@@ -102,6 +102,8 @@ class EstimateConfig:
   """stage 3 + offload: the layers' weights in pinned host memory where the device needs it, fetched a layer at a time but for the first layers that still fit on the device (implies --grads-in-params)"""
   resident_layers: int = -1
   """with --offload-params: how many of the first layers keep their weights on the device as well, always offloading the rest (-1: the planner's choice)"""
+  overlap_forward: bool = True
+  """with --grads-in-params, one micro-batch and the layers' weights on the device: each step's forward overlaps the last host update, the plan with its fetched layers (--no-overlap-forward: the update first)"""
   checkpoints: bool = True
   """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                               offload_params=(("auto" if resident_count(cfg) is None else True)
                                               if cfg.offload_params else False),
                               resident_layers=resident_count(cfg),
+                              overlap_forward=cfg.overlap_forward,
                               device_memory=gib(cfg.device_gb),
                               host_memory=gib(cfg.host_gb),
                               checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)

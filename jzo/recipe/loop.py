@@ -162,7 +162,7 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
         offload_params=weights_placement(cfg, devices), resident_layers=resident_count(cfg),
-        layers=model.family.layers if cfg.stage == 3 else None,
+        overlap_forward=cfg.overlap_forward, layers=model.family.layers if cfg.stage == 3 else None,
         device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg))
   except (jzo.PlacementError, ValueError) as e:  # ValueError: an option the plan refuses
     raise UserError(str(e)) from e
@@ -189,6 +189,7 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
       offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
       grads_in_params=cfg.grads_in_params, offload_params=weights_placement(cfg, devices),
       resident_layers=resident_count(cfg), layers=model.family.layers if cfg.stage == 3 else None,
+      overlap_forward=cfg.overlap_forward,
       activation_memory=model.activation_bytes(micro, cfg.seq_len),
       device_memory=int(cfg.device_memory_gb * 2**30) or None,
       checkpoint_memory=checkpoint_memory(cfg))

@@ -67,6 +67,8 @@ class TrainConfig:
   """stage 3 + offload: the layers' weights in pinned host memory where the GPU needs it (always where the devices report no memory), fetched a layer at a time but for the first layers that still fit on the GPU (implies --grads-in-params)"""
   resident_layers: int = -1
   """with --offload-params: how many of the first layers keep their weights on the GPU as well, always offloading the rest (-1: the planner's choice)"""
+  overlap_forward: bool = True
+  """with --grads-in-params, one micro-batch and the layers' weights on the GPU: each step's forward overlaps the last host update, a layer at a time (--no-overlap-forward: the update first)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
