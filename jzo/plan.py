@@ -318,6 +318,13 @@ class Plan:
             and not self.offload_params and not self.streamed
             and bool(self.overlapped_leaves()))
 
+  def layer_leaves(self) -> list[int]:
+    """Indices (jax.tree.leaves order) of the leaves of the `layers`
+    subtree, in its own order."""
+    index = jax.tree.unflatten(jax.tree.structure(self.layouts, is_leaf=is_layout),
+                               range(len(self.leaves)))
+    return jax.tree.leaves(partition.subtree(index, self.layers))
+
   def overlapped_leaves(self) -> list[int]:
     """Indices (jax.tree.leaves order) of the leaves whose host parts' new
     weights a step overlapping the host update fetches itself: the stacked

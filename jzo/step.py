@@ -243,9 +243,7 @@ def resident_copier(plan: Plan, mesh: Mesh) -> Callable | None:
   r = plan.resident_layers
   if not r:
     return None
-  index = jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout),
-                             range(len(plan.leaves)))
-  leaf_of = jax.tree.leaves(partition.subtree(index, plan.layers))  # per entry of `resident`
+  leaf_of = plan.layer_leaves()  # per entry of `resident`
   compiled: dict[int, Callable] = {}
 
   def copy_rows(rows, out):  # local (L, k) in host memory -> (r, k): a row at a time, as
@@ -360,13 +358,11 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
 
 
 def _landing_of_layers(plan: Plan, landing: list) -> tuple:
-  """The overlapped leaves' landing buffers (`Plan.overlapped_leaves()` order) as
-  jzo.scan_layers takes them: one entry per leaf of the layers subtree, in
-  its order, None for those without."""
-  index = jax.tree.unflatten(jax.tree.structure(plan.layouts, is_leaf=is_layout),
-                             range(len(plan.leaves)))
+  """The overlapped leaves' landing buffers (`Plan.overlapped_leaves()`
+  order) as jzo.scan_layers takes them: one entry per leaf of the layers
+  subtree, in its order, None for those without."""
   by_leaf = dict(zip(plan.overlapped_leaves(), landing))
-  return tuple(by_leaf.get(i) for i in jax.tree.leaves(partition.subtree(index, plan.layers)))
+  return tuple(by_leaf.get(i) for i in plan.layer_leaves())
 
 
 def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:

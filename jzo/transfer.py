@@ -200,20 +200,25 @@ class ShardTransfer:
     """A new landing buffer of leaf i (`part_shape(k - c)`, zeros), or of a
     span of it (see `spans`), for weights made on the host: in pinned host
     memory, or on the portable path a `HostLanding`."""
-    layout = self.layouts[i]
-    piece = layout.host_shape[1:]  # one device's
-    if span is not None:
-      piece = (span[1] - span[0],) + piece[1:]
+    piece = self._landing_piece(i, span)
     if not self.pinned:
       return HostLanding([np.zeros(piece, self.dtype) for _ in self._positions])
-    return zeros(piece[:-1] + (layout.shards * piece[-1],), self.dtype, self._pinned[i])
+    return zeros(self._landing_shape(i, piece), self.dtype, self._pinned[i])
 
   def landing_struct(self, i: int) -> jax.ShapeDtypeStruct:
     """The shape, dtype and placement of leaf i's whole landing buffer on
     the pinned path (what `download` and `new_landing` make)."""
+    return jax.ShapeDtypeStruct(self._landing_shape(i, self._landing_piece(i, None)),
+                                self.dtype, sharding=self._pinned[i])
+
+  def _landing_piece(self, i: int, span: tuple[int, int] | None) -> tuple[int, ...]:
+    """One device's piece of leaf i's landing buffer, or of a span's."""
     piece = self.layouts[i].host_shape[1:]
-    return jax.ShapeDtypeStruct(piece[:-1] + (self.layouts[i].shards * piece[-1],), self.dtype,
-                                sharding=self._pinned[i])
+    return piece if span is None else (span[1] - span[0],) + piece[1:]
+
+  def _landing_shape(self, i: int, piece: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape of a landing buffer of leaf i with pieces `piece`."""
+    return piece[:-1] + (self.layouts[i].shards * piece[-1],)
 
   def upload(self, i: int, landing: jax.Array) -> jax.Array:
     """Copies a landing buffer back to the devices (flat, `part_shape(k - c)`,
