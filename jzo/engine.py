@@ -98,7 +98,9 @@ class ZeroEngine:
       float32 sum of every shard on the device), "host" (a call per
       micro-batch; the host parts' gradients go down after each and are
       summed on the host, the device parts' on the device: the device holds
-      one micro-batch's gradients), or "auto": the device where it fits.
+      one micro-batch's gradients), "layers" (grads_in_params: the layers
+      run first, see below), or "auto": with grads_in_params "layers",
+      else the device where it fits.
     landing_limit: with offload, bytes of pinned host memory the landing
       buffers (gradients going down, weights going up) may hold at once in
       this process; 0: all of a step's host parts. Without host
@@ -116,10 +118,17 @@ class ZeroEngine:
       host update writes the host parts' back (jzo.layer_scan). A device
       part costs its masters and moments in device memory (12 B a
       parameter with fp32 moments) and takes its update off the host.
-      With grad_accum > 1 the backward adds the layers' gradients into
-      float32 sums on the device (4 B a parameter) and the last
-      micro-batch's writes the sums over the weights (accumulation "auto"
-      or "device"; not "host").
+      With grad_accum > 1 (accumulation "auto" or "layers") the step runs
+      the layers' forward over every micro-batch first, a layer at a time,
+      then each layer's backward over every micro-batch, its gradient summed
+      in float32 and written over its weights: no float32 sums of the
+      layers, but every micro-batch's layer inputs are kept
+      (activation_memory must count them: e.g. jzo.models.gpt's
+      activation_bytes(..., accumulation=grad_accum)), and the forward may
+      overlap the host update as with one micro-batch. Accumulation
+      "device" instead adds the layers' gradients into float32 sums on the
+      device (4 B a parameter), the last micro-batch's written over the
+      weights. Not "host".
     offload_params: grads_in_params (implied, with its conditions) with the
       layers' low-precision weights in pinned host memory (ZeRO-3 offload
       of parameters): each layer comes up to the device for its forward
@@ -135,8 +144,8 @@ class ZeroEngine:
       memory (GPUs; the CPU backend runs it too).
     resident_layers: with offload_params=True, how many of the first
       layers stay resident (None: 0), in place of "auto"'s choice.
-    overlap_forward: with grads_in_params, one micro-batch, the layers'
-      weights in device memory, no landing limit and pinned transfers
+    overlap_forward: with grads_in_params, one micro-batch or the layers
+      first, the layers' weights in device memory, no landing limit and pinned transfers
       (`plan.overlaps_update`), on accelerators (not CPU devices): each
       step's forward runs beside the last step's host update, a layer at a
       time, each layer as soon as the host has its new weights

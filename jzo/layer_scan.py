@@ -47,6 +47,18 @@ the host (a callback that returns once the host has written layer i's new
 weights), copies them into row i of the layers, after its device part
 (in place), and runs the layer. So the forward over the step's batch runs
 beside the host update instead of after it, and reads the same weights.
+
+Layers first (grad_accum = K > 1, the engine's accumulation "layers"): the
+engine runs the layers itself over all K micro-batches at once. It traces
+the model's loss once per micro-batch with scan_layers recording its
+arguments and returning its input (`capturing_layers`: what comes before
+the layers), runs the forward a layer at a time over every micro-batch
+(`forward_chunks`, with `landing` and `wait` beside the host update), each
+micro-batch's loss with scan_layers returning that output
+(`giving_layers`), then the backward a layer at a time over every
+micro-batch (`backward_chunks`): the layer's gradient summed over them in
+float32 and rounded once over its weights. No float32 sums of the stack are
+kept; the layers' inputs of every micro-batch are.
 """
 
 from __future__ import annotations
@@ -75,11 +87,16 @@ class _Watch:
   `resident` the first layers' weights in device memory (or None);
   `landing` (a tuple, per leaf of the layers in jax.tree.leaves order, of
   its host parts' new weights in pinned host memory, or None) and `wait`
-  the overlapped host update's (or None); `ran` whether scan_layers ran."""
+  the overlapped host update's (or None); `ran` whether scan_layers ran.
+  `record` (a dict, or None): scan_layers records its arguments there and
+  returns its carry (`capturing_layers`); `given` (or None): scan_layers
+  returns it (`giving_layers`)."""
 
-  def __init__(self, stats, sums, adding, resident, landing, wait):
+  def __init__(self, stats=None, sums=None, adding=False, resident=None, landing=None,
+               wait=None, record=None, given=None):
     self.stats, self.sums, self.adding, self.ran = stats, sums, adding, False
     self.resident, self.landing, self.wait = resident, landing, wait
+    self.record, self.given = record, given
 
   def __bool__(self) -> bool:
     return self.ran
@@ -100,6 +117,15 @@ def scan_layers(fn: Callable, carry, layers):
   if watching is None:
     return jax.lax.scan(lambda c, layer: (fn(c, layer), None), carry, layers)[0]
   watching.ran = True
+  if watching.record is not None:
+    _record(watching.record, fn, carry, layers)
+    return carry
+  if watching.given is not None:
+    kind = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+    if kind(watching.given) != kind(carry):
+      raise ValueError("scan_layers' layers must give what they take: its input is "
+                       f"{kind(carry)}, the layers gave {kind(watching.given)}")
+    return watching.given
   if watching.sums is not None:
     _check_sums(watching.sums, layers)
   if watching.resident is not None:
@@ -113,6 +139,22 @@ def scan_layers(fn: Callable, carry, layers):
   return _scan_writing_grads(converted, watching.adding, watching.wait, tuple(consts), carry,
                              layers, watching.stats, watching.sums, watching.resident,
                              watching.landing)
+
+
+def _record(record: dict, fn: Callable, carry, layers) -> None:
+  """Records, for the engine's layers-first step, fn as a function of
+  (carry, layer, *consts) closed over no traced value, the values it
+  closes over (`consts`, every one: they are the traced micro-batch's, used
+  outside its trace) and its `carry`; and the layers' structure."""
+  first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layers)
+  closed, out = jax.make_jaxpr(fn, return_shape=True)(carry, first)
+  out_tree = jax.tree.structure(out)
+
+  def converted(c, layer, *consts):
+    return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts,
+                                                            *jax.tree.leaves((c, layer))))
+  record.update(fn=converted, consts=tuple(closed.consts), carry=carry,
+                layers=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layers))
 
 
 def _check_sums(sums, layers) -> None:
@@ -165,13 +207,33 @@ def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resid
   if landing is not None and (wait is None or sums is not None or resident is not None):
     raise ValueError("overlapping the host update needs a wait, one micro-batch and no "
                      "resident layers")
-  watching = _Watch(stats, sums, adding, resident,
-                    None if landing is None else tuple(landing), wait)
-  token = _WRITING_GRADS.set(watching)
+  with _watching(_Watch(stats, sums, adding, resident,
+                        None if landing is None else tuple(landing), wait)) as watch:
+    yield watch
+
+
+@contextlib.contextmanager
+def _watching(watch: _Watch):
+  token = _WRITING_GRADS.set(watch)
   try:
-    yield watching
+    yield watch
   finally:
     _WRITING_GRADS.reset(token)
+
+
+def capturing_layers(record: dict):
+  """While tracing the model's loss: `scan_layers` does not run the layers
+  but records, in `record`, its function as `fn(carry, layer, *consts)`,
+  the `consts` it closes over, its `carry` and the layers' shapes
+  (`layers`), and returns the carry. Yields an object that is true once
+  scan_layers has run."""
+  return _watching(_Watch(record=record))
+
+
+def giving_layers(out):
+  """While tracing the model's loss: `scan_layers` returns `out` (shaped
+  and typed as its carry) instead of running the layers."""
+  return _watching(_Watch(given=out))
 
 
 def _in_host_memory(x) -> bool:
@@ -256,16 +318,73 @@ def _n_rows(tree) -> int:
   return jax.tree.leaves(tree)[0].shape[0]
 
 
+def forward_chunks(fn, consts, carries, layers, stats=None, resident=None, landing=None,
+                   wait=None):
+  """The layers-first forward (see the module docstring): every layer in
+  turn over K micro-batches, one after the other. fn(carry, layer, *consts)
+  as `capturing_layers` records it; consts and carries: the micro-batches'
+  (each with a leading axis K); the rest as `writing_grads_over_layers`
+  takes them. Returns (the outputs, (K, ...) like carries; what
+  `backward_chunks` needs)."""
+  each = lambda c, layer, *consts: jax.lax.map(lambda a: fn(a[0], layer, *a[1]), (c, consts))
+  return _forward(each, False, wait, consts, carries, layers, stats, None, resident, landing)
+
+
+def backward_chunks(fn, saved, d_out):
+  """The layers-first backward: from the last layer to the first, each
+  layer's over every micro-batch, its weights' gradient summed over them in
+  float32 and written, rounded once, over its weights (with stats: counted
+  as the step's backward counts one micro-batch's). d_out: the gradient of
+  forward_chunks' outputs. Returns (the gradients of the consts, None for
+  those not floating-point; of the carries; the layers, their gradients
+  over their weights; of stats, or None)."""
+  d_consts, d_carries, layers, d_stats = _backward_layers(fn, False, saved, d_out, chunked=True)[:4]
+  return d_consts, d_carries, layers, d_stats
+
+
 def _backward(fn, adding, wait, saved, d_out):
   del wait  # the forward's
+  return _backward_layers(fn, adding, saved, d_out)
+
+
+def _inexact(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _layer_vjp(fn, consts, x, weights, d_carry):
+  """(gradients of the floating-point consts, of x, of the weights) of
+  fn(x, weights, *consts) for the output's gradient d_carry."""
+  floats = [_inexact(c) for c in consts]
+
+  def f(wide, x, w):
+    wide = iter(wide)
+    return fn(x, w, *[next(wide) if f else c for c, f in zip(consts, floats)])
+  _, vjp = jax.vjp(f, [c for c, f in zip(consts, floats) if f], x, weights)
+  return vjp(d_carry)
+
+
+def _chunks_vjp(fn, consts, x, weights, d_carry):
+  """_layer_vjp over micro-batches (consts, x, d_carry: a leading axis K),
+  one after the other, the weights' gradients summed in float32 (from the
+  first: the order the float32 sums of accumulation add them in)."""
+  def one(total, a):
+    dc, dx, dw = _layer_vjp(fn, *a[:2], weights, a[2])
+    return jax.tree.map(lambda s, d: s + d.astype(jnp.float32), total, dw), (dc, dx)
+  zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)
+  total, (dc, dx) = jax.lax.scan(one, zeros, (consts, x, d_carry))
+  return dc, dx, total
+
+
+def _backward_layers(fn, adding, saved, d_out, chunked=False):
   consts, (first_inputs, inputs), layers, stats, sums, resident = saved
   n_layers = _n_rows(layers)
   r = 0 if resident is None else _n_rows(resident)
+  floats = [_inexact(c) for c in consts]
 
   def one_layer(i, weights, x, acc):
     d_carry, buffer, d_consts, d_stats = acc
-    _, vjp = jax.vjp(lambda c, x, w: fn(x, w, *c), consts, x, weights)
-    dc, d_carry, d_weights = vjp(d_carry)
+    dc, d_carry, d_weights = (_chunks_vjp if chunked else _layer_vjp)(fn, consts, x, weights,
+                                                                       d_carry)
     if sums is not None:  # float32, added to the earlier micro-batches' (rounded once)
       d_weights = jax.tree.map(lambda s, d: _row(s, i) + d.astype(jnp.float32),
                                buffer if adding else sums, d_weights)
@@ -282,7 +401,7 @@ def _backward(fn, adding, wait, saved, d_out):
         lambda b, d: jax.lax.dynamic_update_index_in_dim(
             b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
         buffer, d_weights)
-    return d_carry, buffer, jax.tree.map(jnp.add, d_consts, dc), d_stats
+    return d_carry, buffer, [a + d for a, d in zip(d_consts, dc)], d_stats
 
   def fetched_layer(j, acc):  # layers L - 1 down to r
     i = n_layers - 1 - j
@@ -297,7 +416,7 @@ def _backward(fn, adding, wait, saved, d_out):
     return one_layer(i, jax.tree.map(lambda w: w[i], resident),
                      jax.tree.map(lambda a: a[i], first_inputs), acc)
 
-  zeros = jax.tree.map(jnp.zeros_like, consts)
+  zeros = [jnp.zeros_like(c) for c, f in zip(consts, floats) if f]
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)
   acc = (d_out, sums if adding else layers, zeros, d_stats)
   # (A loop's body is traced even for no iterations: indexing none fails.)
@@ -305,7 +424,9 @@ def _backward(fn, adding, wait, saved, d_out):
     acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer, acc)
   if r:
     acc = jax.lax.fori_loop(0, r, resident_layer, acc)
-  d_carry, buffer, d_consts, d_stats = acc
+  d_carry, buffer, d_floats, d_stats = acc
+  d_floats = iter(d_floats)
+  d_consts = tuple(next(d_floats) if f else None for f in floats)
   if adding:  # the sums' gradient is the new sums; the weights' is not used
     return d_consts, d_carry, None, None, buffer, None, None
   return d_consts, d_carry, buffer, d_stats, None, None, None

@@ -14,7 +14,7 @@ import numpy as np
 from jzo.precision import resolve_precision
 from jzo.transfer import HOST_TRANSFERS
 
-ACCUMULATIONS = ("auto", "device", "host")
+ACCUMULATIONS = ("auto", "device", "host", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +64,11 @@ class EngineOptions:
     if not _whole(self.dpu_warmup) or self.dpu_warmup < 0:
       raise ValueError(f"dpu_warmup must be an integer >= 0, got {self.dpu_warmup!r}")
     if self.accumulation not in ACCUMULATIONS:
-      raise ValueError(f"accumulation must be 'auto', 'device' or 'host', got "
+      raise ValueError(f"accumulation must be 'auto', 'device', 'host' or 'layers', got "
                        f"{self.accumulation!r}")
+    if self.accumulation == "layers" and not self.grads_in_params and not self.offload_params:
+      raise ValueError("accumulation='layers' runs the layers first with grads_in_params "
+                       "(set grads_in_params=True)")
     if self.landing_limit is not None and (not _whole(self.landing_limit)
                                            or self.landing_limit < 0):
       raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
@@ -95,6 +98,14 @@ class EngineOptions:
   def offloading(self) -> bool:
     """The optimizer is jzo's Adam, whose state may live on the host."""
     return self.offload is not False
+
+  @property
+  def layers_first(self) -> bool:
+    """grads_in_params with grad_accum > 1 runs the layers over every micro-
+    batch at once (accumulation "layers", or "auto"), not into float32
+    sums of the layers ("device"); see jzo.plan.Plan.layers_first."""
+    return (self.grads_in_params and self.grad_accum > 1
+            and self.accumulation in ("auto", "layers"))
 
   @property
   def grad_dtype(self) -> np.dtype:

@@ -42,9 +42,14 @@ grads_in_params (stage 3) writes the stacked layers' gradients over their
 weights (jzo.layer_scan): the step's peak holds one layer's gradient of
 them, and the exchange none beside the weights; the device parts' new
 weights go over their gradients in the step. With
-grad_accum > 1 it sums the micro-batches on the device: float32 sums of
-every leaf (4 B a parameter) beside the weights, the last micro-batch's
-gradients written over them.
+grad_accum > 1 it runs the layers first (`Plan.layers_first`): every micro-
+batch's forward through the layers, a layer at a time, then each layer's
+backward over every micro-batch, its float32 sum written over its weights:
+float32 sums of the other leaves and of one layer, and every micro-batch's
+layer inputs (in the activations). Otherwise (accumulation "device") it
+sums the micro-batches on the device: float32 sums of every leaf (4 B a
+parameter) beside the weights, the last micro-batch's gradients written
+over them.
 offload_params keeps those weights in pinned host memory as well (2 B a
 parameter of the layers, in XLA's pinned pool, where the gradients land
 and the kernel writes the new weights: no landing buffers for them); the
@@ -280,8 +285,15 @@ class Plan:
   # Asked for: a step's forward may run beside the last step's host update
   # (`overlaps_update`).
   overlap_forward: bool = True
+  # grads_in_params with grad_accum > 1: the layers run over every micro-
+  # batch at once, a layer at a time, keeping every micro-batch's layer
+  # inputs (counted in the activations) and no float32 sums of the layers
+  # (jzo.step._layers_first); else the layers' backward adds into such sums.
+  layers_first: bool = False
 
   def __post_init__(self):
+    if self.layers_first and not (self.grads_in_params and self.grad_accum > 1):
+      raise ValueError("layers_first needs grads_in_params and grad_accum > 1")
     if self.resident_layers:
       stacked = [l for l in self.leaves if l.per_layer]
       if not all(map(self.params_on_host, stacked)):
@@ -312,9 +324,11 @@ class Plan:
     """Each step's forward runs beside the last step's host update, taking
     each layer's new weights as the host finishes them (jzo.step.make_step's
     `wait`): asked for (`overlap_forward`), with grads_in_params, one
-    micro-batch, the stacked layers' weights in device memory and one set of
-    landing buffers (not streamed), where some of them have a host part."""
-    return (self.overlap_forward and self.grads_in_params and self.grad_accum == 1
+    micro-batch or the layers first, the stacked layers' weights in device
+    memory and one set of landing buffers (not streamed), where some of them
+    have a host part."""
+    return (self.overlap_forward and self.grads_in_params
+            and (self.grad_accum == 1 or self.layers_first)
             and not self.offload_params and not self.streamed
             and bool(self.overlapped_leaves()))
 
@@ -437,6 +451,10 @@ class Plan:
           l.shard_size for l in self.leaves if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's
       step["float32 sums"] = 4 * self.device_elements
+    elif self.layers_first:  # of the other leaves, and of the layer in its backward
+      stacked = [l for l in self.leaves if self.grads_over_weights(l)]
+      step["float32 sums"] = 4 * (local - sum(_rows(l) * l.shard_size for l in stacked)
+                                  + sum(l.shard_size for l in stacked))
     elif self.grad_accum > 1:
       step["float32 sums"] = 4 * (self.n_params if self.stage < 2 else local)
     if not self.has_host_state:
@@ -902,7 +920,8 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
         draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
-        pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward)
+        pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward,
+        layers_first=options.layers_first)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

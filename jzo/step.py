@@ -415,8 +415,8 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   if overlap is not None:
     fetch = dict(landing=_landing_of_layers(plan, overlap[0]), wait=overlap[1])
   grad_fn = jax.value_and_grad(
-      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, s, resident=state.resident,
-                                  **fetch),
+      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, layer_scan.writing_grads_over_layers(
+          s, resident=state.resident, **fetch)),
       argnums=(0, 1), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
 
@@ -430,6 +430,9 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   host_stats = None
   if plan.grad_accum == 1:
     grads, loss, host_stats = micro_grads(batch)
+  elif plan.layers_first:
+    grads, loss, host_stats = _layers_first(plan, loss_fn, state.params, scale, stats, micro,
+                                            state.resident, fetch)
   elif plan.grads_in_params:
     grads, loss, host_stats = _sums_in_layers(plan, loss_fn, state.params, scale, stats, micro,
                                               state.resident)
@@ -490,8 +493,9 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, 
 
   def add(sums, mb):
     grad_fn = jax.value_and_grad(
-        lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, sums=of_layers(s), adding=True,
-                                    resident=resident),
+        lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale,
+                                    layer_scan.writing_grads_over_layers(
+                                        sums=of_layers(s), adding=True, resident=resident)),
         argnums=(0, 1), has_aux=True)
     (_, loss), (g, new_sums) = grad_fn(params, sums, mb)
     # The layers' new sums are the gradient of theirs; their gradient
@@ -505,13 +509,89 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, 
   # barrier XLA may run it first and keep its layers' inputs through the scan.
   sums, last = jax.lax.optimization_barrier((sums, jax.tree.map(lambda x: x[-1], micro)))
   grad_fn = jax.value_and_grad(
-      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale, st, sums=of_layers(sums),
-                                   resident=resident),
+      lambda p, st, b: scaled_loss(plan, loss_fn, p, b, scale,
+                                   layer_scan.writing_grads_over_layers(
+                                       st, sums=of_layers(sums), resident=resident)),
       argnums=(0, 1), has_aux=True)
   (_, loss), (g, host_stats) = grad_fn(params, stats, last)
   grads = combine(lambda l, s, x: x if plan.grads_over_weights(l) else s + x.astype(jnp.float32),
                   sums, g)
   return grads, jnp.concatenate([losses, loss[None]]).mean(), host_stats
+
+
+def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, resident,
+                  fetch: dict):
+  """grads_in_params with grad_accum = K > 1 and `Plan.layers_first`,
+  inside shard_map: (the step's gradients, the mean loss, the host-memory
+  layers' gradient stats or None). micro: the local batch as (K, m, ...);
+  fetch: the overlapped host update's landing and wait, or none.
+
+  The layers' forward runs over all K micro-batches, a layer at a time
+  (with fetch, beside the host update: jzo.layer_scan.forward_chunks); then
+  each micro-batch's loss and its gradient; then the layers' backward a
+  layer at a time over every micro-batch, its float32 sum written over its
+  weights (backward_chunks); then the gradients of what comes before the
+  layers. The other leaves' gradients are summed in float32, those through
+  the loss first: as the device sums would, to float32 rounding."""
+  leaves, treedef = jax.tree.flatten(params)
+  in_layers = set(plan.layer_leaves())
+  others = [i for i in range(len(leaves)) if i not in in_layers]
+
+  def with_others(rest):  # the params, the layers' leaves not differentiated
+    full = list(leaves)
+    for i, x in zip(others, rest):
+      full[i] = x
+    return jax.tree.unflatten(treedef, full)
+
+  captured: dict = {}
+
+  def before(rest, mb):  # (the layers' input, the values their function closes over)
+    scaled_loss(plan, loss_fn, with_others(rest), mb, scale,
+                layer_scan.capturing_layers(captured))
+    return captured["carry"], captured["consts"]
+
+  rest = [leaves[i] for i in others]
+  carries, consts = jax.lax.map(lambda mb: before(rest, mb), micro)
+  layers = partition.subtree(params, plan.layers)
+  if jax.tree.structure(layers) != jax.tree.structure(captured["layers"]):
+    raise ValueError("scan_layers must get the engine's `layers` subtree whole: got "
+                     f"{captured['layers']}, the engine's are "
+                     f"{jax.tree.map(jax.typeof, layers)}")
+  fn = captured["fn"]
+  outs, saved = layer_scan.forward_chunks(fn, consts, carries, layers, stats, resident,
+                                          **fetch)
+  wide = lambda tree: [x.astype(jnp.float32) for x in tree]
+
+  def after(sums, a):  # one micro-batch's loss from the layers' output
+    out, mb = a
+    (_, loss), vjp = jax.vjp(
+        lambda rest, out: scaled_loss(plan, loss_fn, with_others(rest), mb, scale,
+                                      layer_scan.giving_layers(out)), rest, out)
+    d_rest, d_out = vjp((jnp.float32(1), jnp.float32(0)))
+    return [s + g for s, g in zip(sums, wide(d_rest))], (d_out, loss)
+
+  sums = [jnp.zeros(x.shape, jnp.float32) for x in rest]
+  sums, (d_outs, losses) = jax.lax.scan(after, sums, (outs, micro))
+  d_consts, d_carries, layers, host_stats = layer_scan.backward_chunks(fn, saved, d_outs)
+  floats = [d is not None for d in d_consts]
+
+  def through_layers(sums, a):  # the gradients of what comes before the layers
+    mb, d_carry, d_floats = a
+    def inexact(rest):
+      carry, consts = before(rest, mb)
+      return (carry, [c for c, f in zip(consts, floats) if f])
+    _, vjp = jax.vjp(inexact, rest)
+    (d_rest,) = vjp((d_carry, list(d_floats)))
+    return [s + g for s, g in zip(sums, wide(d_rest))], None
+
+  sums, _ = jax.lax.scan(through_layers, sums,
+                         (micro, d_carries, [d for d in d_consts if d is not None]))
+  grads = list(leaves)
+  for i, x in zip(others, sums):
+    grads[i] = x
+  for i, x in zip(plan.layer_leaves(), jax.tree.leaves(layers)):
+    grads[i] = x
+  return jax.tree.unflatten(treedef, grads), losses.mean(), host_stats
 
 
 def _empty_part(x):
@@ -646,16 +726,12 @@ def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineStat
   return end_step(plan, tx, state._replace(acc=None), state.acc, None, sq, bad, loss)
 
 
-def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=None,
-                sums=None, adding: bool = False, resident=None, landing=None, wait=None):
+def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, scan=None):
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale).
-  stats: with offload_params, zeros whose gradient jzo.scan_layers makes
-  the offloaded layers' gradients' (sum of squares, non-finite count).
-  sums, adding: with grads_in_params, the layers' float32 sums of earlier
-  micro-batches, and whether this one adds into them, and the state's
-  resident layers' weights; landing, wait: the overlapped host update's
-  (see jzo.layer_scan)."""
+  scan: with grads_in_params, what jzo.scan_layers does while loss_fn is
+  traced: a context of jzo.layer_scan (`writing_grads_over_layers(...)`,
+  its default, `capturing_layers` or `giving_layers`)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]
 
@@ -677,7 +753,7 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=
         context.enter_context(partition.layer_gathering(gather_one_layer))
       if plan.grads_in_params:
         scanned = context.enter_context(
-            layer_scan.writing_grads_over_layers(stats, sums, adding, resident, landing, wait))
+            scan if scan is not None else layer_scan.writing_grads_over_layers())
       loss = loss_fn(params, batch)
   except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
     hint = ""
@@ -692,7 +768,8 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, stats=
                     f"got {kind}")
   if jnp.shape(loss) != ():
     raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
-  if layer_layouts is not None and not gathered[0]:
+  given = plan.grads_in_params and scanned.given is not None  # the layers did not run
+  if layer_layouts is not None and not gathered[0] and not given:
     raise ValueError("stage 3 with layers= needs the model to call jzo.gather_layer on each "
                      "layer's params inside its scan")
   if plan.grads_in_params and not scanned:
