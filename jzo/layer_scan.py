@@ -89,14 +89,15 @@ class _Watch:
   its host parts' new weights in pinned host memory, or None) and `wait`
   the overlapped host update's (or None); `ran` whether scan_layers ran.
   `record` (a dict, or None): scan_layers records its arguments there and
-  returns its carry (`capturing_layers`); `given` (or None): scan_layers
-  returns it (`giving_layers`)."""
+  returns its carry (`capturing_layers`), checking it got `expect` (the
+  engine's layers); `given` (or None): scan_layers returns it
+  (`giving_layers`)."""
 
   def __init__(self, stats=None, sums=None, adding=False, resident=None, landing=None,
-               wait=None, record=None, given=None):
+               wait=None, record=None, expect=None, given=None):
     self.stats, self.sums, self.adding, self.ran = stats, sums, adding, False
     self.resident, self.landing, self.wait = resident, landing, wait
-    self.record, self.given = record, given
+    self.record, self.expect, self.given = record, expect, given
 
   def __bool__(self) -> bool:
     return self.ran
@@ -118,6 +119,7 @@ def scan_layers(fn: Callable, carry, layers):
     return jax.lax.scan(lambda c, layer: (fn(c, layer), None), carry, layers)[0]
   watching.ran = True
   if watching.record is not None:
+    _check_sums(watching.expect, layers)
     _record(watching.record, fn, carry, layers)
     return carry
   if watching.given is not None:
@@ -145,7 +147,7 @@ def _record(record: dict, fn: Callable, carry, layers) -> None:
   """Records, for the engine's layers-first step, fn as a function of
   (carry, layer, *consts) closed over no traced value, the values it
   closes over (`consts`, every one: they are the traced micro-batch's, used
-  outside its trace) and its `carry`; and the layers' structure."""
+  outside its trace) and its `carry`."""
   first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), layers)
   closed, out = jax.make_jaxpr(fn, return_shape=True)(carry, first)
   out_tree = jax.tree.structure(out)
@@ -153,8 +155,7 @@ def _record(record: dict, fn: Callable, carry, layers) -> None:
   def converted(c, layer, *consts):
     return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts,
                                                             *jax.tree.leaves((c, layer))))
-  record.update(fn=converted, consts=tuple(closed.consts), carry=carry,
-                layers=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layers))
+  record.update(fn=converted, consts=tuple(closed.consts), carry=carry)
 
 
 def _check_sums(sums, layers) -> None:
@@ -162,7 +163,7 @@ def _check_sums(sums, layers) -> None:
   if jax.tree.structure(sums) != jax.tree.structure(layers) or shapes(sums) != shapes(layers):
     raise ValueError("with grad_accum > 1 and grads_in_params, scan_layers must get the "
                      f"engine's `layers` subtree whole: got {shapes(layers)}, the engine's "
-                     f"sums are {shapes(sums)}")
+                     f"layers are {shapes(sums)}")
 
 
 def _check_resident(resident, layers) -> None:
@@ -221,13 +222,13 @@ def _watching(watch: _Watch):
     _WRITING_GRADS.reset(token)
 
 
-def capturing_layers(record: dict):
+def capturing_layers(record: dict, layers):
   """While tracing the model's loss: `scan_layers` does not run the layers
   but records, in `record`, its function as `fn(carry, layer, *consts)`,
-  the `consts` it closes over, its `carry` and the layers' shapes
-  (`layers`), and returns the carry. Yields an object that is true once
-  scan_layers has run."""
-  return _watching(_Watch(record=record))
+  the `consts` it closes over and its `carry`, and returns the carry.
+  layers: the engine's (arrays or shapes), which scan_layers must get.
+  Yields an object that is true once scan_layers has run."""
+  return _watching(_Watch(record=record, expect=layers))
 
 
 def giving_layers(out):

@@ -545,18 +545,15 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
 
   captured: dict = {}
 
+  layers = partition.subtree(params, plan.layers)
+
   def before(rest, mb):  # (the layers' input, the values their function closes over)
     scaled_loss(plan, loss_fn, with_others(rest), mb, scale,
-                layer_scan.capturing_layers(captured))
+                layer_scan.capturing_layers(captured, layers))
     return captured["carry"], captured["consts"]
 
   rest = [leaves[i] for i in others]
   carries, consts = jax.lax.map(lambda mb: before(rest, mb), micro)
-  layers = partition.subtree(params, plan.layers)
-  if jax.tree.structure(layers) != jax.tree.structure(captured["layers"]):
-    raise ValueError("scan_layers must get the engine's `layers` subtree whole: got "
-                     f"{captured['layers']}, the engine's are "
-                     f"{jax.tree.map(jax.typeof, layers)}")
   fn = captured["fn"]
   outs, saved = layer_scan.forward_chunks(fn, consts, carries, layers, stats, resident,
                                           **fetch)

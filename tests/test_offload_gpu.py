@@ -201,18 +201,22 @@ def scanned_engine(**kw):
     return jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
 
 
-@pytest.mark.parametrize("offload, seconds", [(True, 0.05), (0.5, 0.05), (True, 0.002)],
-                         ids=["host", "split", "host-tight"])
-def test_the_forward_overlaps_the_host_update(offload, seconds):
+@pytest.mark.parametrize("offload, seconds, grad_accum", [
+    (True, 0.05, 1), (0.5, 0.05, 1), (True, 0.002, 1), (True, 0.05, 2), (0.5, 0.002, 2)],
+    ids=["host", "split", "host-tight", "host-layers-first", "split-tight-layers-first"])
+def test_the_forward_overlaps_the_host_update(offload, seconds, grad_accum):
   """Each step's forward takes a layer's new weights as soon as the host
   update has them: with the host slowed, it reads layer 0 while the host
   still updates the last layer, and waits for each (a slowdown of 2 ms a
   layer: reads right after the writes). It trains as the engine that
   finishes the update first, bit for bit, through a skipped step, an
-  evaluation (which applies the update first) and a device step run alone."""
+  evaluation (which applies the update first) and a device step run alone.
+  With grad_accum = 2 the layers run first: one forward over both
+  micro-batches overlaps the update."""
   from test_grads_in_params import LAYERS
-  inside, after = scanned_engine(offload=offload), scanned_engine(offload=offload,
-                                                                 overlap_forward=False)
+  kw = dict(offload=offload, grad_accum=grad_accum)
+  inside, after = scanned_engine(**kw), scanned_engine(**kw, overlap_forward=False)
+  assert inside.plan.layers_first == (grad_accum > 1)
   assert inside.overlaps_update and not after.overlaps_update
   times = slow_layers(inside, seconds)
   data = batches(6)
