@@ -155,6 +155,7 @@ class MicroBatch:
   """The outcome of `pick_micro_batch`."""
   micro_batch: int  # sequences per device in one forward and backward
   grad_accum: int  # micro-batches per step
+  accumulation: str  # the engine's `accumulation` for it ("layers" where they run first)
   estimate: Estimate  # the plan at that micro-batch (it fits)
   line: str  # what was picked and why, for a person to read
 
@@ -169,7 +170,9 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     params: as for `estimate` (a tree of shapes, or a function returning params).
     activation_bytes: activation_bytes(m) is the bytes one device needs for
       activations at a micro-batch of m sequences (e.g.
-      `functools.partial(gpt.activation_bytes, config, seq_len=1024)`).
+      `functools.partial(gpt.activation_bytes, config, seq_len=1024)`);
+      with grads_in_params it is also called as activation_bytes(m,
+      accumulation=k) for k micro-batches whose layers run first.
     devices: size of the data axis.
     global_batch: sequences per optimizer step over all devices.
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
@@ -197,19 +200,33 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     raise ValueError(f"global batch {global_batch} does not split over {devices} devices "
                      f"({global_batch} = {per_device} x {devices} + {rest})")
   shapes = jax.eval_shape(params) if callable(params) else params
+  asked = options.pop("accumulation", "auto")
+  layers_first = options.get("grads_in_params") or options.get("offload_params")
   refused = None
   for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):
     accum = per_device // micro
-    found = estimate(shapes, activations=activation_bytes(micro), devices=devices,
-                     grad_accum=accum, **options)
+    # With grads_in_params the layers first where they fit ("auto"), else their sums.
+    tries = [asked]
+    if layers_first and accum > 1 and asked == "auto":
+      tries = ["layers", "device"]
+    for accumulation in tries:
+      acts = (activation_bytes(micro, accumulation=accum)
+              if layers_first and accum > 1 and accumulation in ("auto", "layers")
+              else activation_bytes(micro))
+      found = estimate(shapes, activations=acts, devices=devices, grad_accum=accum,
+                       accumulation=accumulation, **options)
+      if found.fits:
+        break
     if found.fits:
       where = ""
-      if accum > 1 and found.plan.cpu_adam:
+      if accum > 1 and found.plan.layers_first:
+        where = " with the layers first"
+      elif accum > 1 and found.plan.cpu_adam:
         where = " summed on the host" if found.plan.host_accumulation else " summed on the device"
       why = f" ({refused[0]} does not fit: {refused[1]})" if refused else ""
       line = (f"micro-batch {micro} a device x {accum} accumulation{where} x {devices} "
               f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
-      return MicroBatch(micro, accum, found, line)
+      return MicroBatch(micro, accum, accumulation, found, line)
     refused = (micro, found.error)  # the next larger, reported if a smaller one fits
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
                        f"fits, not even 1 a device x {per_device} accumulation: {found.error}")

@@ -70,12 +70,15 @@ class GPTConfig:
 
 
 def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
-                     itemsize: int = 2) -> int:
+                     itemsize: int = 2, accumulation: int = 1) -> int:
   """Bytes of activations one device needs at the peak of a training step
   with `batch` sequences (its micro-batch): what the scan saves for the
   backward pass, plus the larger of the loss's (`cross_entropy.loss_bytes`:
   one chunk of logits at a time) and one layer's recomputed intermediates
-  and gradients.
+  and gradients. accumulation: micro-batches whose layers run first
+  (grads_in_params, jzo.ZeroEngine's accumulation "layers"): what the scan
+  saves is kept for all of them, with their layers' inputs, outputs and the
+  outputs' gradients (`layers_first_bytes`).
 
   Per token and layer, `remat` full saves the layer input (D values), dots
   also the matmul outputs (qkv 3D, proj D, fc 4D, out D), none every
@@ -91,7 +94,17 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   saved = L * tokens * saved_per_layer * itemsize
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * 28 * D * itemsize
-  return saved + max(loss, layer)
+  return layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
+
+
+def layers_first_bytes(saved: int, layer_io: int, accumulation: int) -> int:
+  """What a step keeps of its micro-batches' layers: `saved` bytes (one
+  micro-batch's saved activations, layer_io its layers' input) for one, or,
+  running the layers first over `accumulation` micro-batches, that many
+  times saved plus their inputs, outputs and the outputs' gradients."""
+  if accumulation == 1:
+    return saved
+  return accumulation * (saved + 3 * layer_io)
 
 
 PRESETS = {

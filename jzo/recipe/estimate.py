@@ -42,10 +42,20 @@ def estimate_model(name: str, *, batch_size: int = 8, seq_len: int = 1024,
   model = dataclasses.replace(model, config=config)
   if batch_size % devices:
     raise ValueError(f"batch size {batch_size} does not split over {devices} devices")
-  acts = model.activation_bytes(batch_size // devices, seq_len)
+  micro, accum = batch_size // devices, kw.get("grad_accum", 1)
+  acts = model.activation_bytes(micro, seq_len)
   shapes = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0)))
   layers = model.family.layers if kw.get("stage") == 3 else None
-  return estimate(shapes, activations=acts, devices=devices, layers=layers, **kw)
+  if accum == 1 or not (kw.get("grads_in_params") or kw.get("offload_params")):
+    return estimate(shapes, activations=acts, devices=devices, layers=layers, **kw)
+  # As jzo.train: the layers first where they fit, else their float32 sums.
+  first = estimate(shapes, activations=model.activation_bytes(micro, seq_len, accumulation=accum),
+                   devices=devices, layers=layers, accumulation="layers", **kw)
+  if first.fits:
+    return first
+  sums = estimate(shapes, activations=acts, devices=devices, layers=layers,
+                  accumulation="device", **kw)
+  return sums if sums.fits else first
 
 
 def parse_offload(text: str) -> bool | float | str:
@@ -97,7 +107,7 @@ class EstimateConfig:
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
   grads_in_params: bool = False
-  """stage 3 + offload: each layer's gradient written over its weights (no room for both)"""
+  """stage 3 + offload: each layer's gradient written over its weights (no room for both); with --grad-accum, the layers run first over every micro-batch where they fit, else float32 sums of the layers on the GPU"""
   offload_params: bool = False
   """stage 3 + offload: the layers' weights in pinned host memory where the device needs it, fetched a layer at a time but for the first layers that still fit on the device (implies --grads-in-params)"""
   resident_layers: int = -1

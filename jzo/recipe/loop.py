@@ -181,18 +181,29 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
   moments = MOMENT_DTYPES[cfg.moments]
   tx = jzo.cpu_adamw(lr_schedule(cfg, model), b2=0.95, weight_decay=cfg.weight_decay,
                      mask=model.decay_mask, mu_dtype=moments, nu_dtype=moments)
-  return jzo.ZeroEngine(
-      model.loss_fn, params, tx,
-      mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
-      compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
-      grad_accum=cfg.batch_size // len(devices) // micro, max_grad_norm=cfg.max_grad_norm,
-      offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
-      grads_in_params=cfg.grads_in_params, offload_params=weights_placement(cfg, devices),
-      resident_layers=resident_count(cfg), layers=model.family.layers if cfg.stage == 3 else None,
-      overlap_forward=cfg.overlap_forward,
-      activation_memory=model.activation_bytes(micro, cfg.seq_len),
-      device_memory=int(cfg.device_memory_gb * 2**30) or None,
-      checkpoint_memory=checkpoint_memory(cfg))
+  accum = cfg.batch_size // len(devices) // micro
+  offload_params = weights_placement(cfg, devices)
+
+  def engine(accumulation: str, activations: int) -> jzo.ZeroEngine:
+    return jzo.ZeroEngine(
+        model.loss_fn, params, tx,
+        mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
+        compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
+        grad_accum=accum, max_grad_norm=cfg.max_grad_norm,
+        offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
+        grads_in_params=cfg.grads_in_params, offload_params=offload_params,
+        resident_layers=resident_count(cfg),
+        layers=model.family.layers if cfg.stage == 3 else None,
+        overlap_forward=cfg.overlap_forward, accumulation=accumulation,
+        activation_memory=activations, device_memory=int(cfg.device_memory_gb * 2**30) or None,
+        checkpoint_memory=checkpoint_memory(cfg))
+  single = model.activation_bytes(micro, cfg.seq_len)
+  if accum == 1 or not (cfg.grads_in_params or offload_params):
+    return engine("auto", single)
+  try:  # the layers first (no float32 sums of the layers) where they fit, else their sums
+    return engine("layers", model.activation_bytes(micro, cfg.seq_len, accumulation=accum))
+  except jzo.PlacementError:
+    return engine("device", single)
 
 
 def checkpoint_memory(cfg: TrainConfig) -> int:

@@ -80,9 +80,11 @@ class Model:
   def loss_fn(self, params, batch):
     return self.family.module.loss_fn(self.config, params, batch)
 
-  def activation_bytes(self, micro_batch: int, seq_len: int) -> int:
-    """Bytes of activations one device needs for `micro_batch` sequences."""
-    return self.family.module.activation_bytes(self.config, micro_batch, seq_len)
+  def activation_bytes(self, micro_batch: int, seq_len: int, accumulation: int = 1) -> int:
+    """Bytes of activations one device needs for `micro_batch` sequences
+    (with `accumulation` micro-batches whose layers run first)."""
+    return self.family.module.activation_bytes(self.config, micro_batch, seq_len,
+                                               accumulation=accumulation)
 
   def decay_mask(self, params):
     """Tree of bools: weight decay on each leaf of `params`."""

@@ -62,7 +62,7 @@ class TrainConfig:
   delayed_update: bool = False
   """offload: one-step delayed parameter update"""
   grads_in_params: bool = False
-  """stage 3 + offload: each layer's gradient written over its weights (no room for both); with accumulation, float32 sums of the layers on the GPU (4 B a parameter), the last micro-batch's written over the weights"""
+  """stage 3 + offload: each layer's gradient written over its weights (no room for both); with accumulation the layers run first (every micro-batch's forward, then each layer's backward over all of them, keeping every micro-batch's layer inputs) where that fits, else float32 sums of the layers on the GPU (4 B a parameter), the last micro-batch's written over the weights"""
   offload_params: bool = False
   """stage 3 + offload: the layers' weights in pinned host memory where the GPU needs it (always where the devices report no memory), fetched a layer at a time but for the first layers that still fit on the GPU (implies --grads-in-params)"""
   resident_layers: int = -1
