@@ -93,7 +93,13 @@ def run_one(args) -> list[dict]:
   tx = (jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments) if offload
         else optax.adamw(3e-4, weight_decay=0.1, mu_dtype=moments))
   # The plan makes room for the largest micro-batch's activations.
-  activations = {micro: gpt.activation_bytes(config, micro, args.seq_len) for micro in args.batch}
+  # With grads_in_params the layers run first (accumulation auto or layers):
+  # every micro-batch's layer inputs are kept.
+  first = (args.grads_in_params or args.offload_params) and args.grad_accum > 1 and (
+      args.accumulation in ("auto", "layers"))
+  activations = {micro: gpt.activation_bytes(config, micro, args.seq_len,
+                                             accumulation=args.grad_accum if first else 1)
+                 for micro in args.batch}
   # As the recipe: the pinned pool is not rounded up past the landing
   # buffers and offloaded weights (at most 2 B a parameter).
   jzo.plan.limit_pinned_pool(2 * config.n_params, args.gpus)
@@ -209,7 +215,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "n_layer": config.n_layer, "n_params": config.n_params,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "stage": engine.plan.stage, "grads_in_params": engine.plan.grads_in_params,
-      "overlaps_update": engine.overlaps_update,
+      "overlaps_update": engine.overlaps_update, "layers_first": engine.plan.layers_first,
       "offload_params": engine.plan.offload_params,
       "host_params_gib": engine.plan.host_params_bytes() / 2**30,
       "resident_layers": engine.plan.resident_layers,
@@ -283,8 +289,9 @@ def parse_args():
   parser.add_argument("--n-layer", type=int, help="layers, instead of the preset's")
   parser.add_argument("--grad-accum", type=int, default=1)
   parser.add_argument("--remat", default="full", help="full, dots or none")
-  parser.add_argument("--accumulation", choices=["auto", "device", "host"], default="auto",
-                      help="with --grad-accum > 1 and offload: where the micro-batches are summed")
+  parser.add_argument("--accumulation", choices=["auto", "device", "host", "layers"],
+                      default="auto", help="with --grad-accum > 1 and offload: where the "
+                      "micro-batches are summed (layers: the layers first, grads_in_params)")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32",
