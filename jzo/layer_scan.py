@@ -38,15 +38,18 @@ batch's gradient, rounded once to the weights' dtype, over the weights.
 So a device holds the weights and the float32 sums of the layers (6 B a
 parameter in bf16), never a gradient of the whole stack beside them.
 
-Overlapping the host update (`landing` and `wait`, one micro-batch, no
-resident layers): when the step starts, the layers' host parts hold the
-last step's gradients, and the host is still updating them, a layer at a
-time, into landing buffers in pinned host memory (one per leaf with a host
-part, (L, k - c) a device). Before layer i the forward calls `wait(i)` on
-the host (a callback that returns once the host has written layer i's new
-weights), copies them into row i of the layers, after its device part
-(in place), and runs the layer. So the forward over the step's batch runs
-beside the host update instead of after it, and reads the same weights.
+Overlapping the host update (`landing` and `wait`, one micro-batch or
+the layers first, no resident layers): when the step starts, the host is
+still updating the layers' host parts, a layer at a time, into landing
+buffers in pinned host memory (one per leaf with a host part, (L, k - c) a
+device). Before layer i the forward calls `wait(i)` on the host (a
+callback that returns once the host has written layer i's new weights),
+copies them into row i of the layers, after its device part (in place),
+and runs the layer. So the forward over the step's batch runs beside the
+host update instead of after it, and reads the same weights. The backward
+then writes each layer's host parts' gradients over those weights in the
+landing buffers as the layer's backward ends (they come out as the landing
+buffers' gradient), so the gradients' trip down runs under the backward.
 
 Layers first (grad_accum = K > 1, the engine's accumulation "layers"): the
 engine runs the layers itself over all K micro-batches at once. It traces
@@ -269,25 +272,25 @@ def _forward(fn, adding, wait, consts, carry, layers, stats, sums, resident, lan
   del adding
   step = lambda c, layer: (fn(c, layer, *consts), c)
   if landing is not None:
-    out, inputs, layers = _fetching_scan(step, wait, carry, layers, landing)
-    return out, (consts, (None, inputs), layers, stats, sums, resident)
+    out, inputs, layers, landing = _fetching_scan(step, wait, carry, layers, landing)
+    return out, (consts, (None, inputs), layers, stats, sums, resident, landing)
   if resident is None:
     out, inputs = jax.lax.scan(lambda c, layer: step(c, jax.tree.map(on_device, layer)),
                                carry, layers)
-    return out, (consts, (None, inputs), layers, stats, sums, resident)
+    return out, (consts, (None, inputs), layers, stats, sums, resident, None)
   r, n_layers = _n_rows(resident), _n_rows(layers)
   middle, first = jax.lax.scan(step, carry, resident)
   # The others by index: a scan over a slice of them could copy it whole.
   out, rest = jax.lax.scan(
       lambda c, i: step(c, jax.tree.map(lambda x: on_device(_row(x, i)), layers)), middle,
       jnp.arange(r, n_layers))
-  return out, (consts, (first, rest), layers, stats, sums, resident)
+  return out, (consts, (first, rest), layers, stats, sums, resident, None)
 
 
 def _fetching_scan(step, wait, carry, layers, landing):
   """The scan overlapping the host update: (out, each layer's input, the
   layers with each one's host parts' new weights copied in from `landing`
-  once `wait` says the host wrote them)."""
+  once `wait` says the host wrote them, the landing buffers)."""
   leaves, treedef = jax.tree.flatten(layers)
 
   def body(state, i):
@@ -310,9 +313,9 @@ def _fetching_scan(step, wait, carry, layers, landing):
     out, saved = step(c, jax.tree.unflatten(treedef, [_row(x, i) for x in new]))
     return (out, new, here), saved
 
-  (out, leaves, _), inputs = jax.lax.scan(body, (carry, leaves, landing),
-                                          jnp.arange(_n_rows(layers)))
-  return out, inputs, jax.tree.unflatten(treedef, leaves)
+  (out, leaves, landing), inputs = jax.lax.scan(body, (carry, leaves, landing),
+                                                jnp.arange(_n_rows(layers)))
+  return out, inputs, jax.tree.unflatten(treedef, leaves), landing
 
 
 def _n_rows(tree) -> int:
@@ -338,9 +341,11 @@ def backward_chunks(fn, saved, d_out):
   as the step's backward counts one micro-batch's). d_out: the gradient of
   forward_chunks' outputs. Returns (the gradients of the consts, None for
   those not floating-point; of the carries; the layers, their gradients
-  over their weights; of stats, or None)."""
-  d_consts, d_carries, layers, d_stats = _backward_layers(fn, False, saved, d_out, chunked=True)[:4]
-  return d_consts, d_carries, layers, d_stats
+  over their weights; of stats, or None; the landing buffers with each
+  layer's host parts' gradients written over its new weights, or None)."""
+  d_consts, d_carries, layers, d_stats, _, _, landing = _backward_layers(fn, False, saved, d_out,
+                                                                         chunked=True)
+  return d_consts, d_carries, layers, d_stats, landing
 
 
 def _backward(fn, adding, wait, saved, d_out):
@@ -377,13 +382,20 @@ def _chunks_vjp(fn, consts, x, weights, d_carry):
 
 
 def _backward_layers(fn, adding, saved, d_out, chunked=False):
-  consts, (first_inputs, inputs), layers, stats, sums, resident = saved
+  """The layers' backward pass: (the gradients of the consts, of the
+  carry, of the layers, of stats, of sums, of resident, of landing) as the
+  custom VJP returns them. With landing (the step overlapping the host
+  update), each layer's host parts' gradients also go down, as the layer's
+  backward ends, over the new weights the forward fetched from there: the
+  landing buffers' "gradient" is them (the host then reads them there,
+  with nothing left to copy after the step)."""
+  consts, (first_inputs, inputs), layers, stats, sums, resident, landing = saved
   n_layers = _n_rows(layers)
   r = 0 if resident is None else _n_rows(resident)
   floats = [_inexact(c) for c in consts]
 
   def one_layer(i, weights, x, acc):
-    d_carry, buffer, d_consts, d_stats = acc
+    d_carry, buffer, d_consts, d_stats, landing = acc
     dc, d_carry, d_weights = (_chunks_vjp if chunked else _layer_vjp)(fn, consts, x, weights,
                                                                        d_carry)
     if sums is not None:  # float32, added to the earlier micro-batches' (rounded once)
@@ -402,7 +414,11 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
         lambda b, d: jax.lax.dynamic_update_index_in_dim(
             b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
         buffer, d_weights)
-    return d_carry, buffer, [a + d for a, d in zip(d_consts, dc)], d_stats
+    if landing is not None:  # the host parts, [k - n, k) of the row (as the forward fetched)
+      landing = tuple(h if h is None else jax.lax.dynamic_update_index_in_dim(
+          h, _to(jax.memory.Space.Host, d[..., d.shape[-1] - h.shape[-1]:]), i, 0)
+          for h, d in zip(landing, jax.tree.leaves(d_weights)))
+    return d_carry, buffer, [a + d for a, d in zip(d_consts, dc)], d_stats, landing
 
   def fetched_layer(j, acc):  # layers L - 1 down to r
     i = n_layers - 1 - j
@@ -419,18 +435,18 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
 
   zeros = [jnp.zeros_like(c) for c, f in zip(consts, floats) if f]
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)
-  acc = (d_out, sums if adding else layers, zeros, d_stats)
+  acc = (d_out, sums if adding else layers, zeros, d_stats, landing)
   # (A loop's body is traced even for no iterations: indexing none fails.)
   if r < n_layers:
     acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer, acc)
   if r:
     acc = jax.lax.fori_loop(0, r, resident_layer, acc)
-  d_carry, buffer, d_floats, d_stats = acc
+  d_carry, buffer, d_floats, d_stats, landing = acc
   d_floats = iter(d_floats)
   d_consts = tuple(next(d_floats) if f else None for f in floats)
   if adding:  # the sums' gradient is the new sums; the weights' is not used
     return d_consts, d_carry, None, None, buffer, None, None
-  return d_consts, d_carry, buffer, d_stats, None, None, None
+  return d_consts, d_carry, buffer, d_stats, None, None, landing
 
 
 _scan_writing_grads.defvjp(_forward, _backward)

@@ -28,8 +28,11 @@ the update thread runs the other leaves first, which go up before the
 next step starts, then the stacked leaves a layer at a time, marking each
 layer done; the next step's forward waits for each layer's mark
 (`wait_for_layer`, a host callback in the step) and fetches its weights
-from the landing buffers itself (jzo.layer_scan). Anything else that reads
-the params first applies the update as above (`finish`).
+from the landing buffers itself (jzo.layer_scan). The step takes those
+buffers (donated) and hands them back with its gradients of the stacked
+leaves' host parts, written in its backward pass: the exchange after it
+downloads only the other leaves. Anything else that reads the params
+first applies the update as above (`finish`).
 
 Where the host has no room for one set of landing buffers (`plan.streamed`:
 a landing limit without host accumulation), the update streams instead:
@@ -284,6 +287,10 @@ class HostUpdate:
     self._overlapped = plan.overlapped_leaves() if overlap else []
     self._layers = plan.leaves[self._overlapped[0]].shape[0] if self._overlapped else 0
     self._step_update: _Update | None = None  # whose layers the running step waits for
+    # The overlapping step's landing buffers as it handed them back, with
+    # the overlapped leaves' host parts' gradients (by leaf), until its
+    # exchange takes them.
+    self._landed: dict[int, jax.Array] = {}
     self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
@@ -339,7 +346,8 @@ class HostUpdate:
     jax.block_until_ready(grads)  # the step is done: its peak has passed
     waited = time.perf_counter()
     skip = bool(skipped)
-    landing = self._finish(None if skip else grads)
+    landed, self._landed = self._landed, {}
+    landing = self._finish(None if skip else grads, landed)
     if skip:
       self.restore_weights()
       return
@@ -361,6 +369,9 @@ class HostUpdate:
     self.landing_peak = max(self.landing_peak, sum(x.nbytes for i, x in landing.items()
                                                    if i not in self._host_params))
     self._pending = _Update(landing, float(grad_scale), count, self._layers)
+    # The next step takes (donates) the overlapped leaves' buffers while the
+    # update writes them: its views of them are made now, from this thread.
+    self._pending.views = {i: self.transfer.views(i, landing[i]) for i in self._overlapped}
     self._pending.future = self._executor.submit(self._run, self._pending)
     self.timings["wait_grads"] = waited - start
     if not delayed and not self._overlapped:
@@ -375,9 +386,13 @@ class HostUpdate:
     `finish`), buffers of the weights made from the masters. The step's
     `wait_for_layer` waits for this update's layers; an error of the call
     (the update's, through that callback, where the devices run the step
-    at once) is the update's failure."""
+    at once) is the update's failure. run's last output is the landing
+    buffers it took, holding the step's gradients of those leaves' host
+    parts: the next `exchange` reads them there (run returns the rest)."""
     with self._guard():
-      return run(self._step_landing())
+      *out, self._landed = run(self._step_landing())
+      self._landed = dict(zip(self._overlapped, self._landed))
+      return tuple(out)
 
   def _step_landing(self) -> list:
     """`overlapped_step`'s landing buffers (its docstring says which)."""
@@ -476,8 +491,10 @@ class HostUpdate:
     in device memory, which no step writes, holds them still)."""
     with self._guard():
       # A step run alone may have overlapped an update, whose landing
-      # buffers it reads until it ends: that update is let go after it.
+      # buffers it reads until it ends: that update is let go after it,
+      # and the gradients it handed back with them.
       jax.block_until_ready(jax.tree.leaves(self.state.device.params))
+      self._landed = {}
       self._finish(None)
       params = jax.tree.leaves(self.state.device.params)
       for i in self._in_params:
@@ -597,21 +614,25 @@ class HostUpdate:
       self.failure = e
       raise
 
-  def _finish(self, next_grads) -> dict:
+  def _finish(self, next_grads, landed: dict | None = None) -> dict:
     """Uploads and installs the update in flight leaf by leaf; with
     next_grads, downloads each leaf's new gradient into the memory its
-    landing buffer freed. Returns the new landing buffers by leaf."""
+    landing buffer freed, but for those the step already put in `landed`
+    (by leaf). Returns the new landing buffers by leaf."""
+    landed = landed or {}
     if self._pending is None:
-      return {}
+      return dict(landed) if next_grads is not None else {}
     pending, self._pending = self._pending, None
-    landing = {}
+    landing = dict(landed) if next_grads is not None else {}
     while (i := pending.done.get()) is not None:
       if pending.consumed and i in self._overlapped:  # the step fetched them
         pending.landing.pop(i)
+        pending.views.pop(i, None)
       else:
         self._install(pending, i)
       if next_grads is not None:
-        landing[i] = self.transfer.download(i, next_grads[i])
+        if i not in landed:
+          landing[i] = self.transfer.download(i, next_grads[i])
         next_grads[i] = None
         if self.transfer.layouts[i].on_device:  # its host part was sliced out into a copy
           jax.block_until_ready(landing[i])
@@ -660,7 +681,7 @@ class HostUpdate:
         leaves = self.adam.update_leaves(lambda i: sums[i], update.grad_scale, update.count,
                                          lowp=False)
       else:
-        views = lambda i: self.transfer.views(i, update.landing[i])
+        views = lambda i: update.views.get(i) or self.transfer.views(i, update.landing[i])
         leaves = self.adam.update_leaves(views, update.grad_scale, update.count,
                                          skip=self._overlapped)
       for i in leaves:
@@ -688,13 +709,16 @@ class HostUpdate:
 
 class _Update:
   """One step's host update (number `count`): its landing buffers (by leaf
-  index), the leaves the kernel has finished, in order (None: all done),
+  index; the overlapped leaves' also as numpy views, `views`, which the
+  update thread uses: the next step takes the arrays themselves), the
+  leaves the kernel has finished, in order (None: all done),
   and overlapping the next step, a mark for each of its `layers` layers
   done, whether that step took the overlapped leaves' buffers (`consumed`)
   and the update thread's exception (`error`)."""
 
   def __init__(self, landing: dict, grad_scale: float, count: int, layers: int = 0):
     self.landing, self.grad_scale, self.count = landing, grad_scale, count
+    self.views: dict[int, list] = {}  # of the overlapped leaves' buffers, made beforehand
     self.layer_ready = [threading.Event() for _ in range(layers)]
     self.consumed = False
     self.error: BaseException | None = None

@@ -331,10 +331,13 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   clip) the host applies.
 
   wait: overlap the host update (`Plan.overlaps_update`): the step is then
-  `(state, batch, landing) -> ...`, landing the landing buffers of the
-  `Plan.overlapped_leaves()` in that order, and `wait(i)` (on the host: returns
-  i, as int32, once the host has written layer i's weights into them) runs
-  before the forward reads layer i."""
+  `(state, batch, landing) -> (state, metrics, grad_scale, landing)`,
+  landing the landing buffers of the `Plan.overlapped_leaves()` in that
+  order (donated), and `wait(i)` (on the host: returns i, as int32, once
+  the host has written layer i's weights into them) runs before the
+  forward reads layer i; the landing buffers come back holding those
+  leaves' host parts' gradients (written in place as each layer's backward
+  ends: nothing of them is left to download)."""
   specs = state_specs(plan, tx)
   batch_specs = jax.tree.map(lambda _: P(plan.axis), batch)
   in_state = specs._replace(grads=None) if plan.cpu_adam else specs
@@ -352,8 +355,9 @@ def make_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.GradientTrans
   landing_specs = [plan.leaves[i].spec(plan.axis) for i in plan.overlapped_leaves()]
   fn = shard_map_without_empty(
       lambda s, b, landing: local_step(plan, loss_fn, tx, s, b, (landing, wait)), mesh=mesh,
-      in_specs=(in_state, batch_specs, landing_specs), out_specs=out_specs, check_vma=False)
-  return jax.jit(fn, donate_argnums=0,
+      in_specs=(in_state, batch_specs, landing_specs), out_specs=out_specs + (landing_specs,),
+      check_vma=False)
+  return jax.jit(fn, donate_argnums=(0, 2),
                  compiler_options=compiler_options(plan, platform, fetching=True))
 
 
@@ -363,6 +367,13 @@ def _landing_of_layers(plan: Plan, landing: list) -> tuple:
   subtree, in its order, None for those without."""
   by_leaf = dict(zip(plan.overlapped_leaves(), landing))
   return tuple(by_leaf.get(i) for i in plan.layer_leaves())
+
+
+def _overlapped_of_layers(plan: Plan, per_layer_leaf) -> list:
+  """The inverse of `_landing_of_layers`: the overlapped leaves' entries,
+  in `Plan.overlapped_leaves()` order."""
+  by_leaf = dict(zip(plan.layer_leaves(), per_layer_leaf))
+  return [by_leaf[i] for i in plan.overlapped_leaves()]
 
 
 def make_eval(plan: Plan, mesh: Mesh, loss_fn: Callable, batch) -> Callable:
@@ -411,34 +422,34 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   # offload_params: the layers' gradients are in host memory, where the
   # step cannot read them; jzo.scan_layers counts them into this one's gradient.
   stats = jnp.zeros(2, jnp.float32) if plan.offload_params else None
-  fetch = {}
-  if overlap is not None:
-    fetch = dict(landing=_landing_of_layers(plan, overlap[0]), wait=overlap[1])
+  landing, wait = overlap if overlap is not None else (None, None)
   grad_fn = jax.value_and_grad(
-      lambda p, s, b: scaled_loss(plan, loss_fn, p, b, scale, layer_scan.writing_grads_over_layers(
-          s, resident=state.resident, **fetch)),
-      argnums=(0, 1), has_aux=True)
+      lambda p, s, landing, b: scaled_loss(
+          plan, loss_fn, p, b, scale, layer_scan.writing_grads_over_layers(
+              s, resident=state.resident, wait=wait,
+              landing=None if landing is None else _landing_of_layers(plan, landing))),
+      argnums=(0, 1, 2), has_aux=True)
   flatten = lambda f, tree: jax.tree.map(f, layouts, tree, is_leaf=is_layout)
 
   def micro_grads(mb):
-    (_, loss), (g, host_stats) = grad_fn(state.params, stats, mb)
+    (_, loss), (g, host_stats, landed) = grad_fn(state.params, stats, landing, mb)
     if stage == 2:  # reduce-scatter now, keep only this device's shard
       g = flatten(lambda l, x: jax.lax.psum_scatter(l.flatten(x), axis, tiled=True), g)
-    return g, loss, host_stats
+    return g, loss, host_stats, landed
 
   micro = jax.tree.map(lambda x: x.reshape((plan.grad_accum, -1) + x.shape[1:]), batch)
-  host_stats = None
+  host_stats = landed = None
   if plan.grad_accum == 1:
-    grads, loss, host_stats = micro_grads(batch)
+    grads, loss, host_stats, landed = micro_grads(batch)
   elif plan.layers_first:
-    grads, loss, host_stats = _layers_first(plan, loss_fn, state.params, scale, stats, micro,
-                                            state.resident, fetch)
+    grads, loss, host_stats, landed = _layers_first(plan, loss_fn, state.params, scale, stats,
+                                                    micro, state.resident, landing, wait)
   elif plan.grads_in_params:
     grads, loss, host_stats = _sums_in_layers(plan, loss_fn, state.params, scale, stats, micro,
                                               state.resident)
   else:
     def body(acc, mb):
-      g, loss, _ = micro_grads(mb)
+      g, loss = micro_grads(mb)[:2]
       return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), jax.eval_shape(
         lambda: micro_grads(jax.tree.map(lambda x: x[0], micro))[0]))
@@ -474,8 +485,11 @@ def local_step(plan: Plan, loss_fn: Callable, tx: optax.GradientTransformation,
   bad = _non_finite(jax.tree.leaves(device_part) + (on_device(buffer) if plan.cpu_adam else []))
   if host_stats is not None:
     sq, bad = sq + host_stats[0], bad + host_stats[1]
-  return end_step(plan, tx, state, device_part, buffer, sq, bad,
-                  jax.lax.psum(loss, axis) / plan.n_devices)
+  out = end_step(plan, tx, state, device_part, buffer, sq, bad,
+                 jax.lax.psum(loss, axis) / plan.n_devices)
+  # Overlapping the update, the landing buffers come back with the host
+  # parts' gradients, in the order they came in.
+  return out if overlap is None else out + (list(landed),)
 
 
 def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, resident):
@@ -520,11 +534,13 @@ def _sums_in_layers(plan: Plan, loss_fn: Callable, params, scale, stats, micro, 
 
 
 def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, resident,
-                  fetch: dict):
+                  landing, wait):
   """grads_in_params with grad_accum = K > 1 and `Plan.layers_first`,
   inside shard_map: (the step's gradients, the mean loss, the host-memory
-  layers' gradient stats or None). micro: the local batch as (K, m, ...);
-  fetch: the overlapped host update's landing and wait, or none.
+  layers' gradient stats or None, the landing buffers with the host parts'
+  gradients or None). micro: the local batch as (K, m, ...); landing (the
+  overlapped leaves' local landing buffers) and wait: the overlapped host
+  update's, or None.
 
   The layers' forward runs over all K micro-batches, a layer at a time
   (with fetch, beside the host update: jzo.layer_scan.forward_chunks); then
@@ -555,8 +571,9 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
   rest = [leaves[i] for i in others]
   carries, consts = jax.lax.map(lambda mb: before(rest, mb), micro)
   fn = captured["fn"]
-  outs, saved = layer_scan.forward_chunks(fn, consts, carries, layers, stats, resident,
-                                          **fetch)
+  outs, saved = layer_scan.forward_chunks(
+      fn, consts, carries, layers, stats, resident,
+      None if landing is None else _landing_of_layers(plan, landing), wait)
   wide = lambda tree: [x.astype(jnp.float32) for x in tree]
 
   def after(sums, a):  # one micro-batch's loss from the layers' output
@@ -569,7 +586,7 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
 
   sums = [jnp.zeros(x.shape, jnp.float32) for x in rest]
   sums, (d_outs, losses) = jax.lax.scan(after, sums, (outs, micro))
-  d_consts, d_carries, layers, host_stats = layer_scan.backward_chunks(fn, saved, d_outs)
+  d_consts, d_carries, layers, host_stats, landed = layer_scan.backward_chunks(fn, saved, d_outs)
   floats = [d is not None for d in d_consts]
 
   def through_layers(sums, a):  # the gradients of what comes before the layers
@@ -588,7 +605,9 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
     grads[i] = x
   for i, x in zip(plan.layer_leaves(), jax.tree.leaves(layers)):
     grads[i] = x
-  return jax.tree.unflatten(treedef, grads), losses.mean(), host_stats
+  if landed is not None:  # by overlapped leaf, as they came in
+    landed = _overlapped_of_layers(plan, landed)
+  return jax.tree.unflatten(treedef, grads), losses.mean(), host_stats, landed
 
 
 def _empty_part(x):
