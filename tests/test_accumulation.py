@@ -287,6 +287,26 @@ def test_pick_micro_batch_takes_the_largest_that_fits():
     planner.pick_micro_batch(shapes, act, device_memory=2 * GiB, **kw)
 
 
+def test_pick_micro_batch_runs_the_layers_first_where_they_fit():
+  """With grads_in_params, gpt2-1.5b at a global batch of 32 on 10 GiB:
+  the layers first (every micro-batch's layer inputs kept, no float32 sums
+  of the layers) fit micro-batches of 4, which the plan says; the layers'
+  float32 sums (accumulation "device") only micro-batches of 2."""
+  from jzo.models import gpt
+  config = gpt.PRESETS["gpt2-1.5b"]
+  shapes = jax.eval_shape(functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)))
+  act = functools.partial(gpt.activation_bytes, config, seq_len=1024)
+  kw = dict(devices=1, global_batch=32, offload="auto", host_memory=125 * GiB, stage=3,
+            layers="blocks", grads_in_params=True, device_memory=10 * GiB)
+  first = planner.pick_micro_batch(shapes, act, **kw)
+  assert (first.micro_batch, first.grad_accum, first.accumulation) == (4, 8, "layers")
+  assert first.estimate.plan.layers_first
+  assert first.line.startswith("micro-batch 4 a device x 8 accumulation with the layers first")
+  assert first.estimate.activations == act(4, accumulation=8) > act(4)
+  sums = planner.pick_micro_batch(shapes, act, accumulation="device", **kw)
+  assert (sums.micro_batch, sums.grad_accum) == (2, 16) and not sums.estimate.plan.layers_first
+
+
 def test_the_recipe_picks_the_micro_batch_and_says_so(tmp_path, capsys, monkeypatch):
   """`python -m jzo.train --micro-batch auto` (the default) on devices of
   a few MiB: the planner's largest micro-batch that fits, the accumulation

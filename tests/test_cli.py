@@ -273,6 +273,33 @@ def test_estimate_plans_the_overlapping_step_unless_told_not_to():
   assert share(overlap.stdout) < share(after.stdout)
 
 
+def test_estimate_runs_the_layers_first_with_accumulation():
+  """gpt2-10b at 4 x 8 with --grads-in-params on an 80 GB device, as
+  jzo.estimate and jzo.train plan it: the layers first (every micro-batch's
+  layer inputs in the activations, float32 sums of the other leaves and of
+  one layer only), which keeps more of the state on the device than the
+  layers' float32 sums; where they do not fit, the sums."""
+  import jax
+  import jzo
+  from jzo.models import gpt
+  kw = dict(batch_size=8, grad_accum=4, stage=3, grads_in_params=True, offload="auto",
+            device_memory=int(79.19 * 2**30), host_memory=int(122.56 * 2**30))
+  first = estimate_cli.estimate_model("gpt2-10b", **kw)
+  assert first.fits and first.plan.layers_first
+  peak = first.plan.device_peak(first.activations)
+  assert peak["float32 sums"] < 2 * 2**30 and peak["activations"] > 15 * 2**30
+  sums = jzo.estimate(jax.eval_shape(lambda: gpt.init_params(gpt.PRESETS["gpt2-10b"],
+                                                             jax.random.PRNGKey(0))),
+                      activations=gpt.activation_bytes(gpt.PRESETS["gpt2-10b"], 8, 1024),
+                      layers="blocks", accumulation="device", **{
+                          k: v for k, v in kw.items() if k != "batch_size"})
+  assert sums.fits and not sums.plan.layers_first
+  assert first.plan.offloaded_fraction < sums.plan.offloaded_fraction - 0.15
+  # 256 sequences' layer inputs (100 GiB) do not fit: the sums (38 GiB) do
+  many = estimate_cli.estimate_model("gpt2-10b", **{**kw, "grad_accum": 32})
+  assert many.fits and not many.plan.layers_first
+
+
 def test_offload_params_offloads_nothing_where_the_weights_fit():
   """In 1.6 MiB the tiny model's weights all fit on the device (as the
   recipe plans: the same planner), and jzo.estimate says so."""
