@@ -27,15 +27,19 @@ then takes the host's sum of squares and non-finite count per device and
 ends the step as above. So a device holds one micro-batch's gradients and
 the device part's accumulator, never a float32 sum of the host part.
 
-With grads_in_params, grad_accum > 1 stays one call: the layers' float32
-sums are added to in their backward passes (`_sums_in_layers`,
-jzo.layer_scan), and the last micro-batch writes them over the weights.
+With grads_in_params, grad_accum > 1 stays one call: the layers run first
+(`Plan.layers_first`, `_layers_first`: every micro-batch's forward through
+the layers, a layer at a time, then each layer's backward over every
+micro-batch, its float32 sum written over its weights), or the layers'
+float32 sums are added to in their backward passes (`_sums_in_layers`,
+jzo.layer_scan) and the last micro-batch writes them over the weights.
 
-With grads_in_params and one micro-batch the step may overlap the host
-update (`Plan.overlaps_update`): it takes the stacked leaves' landing
-buffers, where the host is still writing the last update's weights, and
-its forward fetches each layer's as the host finishes it (`wait`,
-jzo.layer_scan), so the forward runs beside the host update.
+With grads_in_params and one micro-batch or the layers first the step may
+overlap the host update (`Plan.overlaps_update`): it takes the stacked
+leaves' landing buffers, where the host is still writing the last update's
+weights, and its forward fetches each layer's as the host finishes it
+(`wait`, jzo.layer_scan), so the forward runs beside the host update; its
+backward writes those leaves' host parts' gradients back into them.
 
 `host_part_installer` writes a leaf's host part's new weights, once
 uploaded, into the params in place. Nothing here keeps Python state but
@@ -543,7 +547,7 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
   update's, or None.
 
   The layers' forward runs over all K micro-batches, a layer at a time
-  (with fetch, beside the host update: jzo.layer_scan.forward_chunks); then
+  (with landing, beside the host update: jzo.layer_scan.forward_chunks); then
   each micro-batch's loss and its gradient; then the layers' backward a
   layer at a time over every micro-batch, its float32 sum written over its
   weights (backward_chunks); then the gradients of what comes before the
@@ -560,7 +564,6 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
     return jax.tree.unflatten(treedef, full)
 
   captured: dict = {}
-
   layers = partition.subtree(params, plan.layers)
 
   def before(rest, mb):  # (the layers' input, the values their function closes over)
