@@ -819,7 +819,9 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   micro-batches' gradients in float32 on the device, "host" sums the host
   parts' on the host (one micro-batch's gradients on the device; landing
   buffers for one micro-batch if the host has room, else a ring), "auto"
-  the device where its plan fits, else the host. `options.landing_limit`:
+  the device where its plan fits, else the host; with grads_in_params the
+  layers run first ("layers", and "auto": `Plan.layers_first`) or sum in
+  their backward pass ("device"). `options.landing_limit`:
   bytes of landing buffers one process holds at once (`Plan.landing_limit`);
   None: a streamed update through STREAM_LANDING_BYTES where one step's host
   parts are more (unless the step overlaps the update and the host has room
@@ -835,7 +837,7 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
             host_memory=host_memory, activations=activations, processes=processes,
             checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes, checked=checked)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
-      or options.grads_in_params):  # which sums the layers in their backward pass
+      or options.grads_in_params):  # the layers first, or their sums in the backward
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
   if options.accumulation == "auto":
     try:  # the device's sums need no host pass and no download per micro-batch
