@@ -287,6 +287,22 @@ def test_pick_micro_batch_takes_the_largest_that_fits():
     planner.pick_micro_batch(shapes, act, device_memory=2 * GiB, **kw)
 
 
+def test_the_recipe_runs_the_layers_first_where_they_fit():
+  """jzo.train's engine with --grads-in-params and --micro-batch 8 at a
+  global batch of 64 (8 accumulated): the layers first on a device with
+  room for every micro-batch's layer inputs (20.8 MiB planned); on 16 MiB,
+  where only the layers' float32 sums fit (10.5 MiB), those."""
+  from jzo.recipe import loop, models
+  from jzo.recipe.options import TrainConfig
+  for gb, first in ((1.0, True), (0.016, False)):
+    cfg = TrainConfig(model="tiny", batch_size=64, micro_batch="8", stage=3,
+                      grads_in_params=True, offload_fraction="1.0", device_memory_gb=gb,
+                      checkpoint_every=0)
+    engine = loop.make_engine(cfg, models.PRESETS["tiny"], None, jax.devices()[:1], 8)
+    assert engine.plan.grad_accum == 8 and engine.plan.layers_first == first
+    engine.close()
+
+
 def test_pick_micro_batch_runs_the_layers_first_where_they_fit():
   """With grads_in_params, gpt2-1.5b at a global batch of 32 on 10 GiB:
   the layers first (every micro-batch's layer inputs kept, no float32 sums
