@@ -108,6 +108,8 @@ _XLA_PINNED_POOL_LIMIT_GIB = 64
 # its forward copies each layer's fetched host part in: measured, not
 # derived, on one H100 at micro-batch 32 (XLA's temporaries of the compiled
 # step: gpt2-10b 1.40 GiB more, 3.7 layers; gpt2-13b 1.90 GiB, 3.2 layers).
+# The layers first hold none (gpt2-10b at 4 x 8: 16.58 GiB of temporaries
+# overlapping, 16.56 with the update first; experiments/RESULTS.md, session 40).
 OVERLAP_FETCH_LAYERS = 4
 
 # A streamed host update (jzo.offload) holds this many spans under its landing
@@ -446,7 +448,7 @@ class Plan:
     grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
                         for l in self.leaves if self.grads_over_weights(l))
     step = {"backward grads": grads, "activations": activations}
-    if self.overlaps_update:  # the layers' new weights the forward fetches
+    if self.overlaps_update and not self.layers_first:  # the layers' new weights it fetches
       step["fetched layers"] = OVERLAP_FETCH_LAYERS * lowp * sum(
           l.shard_size for l in self.leaves if self.grads_over_weights(l))
     if self.host_accumulation:  # the device parts' float32 sums beside one micro-batch's

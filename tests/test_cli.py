@@ -277,8 +277,9 @@ def test_estimate_runs_the_layers_first_with_accumulation():
   """gpt2-10b at 4 x 8 with --grads-in-params on an 80 GB device, as
   jzo.estimate and jzo.train plan it: the layers first (every micro-batch's
   layer inputs in the activations, float32 sums of the other leaves and of
-  one layer only), which keeps more of the state on the device than the
-  layers' float32 sums; where they do not fit, the sums."""
+  one layer only, no layers fetched beyond one micro-batch's step), which
+  keeps more of the state on the device than the layers' float32 sums;
+  where they do not fit, the sums."""
   import jax
   import jzo
   from jzo.models import gpt
@@ -288,6 +289,7 @@ def test_estimate_runs_the_layers_first_with_accumulation():
   assert first.fits and first.plan.layers_first
   peak = first.plan.device_peak(first.activations)
   assert peak["float32 sums"] < 2 * 2**30 and peak["activations"] > 15 * 2**30
+  assert first.plan.overlaps_update and "fetched layers" not in peak  # (measured: none)
   sums = jzo.estimate(jax.eval_shape(lambda: gpt.init_params(gpt.PRESETS["gpt2-10b"],
                                                              jax.random.PRNGKey(0))),
                       activations=gpt.activation_bytes(gpt.PRESETS["gpt2-10b"], 8, 1024),
