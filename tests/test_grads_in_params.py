@@ -168,7 +168,7 @@ def test_a_skipped_step_puts_the_weights_back(offload):
 @pytest.mark.parametrize("where", ["grads_in_params", "offload_params"])
 @pytest.mark.parametrize("mesh_size, grad_accum, landing_limit, accumulation", [
     (1, 2, None, "layers"), (1, 4, 2048, "layers"), (8, 2, 2048, "layers"),
-    (1, 4, 2048, "device"), (8, 2, 2048, "device")],
+    pytest.param(1, 4, 2048, "device", marks=pytest.mark.slow), (8, 2, 2048, "device")],
     ids=["1dev-2", "1dev-4-streamed", "8dev-2-streamed", "1dev-4-streamed-sums",
          "8dev-2-streamed-sums"])
 def test_accumulation_matches_the_device_sums(mesh_size, grad_accum, landing_limit,
