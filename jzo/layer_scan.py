@@ -204,8 +204,9 @@ def writing_grads_over_layers(stats=None, sums=None, adding: bool = False, resid
   in device memory, (r, ...) shaped like the layers otherwise, or None.
   landing, wait: overlap the host update (see the module docstring): per
   leaf of the layers, its host parts' landing buffer or None, and
-  `wait(i) -> i` (int32), which returns once layer i's are written.
-  Yields an object that is true once scan_layers has run."""
+  `wait(i) -> i` (int32), which returns once layer i's are written; the
+  landing buffers' gradient is them with the host parts' gradients written
+  over the weights. Yields an object that is true once scan_layers has run."""
   if adding and sums is None:
     raise ValueError("adding into the layers' sums needs the sums")
   if landing is not None and (wait is None or sums is not None or resident is not None):
