@@ -594,7 +594,8 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
 
   def through_layers(sums, a):  # the gradients of what comes before the layers
     mb, d_carry, d_floats = a
-    def inexact(rest):
+
+    def inexact(rest):  # (before records again; fn is already taken)
       carry, consts = before(rest, mb)
       return (carry, [c for c, f in zip(consts, floats) if f])
     _, vjp = jax.vjp(inexact, rest)
