@@ -122,7 +122,7 @@ def scan_layers(fn: Callable, carry, layers):
     return jax.lax.scan(lambda c, layer: (fn(c, layer), None), carry, layers)[0]
   watching.ran = True
   if watching.record is not None:
-    _check_sums(watching.expect, layers)
+    _check_whole_layers(watching.expect, layers)
     _record(watching.record, fn, carry, layers)
     return carry
   if watching.given is not None:
@@ -132,7 +132,7 @@ def scan_layers(fn: Callable, carry, layers):
                        f"{kind(carry)}, the layers gave {kind(watching.given)}")
     return watching.given
   if watching.sums is not None:
-    _check_sums(watching.sums, layers)
+    _check_whole_layers(watching.sums, layers)
   if watching.resident is not None:
     _check_resident(watching.resident, layers)
   if watching.landing is not None:
@@ -161,12 +161,15 @@ def _record(record: dict, fn: Callable, carry, layers) -> None:
   record.update(fn=converted, consts=tuple(closed.consts), carry=carry)
 
 
-def _check_sums(sums, layers) -> None:
+def _check_whole_layers(engine_layers, layers) -> None:
+  """layers (what scan_layers got) are shaped as the engine's (its layers,
+  or their sums)."""
   shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
-  if jax.tree.structure(sums) != jax.tree.structure(layers) or shapes(sums) != shapes(layers):
+  if (jax.tree.structure(engine_layers) != jax.tree.structure(layers)
+      or shapes(engine_layers) != shapes(layers)):
     raise ValueError("with grad_accum > 1 and grads_in_params, scan_layers must get the "
                      f"engine's `layers` subtree whole: got {shapes(layers)}, the engine's "
-                     f"layers are {shapes(sums)}")
+                     f"layers are {shapes(engine_layers)}")
 
 
 def _check_resident(resident, layers) -> None:

@@ -66,9 +66,6 @@ class EngineOptions:
     if self.accumulation not in ACCUMULATIONS:
       raise ValueError(f"accumulation must be 'auto', 'device', 'host' or 'layers', got "
                        f"{self.accumulation!r}")
-    if self.accumulation == "layers" and not self.grads_in_params and not self.offload_params:
-      raise ValueError("accumulation='layers' runs the layers first with grads_in_params "
-                       "(set grads_in_params=True)")
     if self.landing_limit is not None and (not _whole(self.landing_limit)
                                            or self.landing_limit < 0):
       raise ValueError(f"landing_limit must be a whole number of bytes >= 0, got "
@@ -81,6 +78,9 @@ class EngineOptions:
       object.__setattr__(self, "grads_in_params", True)
     if self.grads_in_params:
       _check_grads_in_params(self, "offload_params" if self.offload_params else "grads_in_params")
+    elif self.accumulation == "layers":
+      raise ValueError("accumulation='layers' runs the layers first with grads_in_params "
+                       "(set grads_in_params=True)")
     if self.resident_layers is not None:
       if not _whole(self.resident_layers) or self.resident_layers < 0:
         raise ValueError(f"resident_layers must be an integer >= 0, got {self.resident_layers!r}")

@@ -160,6 +160,30 @@ class MicroBatch:
   line: str  # what was picked and why, for a person to read
 
 
+def estimate_micro_batch(params, activation_bytes: Callable[..., int], micro: int, *,
+                         grad_accum: int = 1, accumulation: str = "auto",
+                         **options) -> tuple[str, Estimate]:
+  """`estimate` at micro-batches of `micro` sequences a device, grad_accum
+  of them, with activations from `activation_bytes` (as `pick_micro_batch`
+  takes it): (the engine's `accumulation` for it, the estimate). With
+  grads_in_params and accumulation "auto", the layers first ("layers":
+  activation_bytes(micro, accumulation=grad_accum)) where they fit, else
+  the layers' float32 sums ("device"); where neither fits, the first's
+  estimate."""
+  first = bool(options.get("grads_in_params") or options.get("offload_params")) and (
+      grad_accum > 1)
+  tries = ["layers", "device"] if first and accumulation == "auto" else [accumulation]
+  estimates = []
+  for accumulation in tries:
+    acts = (activation_bytes(micro, accumulation=grad_accum)
+            if first and accumulation in ("auto", "layers") else activation_bytes(micro))
+    estimates.append((accumulation, estimate(params, activations=acts, grad_accum=grad_accum,
+                                             accumulation=accumulation, **options)))
+    if estimates[-1][1].fits:
+      return estimates[-1]
+  return estimates[0]
+
+
 def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices: int,
                      global_batch: int, **options) -> MicroBatch:
   """The largest micro-batch whose plan fits, and the accumulation that
@@ -200,23 +224,11 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     raise ValueError(f"global batch {global_batch} does not split over {devices} devices "
                      f"({global_batch} = {per_device} x {devices} + {rest})")
   shapes = jax.eval_shape(params) if callable(params) else params
-  asked = options.pop("accumulation", "auto")
-  layers_first = options.get("grads_in_params") or options.get("offload_params")
   refused = None
   for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):
     accum = per_device // micro
-    # With grads_in_params the layers first where they fit ("auto"), else their sums.
-    tries = [asked]
-    if layers_first and accum > 1 and asked == "auto":
-      tries = ["layers", "device"]
-    for accumulation in tries:
-      acts = (activation_bytes(micro, accumulation=accum)
-              if layers_first and accum > 1 and accumulation in ("auto", "layers")
-              else activation_bytes(micro))
-      found = estimate(shapes, activations=acts, devices=devices, grad_accum=accum,
-                       accumulation=accumulation, **options)
-      if found.fits:
-        break
+    accumulation, found = estimate_micro_batch(shapes, activation_bytes, micro, devices=devices,
+                                               grad_accum=accum, **options)
     if found.fits:
       where = ""
       if accum > 1 and found.plan.layers_first:

@@ -9,6 +9,7 @@ recipe's, from its shapes alone (seconds, no weight drawn).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from typing import Literal
@@ -19,7 +20,7 @@ import jax
 from jzo import config as config_lib
 from jzo.checkpoint import SAVE_HOST_BYTES
 from jzo.plan import GiB
-from jzo.planner import Estimate, estimate
+from jzo.planner import Estimate, estimate_micro_batch
 from jzo.recipe import models
 from jzo.recipe.loop import cap_pinned_pool, claim_gpu_memory
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, UserError, check_resident_layers,
@@ -42,20 +43,11 @@ def estimate_model(name: str, *, batch_size: int = 8, seq_len: int = 1024,
   model = dataclasses.replace(model, config=config)
   if batch_size % devices:
     raise ValueError(f"batch size {batch_size} does not split over {devices} devices")
-  micro, accum = batch_size // devices, kw.get("grad_accum", 1)
-  acts = model.activation_bytes(micro, seq_len)
   shapes = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0)))
   layers = model.family.layers if kw.get("stage") == 3 else None
-  if accum == 1 or not (kw.get("grads_in_params") or kw.get("offload_params")):
-    return estimate(shapes, activations=acts, devices=devices, layers=layers, **kw)
-  # As jzo.train: the layers first where they fit, else their float32 sums.
-  first = estimate(shapes, activations=model.activation_bytes(micro, seq_len, accumulation=accum),
-                   devices=devices, layers=layers, accumulation="layers", **kw)
-  if first.fits:
-    return first
-  sums = estimate(shapes, activations=acts, devices=devices, layers=layers,
-                  accumulation="device", **kw)
-  return sums if sums.fits else first
+  # As jzo.train: with accumulation, the layers first where they fit, else their sums.
+  return estimate_micro_batch(shapes, functools.partial(model.activation_bytes, seq_len=seq_len),
+                              batch_size // devices, devices=devices, layers=layers, **kw)[1]
 
 
 def parse_offload(text: str) -> bool | float | str:
@@ -113,7 +105,7 @@ class EstimateConfig:
   resident_layers: int = -1
   """with --offload-params: how many of the first layers keep their weights on the device as well, always offloading the rest (-1: the planner's choice)"""
   overlap_forward: bool = True
-  """with --grads-in-params, one micro-batch and the layers' weights on the device: each step's forward overlaps the last host update, the plan with its fetched layers (--no-overlap-forward: the update first)"""
+  """with --grads-in-params and the layers' weights on the device (one micro-batch, or the layers first): each step's forward overlaps the last host update, the plan with its fetched layers at one micro-batch (--no-overlap-forward: the update first)"""
   checkpoints: bool = True
   """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None

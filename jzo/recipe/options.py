@@ -68,7 +68,7 @@ class TrainConfig:
   resident_layers: int = -1
   """with --offload-params: how many of the first layers keep their weights on the GPU as well, always offloading the rest (-1: the planner's choice)"""
   overlap_forward: bool = True
-  """with --grads-in-params, one micro-batch and the layers' weights on the GPU: each step's forward overlaps the last host update, a layer at a time (--no-overlap-forward: the update first)"""
+  """with --grads-in-params and the layers' weights on the GPU (one micro-batch, or the layers first): each step's forward overlaps the last host update, a layer at a time (--no-overlap-forward: the update first)"""
   precision: Literal["bf16", "fp16"] = "bf16"
   """compute precision"""
   devices: int = 0
