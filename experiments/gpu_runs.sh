@@ -83,8 +83,7 @@
 #                  FORWARD (default overlap: the next step's forward overlaps the host
 #                  update where it can; after: the update first, --no-overlap-forward)
 #                  and of ACCUMULATION (default auto: the layers first where they fit;
-#                  device: the layers' float32 sums) and of LAYER_INPUTS (default device;
-#                  host: the layers first keep their inputs in pinned host memory)
+#                  device: the layers' float32 sums)
 #   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
 #                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
 #   kernel-ceiling the C++ kernel (fp32) against a loop that moves the same 28 bytes a
@@ -326,17 +325,16 @@ for part in "$@"; do
       for config in ${CONFIGS:-offload}; do
       for forward in ${FORWARD:-overlap}; do
       for accumulation in ${ACCUMULATION:-auto}; do
-      for inputs in ${LAYER_INPUTS:-device}; do
         accum=${run%:*} micro=${run#*:}
-        name=$part-$model-$moments-${accum}x$micro-$config-$forward-$accumulation-$inputs
+        name=$part-$model-$moments-${accum}x$micro-$config-$forward-$accumulation
         flag=""; [ "$forward" = after ] && flag=--no-overlap-forward
         timeout 500 python3 experiments/offload_bench.py --config $config --model $model \
           --moments $moments --stage 3 --grads-in-params --grad-accum $accum --batch $micro \
-          --accumulation $accumulation --layer-inputs $inputs --steps 3 --compiled-memory \
-          $flag ${BENCH_FLAGS:-} >"$OUT/$name.json" 2>"$OUT/$name.log"
+          --accumulation $accumulation --steps 3 --compiled-memory $flag \
+          ${BENCH_FLAGS:-} >"$OUT/$name.json" 2>"$OUT/$name.log"
         echo "$name: exit $?"; grep -E "^result|compiled|^step|^offload|rror|optimizer state" \
           "$OUT/$name.log" | cut -c1-400 | tail -12
-      done; done; done; done; done ;;
+      done; done; done; done ;;
     kernel-ceiling)
       flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
       g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&

@@ -97,17 +97,12 @@ def run_one(args) -> list[dict]:
   # every micro-batch's layer inputs are kept.
   first = (args.grads_in_params or args.offload_params) and args.grad_accum > 1 and (
       args.accumulation in ("auto", "layers"))
-  on_host = args.layer_inputs == "host"
   activations = {micro: gpt.activation_bytes(config, micro, args.seq_len,
-                                             accumulation=args.grad_accum if first else 1,
-                                             inputs_on_host=on_host)
+                                             accumulation=args.grad_accum if first else 1)
                  for micro in args.batch}
-  inputs = max(gpt.layer_input_bytes(config, micro, args.seq_len, accumulation=args.grad_accum)
-               for micro in args.batch) if on_host else 0
   # As the recipe: the pinned pool is not rounded up past the landing
-  # buffers and offloaded weights (at most 2 B a parameter) and the layer
-  # inputs kept there.
-  jzo.plan.limit_pinned_pool(2 * config.n_params + inputs, args.gpus)
+  # buffers and offloaded weights (at most 2 B a parameter).
+  jzo.plan.limit_pinned_pool(2 * config.n_params, args.gpus)
   jax.devices()  # the runtime's own host memory counts as the baseline
   rss_before = psutil.Process().memory_info().rss
   start = time.perf_counter()
@@ -122,8 +117,7 @@ def run_one(args) -> list[dict]:
       max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
       accumulation=args.accumulation if offload else "auto",
       delayed_update=args.config.endswith("_dpu"), dpu_warmup=1,
-      activation_memory=max(activations.values()), layer_inputs=args.layer_inputs,
-      host_activation_memory=inputs,
+      activation_memory=max(activations.values()),
       host_memory=int(args.host_memory_gb * 2**30) if args.host_memory_gb else None,
       device_memory=int(args.device_memory_gb * 2**30) if args.device_memory_gb else None)
   build_s = time.perf_counter() - start
@@ -201,8 +195,7 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     m = engine.lower(batch).compile().memory_analysis()
     print("compiled step: arguments", gib(m.argument_size_in_bytes), "outputs",
           gib(m.output_size_in_bytes), "aliased", gib(m.alias_size_in_bytes), "temporaries",
-          gib(m.temp_size_in_bytes), "host temporaries", gib(m.host_temp_size_in_bytes),
-          file=sys.stderr, flush=True)
+          gib(m.temp_size_in_bytes), file=sys.stderr, flush=True)
   for i in range(3):  # compile, warm up, and start the delayed updates
     jax.block_until_ready(engine.step(batch).loss)
     stats = jax.devices()[0].memory_stats() or {}
@@ -223,7 +216,6 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
       "batch": micro, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
       "stage": engine.plan.stage, "grads_in_params": engine.plan.grads_in_params,
       "overlaps_update": engine.overlaps_update, "layers_first": engine.plan.layers_first,
-      "layer_inputs_on_host": engine.plan.layer_inputs_on_host,
       "offload_params": engine.plan.offload_params,
       "host_params_gib": engine.plan.host_params_bytes() / 2**30,
       "resident_layers": engine.plan.resident_layers,
@@ -300,8 +292,6 @@ def parse_args():
   parser.add_argument("--accumulation", choices=["auto", "device", "host", "layers"],
                       default="auto", help="with --grad-accum > 1 and offload: where the "
                       "micro-batches are summed (layers: the layers first, grads_in_params)")
-  parser.add_argument("--layer-inputs", choices=["device", "host"], default="device",
-                      help="where the layers run first keep their inputs")
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32",
@@ -349,8 +339,7 @@ def main():
            "--seq-len", str(args.seq_len), "--batch", *map(str, args.batch),
            "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
            "--moments", args.moments, "--remat", args.remat, "--accumulation", args.accumulation,
-           "--stage", str(args.stage), "--gpus", str(args.gpus),
-           "--layer-inputs", args.layer_inputs]
+           "--stage", str(args.stage), "--gpus", str(args.gpus)]
     if not args.breakdown:
       cmd.append("--no-breakdown")
     if args.grads_in_params:

@@ -151,16 +151,6 @@ class ZeroEngine:
       time, each layer as soon as the host has its new weights
       (jzo.layer_scan). The same arithmetic as without; False runs the
       update before the next step instead.
-    layer_inputs: with the layers first, where every micro-batch's layer
-      inputs wait for the backward: "device" (counted in activation_memory),
-      or "host": pinned host memory, each layer's going down as its forward
-      ends and up for its backward, which leaves their device memory to
-      more of the optimizer state under offload="auto" (activation_memory
-      then leaves them out, host_activation_memory counts them: e.g.
-      jzo.models.gpt's activation_bytes(..., inputs_on_host=True) and
-      layer_input_bytes).
-    host_activation_memory: bytes of pinned host memory one device's step
-      keeps with layer_inputs="host", for the fit check and the pinned pool.
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -185,8 +175,7 @@ class ZeroEngine:
                host_transfer: str = "auto", accumulation: str = "auto",
                landing_limit: int | None = None, grads_in_params: bool = False,
                offload_params: bool | str = False, resident_layers: int | None = None,
-               checkpoint_memory: int = 0, overlap_forward: bool = True,
-               layer_inputs: str = "device", host_activation_memory: int = 0):
+               checkpoint_memory: int = 0, overlap_forward: bool = True):
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
     if int8 and offload == "auto":
       offload = True  # int8 moments live on the host (see below)
@@ -196,8 +185,7 @@ class ZeroEngine:
         delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
         landing_limit=landing_limit, host_transfer=host_transfer,
         grads_in_params=grads_in_params, offload_params=offload_params,
-        resident_layers=resident_layers, overlap_forward=overlap_forward,
-        layer_inputs=layer_inputs)
+        resident_layers=resident_layers, overlap_forward=overlap_forward)
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
@@ -226,8 +214,7 @@ class ZeroEngine:
         shapes, state_bytes, options, n_devices=mesh.shape[axis], axis=axis,
         device_memory=device_memory or limit,
         host_memory=(host_memory or plan_lib.host_memory_for(runtime)) if offloading else None,
-        activations=activation_memory, host_activations=host_activation_memory,
-        processes=mesh.devices.size // len(self.positions),
+        activations=activation_memory, processes=mesh.devices.size // len(self.positions),
         checkpoint_memory=checkpoint_memory, runtime_bytes=runtime)
     if int8 and self.plan.has_device_state:
       # The engine's device state is flat shards of float moments; int8

@@ -61,10 +61,7 @@ micro-batch's loss with scan_layers returning that output
 (`giving_layers`), then the backward a layer at a time over every
 micro-batch (`backward_chunks`): the layer's gradient summed over them in
 float32 and rounded once over its weights. No float32 sums of the stack are
-kept; the layers' inputs of every micro-batch are: in device memory, or
-(`inputs_on_host`, the engine's layer_inputs="host") in pinned host memory,
-each layer's going down as its forward ends and coming back up for its
-backward, which frees their device memory for more of the optimizer state.
+kept; the layers' inputs of every micro-batch are.
 """
 
 from __future__ import annotations
@@ -272,16 +269,12 @@ def _row(x, i):
   return jax.lax.dynamic_index_in_dim(x, i, 0, False)
 
 
-def _forward(fn, adding, wait, consts, carry, layers, stats, sums, resident, landing,
-             inputs_on_host=False):
-  """The scan; saves each layer's input (in pinned host memory with
-  inputs_on_host): (those of the resident layers or None, those of the
-  others), and the layers (with landing: the new weights written into
-  them)."""
+def _forward(fn, adding, wait, consts, carry, layers, stats, sums, resident, landing):
+  """The scan; saves each layer's input: (those of the resident layers or
+  None, those of the others), and the layers (with landing: the new
+  weights written into them)."""
   del adding
-  keep = (lambda c: jax.tree.map(functools.partial(_to, jax.memory.Space.Host), c)
-          ) if inputs_on_host else (lambda c: c)
-  step = lambda c, layer: (fn(c, layer, *consts), keep(c))
+  step = lambda c, layer: (fn(c, layer, *consts), c)
   if landing is not None:
     out, inputs, layers, landing = _fetching_scan(step, wait, carry, layers, landing)
     return out, (consts, (None, inputs), layers, stats, sums, resident, landing)
@@ -334,17 +327,15 @@ def _n_rows(tree) -> int:
 
 
 def forward_chunks(fn, consts, carries, layers, stats=None, resident=None, landing=None,
-                   wait=None, inputs_on_host=False):
+                   wait=None):
   """The layers-first forward (see the module docstring): every layer in
   turn over K micro-batches, one after the other. fn(carry, layer, *consts)
   as `capturing_layers` records it; consts and carries: the micro-batches'
-  (each with a leading axis K); inputs_on_host: each layer's inputs are kept
-  in pinned host memory; the rest as `writing_grads_over_layers` takes
-  them. Returns (the outputs, (K, ...) like carries; what `backward_chunks`
-  needs)."""
+  (each with a leading axis K); the rest as `writing_grads_over_layers`
+  takes them. Returns (the outputs, (K, ...) like carries; what
+  `backward_chunks` needs)."""
   each = lambda c, layer, *consts: jax.lax.map(lambda a: fn(a[0], layer, *a[1]), (c, consts))
-  return _forward(each, False, wait, consts, carries, layers, stats, None, resident, landing,
-                  inputs_on_host)
+  return _forward(each, False, wait, consts, carries, layers, stats, None, resident, landing)
 
 
 def backward_chunks(fn, saved, d_out):
@@ -439,12 +430,12 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
     # buffer is the weights, whose row i still holds layer i's (only rows
     # above it were written).
     weights = jax.tree.map(lambda b: on_device(_row(b, i)), layers if adding else acc[1])
-    return one_layer(i, weights, jax.tree.map(lambda a: on_device(_row(a, i - r)), inputs), acc)
+    return one_layer(i, weights, jax.tree.map(lambda a: a[i - r], inputs), acc)
 
   def resident_layer(j, acc):  # layers r - 1 down to 0
     i = r - 1 - j
     return one_layer(i, jax.tree.map(lambda w: w[i], resident),
-                     jax.tree.map(lambda a: on_device(_row(a, i)), first_inputs), acc)
+                     jax.tree.map(lambda a: a[i], first_inputs), acc)
 
   zeros = [jnp.zeros_like(c) for c, f in zip(consts, floats) if f]
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)

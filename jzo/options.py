@@ -15,7 +15,6 @@ from jzo.precision import resolve_precision
 from jzo.transfer import HOST_TRANSFERS
 
 ACCUMULATIONS = ("auto", "device", "host", "layers")
-LAYER_INPUTS = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,6 @@ class EngineOptions:
   offload_params: bool | str = False
   resident_layers: int | None = None
   overlap_forward: bool = True
-  layer_inputs: str = "device"
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -90,14 +88,6 @@ class EngineOptions:
         raise ValueError("resident_layers keeps the first layers of the weights in host memory "
                          "on the devices as well: it needs offload_params=True "
                          f"(offload_params='auto' chooses them), got {self.offload_params!r}")
-    if self.layer_inputs not in LAYER_INPUTS:
-      raise ValueError(f"layer_inputs must be 'device' or 'host', got {self.layer_inputs!r}")
-    if self.layer_inputs == "host" and not self.layers_first:
-      raise ValueError("layer_inputs='host' keeps the inputs of the layers run first in pinned "
-                       "host memory: it needs grads_in_params, grad_accum > 1 and "
-                       f"accumulation 'auto' or 'layers' (got grads_in_params="
-                       f"{self.grads_in_params}, grad_accum={self.grad_accum}, "
-                       f"accumulation={self.accumulation!r})")
     if not isinstance(self.overlap_forward, bool):
       raise ValueError(f"overlap_forward must be True or False, got {self.overlap_forward!r}")
     if self.host_transfer not in HOST_TRANSFERS:

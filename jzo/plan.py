@@ -292,19 +292,10 @@ class Plan:
   # inputs (counted in the activations) and no float32 sums of the layers
   # (jzo.step._layers_first); else the layers' backward adds into such sums.
   layers_first: bool = False
-  # The layers first keep their inputs in pinned host memory (not in the
-  # activations): host_activations bytes a device (jzo.layer_scan).
-  layer_inputs_on_host: bool = False
-  host_activations: int = 0
 
   def __post_init__(self):
     if self.layers_first and not (self.grads_in_params and self.grad_accum > 1):
       raise ValueError("layers_first needs grads_in_params and grad_accum > 1")
-    if self.layer_inputs_on_host and not self.layers_first:
-      raise ValueError("layer_inputs_on_host needs layers_first")
-    if self.host_activations and not self.layer_inputs_on_host:
-      raise ValueError("host activation memory counts the layer inputs kept in host memory: "
-                       "it needs layer_inputs='host'")
     if self.resident_layers:
       stacked = [l for l in self.leaves if l.per_layer]
       if not all(map(self.params_on_host, stacked)):
@@ -370,10 +361,8 @@ class Plan:
 
   def pinned_bytes(self) -> int:
     """Bytes of XLA's pinned pools the engine holds at once in one process:
-    the landing buffers, the offloaded weights and the layer inputs its
-    steps keep there."""
-    host = self.host_bytes()
-    return host["landing"] + host.get("params", 0) + host.get("layer inputs", 0)
+    the landing buffers and the offloaded weights."""
+    return self.host_bytes()["landing"] + self.host_params_bytes()
 
   def pool_overhead(self) -> int:
     """Bytes the process's pinned pools hold beyond `pinned_bytes()`: their
@@ -494,23 +483,18 @@ class Plan:
 
   def host_bytes(self) -> dict[str, int]:
     """Bytes of host RAM the offloaded state takes in one process (its
-    devices' shards: all of them with one process), and the layer inputs
-    its steps keep there (`layer_inputs_on_host`)."""
+    devices' shards: all of them with one process)."""
     n = self.host_elements // self.processes
     # Offloaded weights take their gradients in place of landing buffers.
     landing = n * self.grad_dtype.itemsize - self.host_params_bytes()
     landing = min(landing, self.landing_limit or landing)
     if self.offload_params:
-      parts = {"master": 4 * n, "moments": self.moment_bytes * n,
-               "params": self.host_params_bytes(), "landing": landing}
-    elif not self.host_accumulation:
-      parts = {"master": 4 * n, "moments": self.moment_bytes * n, "landing": landing}
-    else:
-      parts = {"master": 4 * n, "moments": self.moment_bytes * n, "accumulator": 4 * n,
-               "landing": landing}
-    if self.layer_inputs_on_host:
-      parts["layer inputs"] = self.local_devices * self.host_activations
-    return parts
+      return {"master": 4 * n, "moments": self.moment_bytes * n,
+              "params": self.host_params_bytes(), "landing": landing}
+    if not self.host_accumulation:
+      return {"master": 4 * n, "moments": self.moment_bytes * n, "landing": landing}
+    return {"master": 4 * n, "moments": self.moment_bytes * n, "accumulator": 4 * n,
+            "landing": landing}
 
   @property
   def streamed(self) -> bool:
@@ -818,7 +802,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
 def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
               axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
-              host_activations: int = 0, processes: int = 1, checkpoint_memory: int = 0,
+              processes: int = 1, checkpoint_memory: int = 0,
               runtime_bytes: int = HOST_RUNTIME_BYTES, checked: bool = True) -> Plan:
   """The plan of an engine with `options` over params of `shapes` (a tree
   of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
@@ -831,9 +815,7 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   is allocated, on the host with `checkpoint_memory` bytes for a
   checkpoint's save beside the state (see `Plan.checkpoint_bytes`) and
   `runtime_bytes` for the process's runtime (`host_runtime_bytes`);
-  offload="auto" needs `device_memory`. `activations`: bytes one device's
-  step needs besides the state; `host_activations`: bytes of pinned host
-  memory it keeps with `options.layer_inputs` "host" (its layer inputs).
+  offload="auto" needs `device_memory`.
 
   `options.accumulation` (grad_accum > 1 with offload): "device" sums the
   micro-batches' gradients in float32 on the device, "host" sums the host
@@ -854,8 +836,7 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
     PlacementError: the plan does not fit.
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
-            host_memory=host_memory, activations=activations,
-            host_activations=host_activations, processes=processes,
+            host_memory=host_memory, activations=activations, processes=processes,
             checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes, checked=checked)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
       or options.grads_in_params):  # the layers first, or their sums in the backward
@@ -917,8 +898,8 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 
 def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
                axis: str, device_memory: int | None, host_memory: int | None,
-               activations: int, host_activations: int, processes: int,
-               host_accumulation: bool, checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0,
+               activations: int, processes: int, host_accumulation: bool,
+               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0,
                checked: bool = True) -> Plan:
   """make_plan with the accumulation decided."""
   stage, layers, offload = options.stage, options.layers, options.offload
@@ -944,8 +925,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
         draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
         pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward,
-        layers_first=options.layers_first,
-        layer_inputs_on_host=options.layer_inputs == "host", host_activations=host_activations)
+        layers_first=options.layers_first)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

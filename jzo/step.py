@@ -576,8 +576,7 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
   fn = captured["fn"]
   outs, saved = layer_scan.forward_chunks(
       fn, consts, carries, layers, stats, resident,
-      None if landing is None else _landing_of_layers(plan, landing), wait,
-      plan.layer_inputs_on_host)
+      None if landing is None else _landing_of_layers(plan, landing), wait)
   wide = lambda tree: [x.astype(jnp.float32) for x in tree]
 
   def after(sums, a):  # one micro-batch's loss from the layers' output

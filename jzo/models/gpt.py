@@ -70,8 +70,7 @@ class GPTConfig:
 
 
 def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
-                     itemsize: int = 2, accumulation: int = 1,
-                     inputs_on_host: bool = False) -> int:
+                     itemsize: int = 2, accumulation: int = 1) -> int:
   """Bytes of activations one device needs at the peak of a training step
   with `batch` sequences (its micro-batch): what the scan saves for the
   backward pass, plus the larger of the loss's (`cross_entropy.loss_bytes`:
@@ -79,9 +78,7 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   and gradients. accumulation: micro-batches whose layers run first
   (grads_in_params, jzo.ZeroEngine's accumulation "layers"): what the scan
   saves is kept for all of them, with their layers' inputs, outputs and the
-  outputs' gradients (`layers_first_bytes`); inputs_on_host: not their
-  inputs, kept in host memory (ZeroEngine's layer_inputs="host";
-  `layer_input_bytes` counts them there).
+  outputs' gradients (`layers_first_bytes`).
 
   Per token and layer, `remat` full saves the layer input (D values), dots
   also the matmul outputs (qkv 3D, proj D, fc 4D, out D), none every
@@ -97,30 +94,17 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   saved = L * tokens * saved_per_layer * itemsize
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * 28 * D * itemsize
-  return (layers_first_bytes(saved, tokens * D * itemsize, accumulation, inputs_on_host)
-          + max(loss, layer))
+  return layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
 
 
-def layer_input_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
-                      itemsize: int = 2, accumulation: int = 1) -> int:
-  """Bytes of the layers' inputs of `accumulation` micro-batches of `batch`
-  sequences, which the layers run first keep for their backward (in host
-  memory with ZeroEngine's layer_inputs="host")."""
-  return accumulation * config.n_layer * batch * (seq_len or config.seq_len) * config.d_model \
-      * itemsize
-
-
-def layers_first_bytes(saved: int, layer_io: int, accumulation: int,
-                       inputs_on_host: bool = False) -> int:
+def layers_first_bytes(saved: int, layer_io: int, accumulation: int) -> int:
   """What a step keeps of its micro-batches' layers: `saved` bytes (one
   micro-batch's saved activations, layer_io its layers' input) for one, or,
   running the layers first over `accumulation` micro-batches, that many
-  times saved plus their inputs, outputs and the outputs' gradients; with
-  inputs_on_host only the latter (what the layers first save is the layers'
-  inputs, then in host memory)."""
+  times saved plus their inputs, outputs and the outputs' gradients."""
   if accumulation == 1:
     return saved
-  return accumulation * ((0 if inputs_on_host else saved) + 3 * layer_io)
+  return accumulation * (saved + 3 * layer_io)
 
 
 PRESETS = {

@@ -242,14 +242,13 @@ def _rope_from_hf(hf: dict) -> dict:
 
 
 def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None,
-                     itemsize: int = 2, accumulation: int = 1,
-                     inputs_on_host: bool = False) -> int:
+                     itemsize: int = 2, accumulation: int = 1) -> int:
   """Bytes of activations one device needs at the peak of a training step
   with `batch` sequences (its micro-batch): what the scan saves for the
   backward pass, plus the larger of the loss's (`cross_entropy.loss_bytes`:
   one chunk of logits at a time, where all of them would often be the peak
   with vocabularies of 128-152k) and one layer's recomputed intermediates
-  and gradients. accumulation, inputs_on_host: as gpt.activation_bytes'.
+  and gradients. accumulation: as gpt.activation_bytes'.
 
   Per token and layer (Q = H hd, KV = K hd), `remat` full saves the layer
   input (D values), dots also the matmul outputs (qkv Q + 2 KV, o D, gate_up
@@ -270,15 +269,7 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   saved = config.n_layer * tokens * saved_per_layer * itemsize
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * (everything + 2 * F) * itemsize
-  return (gpt.layers_first_bytes(saved, tokens * D * itemsize, accumulation, inputs_on_host)
-          + max(loss, layer))
-
-
-def layer_input_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None,
-                      itemsize: int = 2, accumulation: int = 1) -> int:
-  """As gpt.layer_input_bytes (the same fields): the inputs the layers run
-  first keep."""
-  return gpt.layer_input_bytes(config, batch, seq_len, itemsize, accumulation)
+  return gpt.layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
 
 
 _LLAMA3_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_low_freq_factor=1.0,
