@@ -195,7 +195,8 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     m = engine.lower(batch).compile().memory_analysis()
     print("compiled step: arguments", gib(m.argument_size_in_bytes), "outputs",
           gib(m.output_size_in_bytes), "aliased", gib(m.alias_size_in_bytes), "temporaries",
-          gib(m.temp_size_in_bytes), file=sys.stderr, flush=True)
+          gib(m.temp_size_in_bytes), "host temporaries", gib(m.host_temp_size_in_bytes),
+          file=sys.stderr, flush=True)
   for i in range(3):  # compile, warm up, and start the delayed updates
     jax.block_until_ready(engine.step(batch).loss)
     stats = jax.devices()[0].memory_stats() or {}
