@@ -34,9 +34,11 @@ the GPU peak is GPU 0's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import pathlib
 import resource
 import statistics
 import subprocess
@@ -209,6 +211,14 @@ def measure_batch(args, engine, config, micro, rss_before, rss_built, build_s,
     jax.block_until_ready(engine.step(batch).loss)
     times.append(time.perf_counter() - start)
     timings.append(dict(engine.host_timings))
+  if args.profile:  # two more steps, traced: where the GPU waits
+    import step_profile
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+      for _ in range(2):
+        jax.block_until_ready(engine.step(batch).loss)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the record
+      step_profile.summarize(pathlib.Path(args.profile), 2, top=25)
+      step_profile.idle(pathlib.Path(args.profile))
   seconds = statistics.median(times)
   tokens_per_s = batch_size * args.seq_len / seconds
   result = {
@@ -323,6 +333,8 @@ def parse_args():
                       help="GPUs the engine spans (one process; --batch sequences per GPU)")
   parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                       help="skip the timings apart (the device step alone, the transfers)")
+  parser.add_argument("--profile", metavar="DIR",
+                      help="then trace two steps into DIR and print where the GPU is idle")
   parser.add_argument("--json")
   parser.add_argument("--config", help=argparse.SUPPRESS)  # child process: one run
   return parser.parse_args()

@@ -73,32 +73,74 @@ def profile(args) -> None:
   summarize(out, args.trace_steps)
 
 
-def summarize(out: pathlib.Path, steps: int, top: int = 30) -> None:
-  """GPU time per step by trace line, then by name on the busiest GPU lines
-  (CUDA streams: kernels and copies), from the Perfetto trace in `out`."""
+def _trace(out: pathlib.Path):
+  """The Perfetto trace in `out`: (its complete events, process names by
+  pid, thread names by (pid, tid))."""
   (path,) = pathlib.Path(out).rglob("perfetto_trace.json.gz")
   events = json.loads(gzip.open(path).read())
   events = events["traceEvents"] if isinstance(events, dict) else events
   meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]:
                        e["args"]["name"] for e in events
                        if e.get("ph") == "M" and e.get("name") == kind}
-  procs, threads = meta("process_name"), meta("thread_name")
+  return [e for e in events if e.get("ph") == "X"], meta("process_name"), meta("thread_name")
+
+
+def _op(e) -> str:
+  args = e.get("args", {})
+  return f"{args.get('hlo_module', '')}/{args['hlo_op']}" if "hlo_op" in args else e["name"]
+
+
+def summarize(out: pathlib.Path, steps: int, top: int = 30) -> None:
+  """GPU time per step by trace line, then by name on the busiest GPU lines
+  (CUDA streams: kernels and copies), from the Perfetto trace in `out`."""
+  events, procs, threads = _trace(out)
   by_line, by_name = collections.Counter(), collections.Counter()
   for e in events:
-    if e.get("ph") != "X" or "gpu" not in procs.get(e["pid"], "").lower():
+    if "gpu" not in procs.get(e["pid"], "").lower():
       continue
     line = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
     by_line[line] += e["dur"] / 1e3 / steps  # us -> ms per step
     if "stream" in line.lower():
-      args = e.get("args", {})
-      name = f"{args.get('hlo_module', '')}/{args['hlo_op']}" if "hlo_op" in args else e["name"]
-      by_name[name] += e["dur"] / 1e3 / steps
+      by_name[_op(e)] += e["dur"] / 1e3 / steps
   print("\nGPU trace lines, ms per step:")
   for line, ms in by_line.most_common():
     print(f"{ms:9.2f}  {line}")
   print(f"\nstreams: {sum(by_name.values()):.1f} ms per step; top {top} HLO ops (or kernels):")
   for name, ms in by_name.most_common(top):
     print(f"{ms:8.2f} ms  {name[:110]}")
+
+
+def idle(out: pathlib.Path, top: int = 40, least_ms: float = 0.5) -> None:
+  """Where the GPU does nothing: the gaps of at least `least_ms` between
+  the kernels and copies of every stream together, over the trace, each
+  with when it starts (ms from the first GPU event) and the ops on either
+  side; then the gaps summed by the op before them, largest first."""
+  events, procs, threads = _trace(out)
+  gpu = sorted((e for e in events if "gpu" in procs.get(e["pid"], "").lower()
+                and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()),
+               key=lambda e: e["ts"])
+  if not gpu:
+    print("no GPU stream events in the trace")
+    return
+  start, end, last = gpu[0]["ts"], gpu[0]["ts"], gpu[0]
+  gaps = []
+  for e in gpu:
+    if e["ts"] - end >= least_ms * 1e3:
+      gaps.append(((e["ts"] - end) / 1e3, (end - start) / 1e3, _op(last), _op(e)))
+    if e["ts"] + e["dur"] >= end:
+      end, last = e["ts"] + e["dur"], e
+  span = (end - start) / 1e3
+  total = sum(g[0] for g in gaps)
+  print(f"\nGPU span {span:.1f} ms, idle {total:.1f} ms in {len(gaps)} gaps of >= {least_ms} ms")
+  print(f"{'gap ms':>8} {'at ms':>9}  before -> after")
+  for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
+    print(f"{gap:8.2f} {at:9.1f}  {before[:70]} -> {after[:70]}")
+  by_before = collections.Counter()
+  for gap, _, before, _ in gaps:
+    by_before[before.split("/")[-1].split(".")[0]] += gap
+  print("\nidle by the op before it, ms:")
+  for name, ms in by_before.most_common(top):
+    print(f"{ms:9.2f}  {name[:100]}")
 
 
 def main():
@@ -112,8 +154,11 @@ def main():
   parser.add_argument("--trace-steps", type=int, default=2)
   parser.add_argument("--out", default="/tmp/jzo_profile")
   parser.add_argument("--summarize", metavar="DIR", help="only print the table of a trace")
+  parser.add_argument("--idle", metavar="DIR", help="only print where a trace's GPU is idle")
   args = parser.parse_args()
-  if args.summarize:
+  if args.idle:
+    idle(pathlib.Path(args.idle))
+  elif args.summarize:
     summarize(pathlib.Path(args.summarize), args.trace_steps)
   else:
     profile(args)
