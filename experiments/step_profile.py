@@ -110,37 +110,58 @@ def summarize(out: pathlib.Path, steps: int, top: int = 30) -> None:
     print(f"{ms:8.2f} ms  {name[:110]}")
 
 
-def idle(out: pathlib.Path, top: int = 40, least_ms: float = 0.5) -> None:
-  """Where the GPU does nothing: the gaps of at least `least_ms` between
-  the kernels and copies of every stream together, over the trace, each
-  with when it starts (ms from the first GPU event) and the ops on either
-  side; then the gaps summed by the op before them, largest first."""
-  events, procs, threads = _trace(out)
-  gpu = sorted((e for e in events if "gpu" in procs.get(e["pid"], "").lower()
-                and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()),
-               key=lambda e: e["ts"])
-  if not gpu:
-    print("no GPU stream events in the trace")
-    return
-  start, end, last = gpu[0]["ts"], gpu[0]["ts"], gpu[0]
+def _gaps(events, least_ms: float):
+  """(span ms, [(gap ms, at ms, op before, op after)]) of events (sorted by
+  start): the times of at least least_ms when none of them runs."""
+  start, end, last = events[0]["ts"], events[0]["ts"], events[0]
   gaps = []
-  for e in gpu:
+  for e in events:
     if e["ts"] - end >= least_ms * 1e3:
       gaps.append(((e["ts"] - end) / 1e3, (end - start) / 1e3, _op(last), _op(e)))
     if e["ts"] + e["dur"] >= end:
       end, last = e["ts"] + e["dur"], e
-  span = (end - start) / 1e3
-  total = sum(g[0] for g in gaps)
-  print(f"\nGPU span {span:.1f} ms, idle {total:.1f} ms in {len(gaps)} gaps of >= {least_ms} ms")
-  print(f"{'gap ms':>8} {'at ms':>9}  before -> after")
-  for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
-    print(f"{gap:8.2f} {at:9.1f}  {before[:70]} -> {after[:70]}")
-  by_before = collections.Counter()
-  for gap, _, before, _ in gaps:
-    by_before[before.split("/")[-1].split(".")[0]] += gap
-  print("\nidle by the op before it, ms:")
-  for name, ms in by_before.most_common(top):
-    print(f"{ms:9.2f}  {name[:100]}")
+  return (end - start) / 1e3, gaps
+
+
+def idle(out: pathlib.Path, top: int = 25, least_ms: float = 0.5) -> None:
+  """Where the GPU waits: the gaps of at least `least_ms` between the
+  kernels and copies of every stream together (the GPU idle), then those
+  of the busiest stream alone (the compute stream waiting, for a copy on
+  another stream or for the host), each with when it starts (ms from the
+  first GPU event) and the ops on either side; the gaps summed by the op
+  after them (what was waited for); and each stream's busiest ops."""
+  events, procs, threads = _trace(out)
+  line = lambda e: threads.get((e["pid"], e.get("tid")), "")
+  gpu = sorted((e for e in events if "gpu" in procs.get(e["pid"], "").lower()
+                and "stream" in line(e).lower()), key=lambda e: e["ts"])
+  if not gpu:
+    print("no GPU stream events in the trace")
+    return
+  busy = collections.Counter()
+  for e in gpu:
+    busy[line(e)] += e["dur"]
+  compute = busy.most_common(1)[0][0]
+  for title, chosen in (("every stream", gpu), (compute, [e for e in gpu if line(e) == compute])):
+    span, gaps = _gaps(chosen, least_ms)
+    print(f"\n{title}: span {span:.1f} ms, idle {sum(g[0] for g in gaps):.1f} ms in "
+          f"{len(gaps)} gaps of >= {least_ms} ms")
+    print(f"{'gap ms':>8} {'at ms':>9}  before -> after")
+    for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
+      print(f"{gap:8.2f} {at:9.1f}  {before[:70]} -> {after[:70]}")
+    by_after = collections.Counter()
+    for gap, _, _, after in gaps:
+      by_after[after] += gap
+    print("idle by the op after it, ms:")
+    for name, ms in by_after.most_common(top):
+      print(f"{ms:9.2f}  {name[:100]}")
+  for name, _ in busy.most_common():
+    ops = collections.Counter()
+    for e in gpu:
+      if line(e) == name:
+        ops[_op(e)] += e["dur"] / 1e3
+    print(f"\n{name}: {sum(ops.values()):.1f} ms; its busiest ops:")
+    for op, ms in ops.most_common(8):
+      print(f"{ms:9.2f}  {op[:100]}")
 
 
 def main():
