@@ -308,20 +308,14 @@ def _fetching_scan(step, wait, carry, layers, landing):
     # so its runtime read them early at times: the engine overlaps only on
     # accelerators, whose tests are in test_offload_gpu.py).
     _, here = jax.lax.optimization_barrier((j, here))
-    new, rows = [], []
+    new = []
     for x, host in zip(leaves, here):
-      row = _row(x, i)
       if host is not None:  # after the row's device part, which the last step wrote
-        fetched = on_device(_row(host, i))
-        # The layer runs on the row it fetched, not on the stacked weights
-        # it writes the row into (for the backward): so the arrays without
-        # a host part need not wait for every fetch to end.
-        row = jnp.concatenate([row[..., :row.shape[-1] - fetched.shape[-1]], fetched], -1)
-        start = (i,) + (0,) * (x.ndim - 2) + (x.shape[-1] - fetched.shape[-1],)
-        x = jax.lax.dynamic_update_slice(x, fetched[None], start)
+        row = on_device(_row(host, i))[None]
+        start = (i,) + (0,) * (x.ndim - 2) + (x.shape[-1] - row.shape[-1],)
+        x = jax.lax.dynamic_update_slice(x, row, start)
       new.append(x)
-      rows.append(row)
-    out, saved = step(c, jax.tree.unflatten(treedef, rows))
+    out, saved = step(c, jax.tree.unflatten(treedef, [_row(x, i) for x in new]))
     return (out, new, here), saved
 
   (out, leaves, landing), inputs = jax.lax.scan(body, (carry, leaves, landing),
@@ -341,11 +335,7 @@ def forward_chunks(fn, consts, carries, layers, stats=None, resident=None, landi
   (each with a leading axis K); the rest as `writing_grads_over_layers`
   takes them. Returns (the outputs, (K, ...) like carries; what
   `backward_chunks` needs)."""
-  # The micro-batches unrolled: XLA overlaps a copy (a layer's weights
-  # fetched, its gradients written) with compute in the same loop iteration,
-  # not with a loop inside it.
-  each = lambda c, layer, *consts: jax.lax.scan(
-      lambda _, a: (None, fn(a[0], layer, *a[1])), None, (c, consts), unroll=True)[1]
+  each = lambda c, layer, *consts: jax.lax.map(lambda a: fn(a[0], layer, *a[1]), (c, consts))
   return _forward(each, False, wait, consts, carries, layers, stats, None, resident, landing)
 
 
@@ -392,7 +382,7 @@ def _chunks_vjp(fn, consts, x, weights, d_carry):
     dc, dx, dw = _layer_vjp(fn, *a[:2], weights, a[2])
     return jax.tree.map(lambda s, d: s + d.astype(jnp.float32), total, dw), (dc, dx)
   zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)
-  total, (dc, dx) = jax.lax.scan(one, zeros, (consts, x, d_carry), unroll=True)  # (as forward_chunks')
+  total, (dc, dx) = jax.lax.scan(one, zeros, (consts, x, d_carry))
   return dc, dx, total
 
 
