@@ -48,9 +48,8 @@ copies them into row i of the layers, after its device part (in place),
 and runs the layer. So the forward over the step's batch runs beside the
 host update instead of after it, and reads the same weights. The backward
 then writes each layer's host parts' gradients over those weights in the
-landing buffers while the next layer's backward runs (they come out as the
-landing buffers' gradient), so the gradients' trip down runs under the
-backward.
+landing buffers as the layer's backward ends (they come out as the landing
+buffers' gradient), so the gradients' trip down runs under the backward.
 
 Layers first (grad_accum = K > 1, the engine's accumulation "layers"): the
 engine runs the layers itself over all K micro-batches at once. It traces
@@ -390,30 +389,17 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
   """The layers' backward pass: (the gradients of the consts, of the
   carry, of the layers, of stats, of sums, of resident, of landing) as the
   custom VJP returns them. With landing (the step overlapping the host
-  update), each layer's host parts' gradients also go down, under the
-  next layer's backward, over the new weights the forward fetched from
-  there: the landing buffers' "gradient" is them (the host then reads them
-  there, with nothing left to copy after the step)."""
+  update), each layer's host parts' gradients also go down, as the layer's
+  backward ends, over the new weights the forward fetched from there: the
+  landing buffers' "gradient" is them (the host then reads them there,
+  with nothing left to copy after the step)."""
   consts, (first_inputs, inputs), layers, stats, sums, resident, landing = saved
   n_layers = _n_rows(layers)
   r = 0 if resident is None else _n_rows(resident)
   floats = [_inexact(c) for c in consts]
 
-  def write_down(landing, pending):  # layer pending[0]'s host parts, pending[1]
-    return tuple(h if h is None else jax.lax.dynamic_update_index_in_dim(
-        h, _to(jax.memory.Space.Host, p), pending[0], 0) for h, p in zip(landing, pending[1]))
-
-  def host_parts(landing, d_weights):  # [k - n, k) of the row (as the forward fetched)
-    return tuple(h if h is None else d[..., d.shape[-1] - h.shape[-1]:]
-                 for h, d in zip(landing, jax.tree.leaves(d_weights)))
-
   def one_layer(i, weights, x, acc):
-    d_carry, buffer, d_consts, d_stats, landing, pending = acc
-    if landing is not None:
-      # The last layer's gradients go down while this one's backward runs:
-      # XLA waits for a loop iteration's copies before the next iteration
-      # starts, so a copy of this layer's own would run under no compute.
-      landing = write_down(landing, pending)
+    d_carry, buffer, d_consts, d_stats, landing = acc
     dc, d_carry, d_weights = (_chunks_vjp if chunked else _layer_vjp)(fn, consts, x, weights,
                                                                        d_carry)
     if sums is not None:  # float32, added to the earlier micro-batches' (rounded once)
@@ -432,9 +418,11 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
         lambda b, d: jax.lax.dynamic_update_index_in_dim(
             b, _to(jax.memory.Space.Host, d) if _in_host_memory(b) else d, i, 0),
         buffer, d_weights)
-    if landing is not None:
-      pending = (i, host_parts(landing, d_weights))
-    return d_carry, buffer, [a + d for a, d in zip(d_consts, dc)], d_stats, landing, pending
+    if landing is not None:  # the host parts, [k - n, k) of the row (as the forward fetched)
+      landing = tuple(h if h is None else jax.lax.dynamic_update_index_in_dim(
+          h, _to(jax.memory.Space.Host, d[..., d.shape[-1] - h.shape[-1]:]), i, 0)
+          for h, d in zip(landing, jax.tree.leaves(d_weights)))
+    return d_carry, buffer, [a + d for a, d in zip(d_consts, dc)], d_stats, landing
 
   def fetched_layer(j, acc):  # layers L - 1 down to r
     i = n_layers - 1 - j
@@ -451,19 +439,13 @@ def _backward_layers(fn, adding, saved, d_out, chunked=False):
 
   zeros = [jnp.zeros_like(c) for c, f in zip(consts, floats) if f]
   d_stats = None if stats is None or adding else jnp.zeros_like(stats)
-  # Overlapping the host update (no resident layers), the first layer's
-  # "last layer" writes the last layer's new weights back where they are.
-  pending = None if landing is None else (
-      jnp.int32(n_layers - 1), host_parts(landing, jax.tree.map(lambda w: _row(w, n_layers - 1), layers)))
-  acc = (d_out, sums if adding else layers, zeros, d_stats, landing, pending)
+  acc = (d_out, sums if adding else layers, zeros, d_stats, landing)
   # (A loop's body is traced even for no iterations: indexing none fails.)
   if r < n_layers:
     acc = jax.lax.fori_loop(0, n_layers - r, fetched_layer, acc)
   if r:
     acc = jax.lax.fori_loop(0, r, resident_layer, acc)
-  d_carry, buffer, d_floats, d_stats, landing, pending = acc
-  if landing is not None:
-    landing = write_down(landing, pending)
+  d_carry, buffer, d_floats, d_stats, landing = acc
   d_floats = iter(d_floats)
   d_consts = tuple(next(d_floats) if f else None for f in floats)
   if adding:  # the sums' gradient is the new sums; the weights' is not used

@@ -447,8 +447,6 @@ class Plan:
     # written; with the weights on the host, that layer's fetched weights too.
     grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
                         for l in self.leaves if self.grads_over_weights(l))
-    if self.overlaps_update:  # and the last layer's host parts, going down under it
-      grads += lowp * sum(self.leaves[i].on_host for i in self.overlapped_leaves())
     step = {"backward grads": grads, "activations": activations}
     if self.overlaps_update and not self.layers_first:  # the layers' new weights it fetches
       step["fetched layers"] = OVERLAP_FETCH_LAYERS * lowp * sum(
