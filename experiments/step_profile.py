@@ -8,6 +8,8 @@ by kernel, to say which kernels outside the matmuls cost the most.
 
   python experiments/step_profile.py --model gpt2-1.5b --remat dots --out DIR
   python experiments/step_profile.py --summarize DIR   # the table again, from a trace
+  python experiments/step_profile.py --idle DIR        # where the GPU and its compute
+                                                       # stream wait, from a trace
 """
 
 from __future__ import annotations
