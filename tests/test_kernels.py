@@ -224,6 +224,10 @@ def test_aligned_empty():
     assert a.ctypes.data % 4096 == 0 and a.flags.c_contiguous and a.flags.writeable
     assert a.shape == (shape if isinstance(shape, tuple) else (shape,)) and a.dtype == dtype
   assert kernels.aligned_empty(10, np.float32, alignment=64).ctypes.data % 64 == 0
+  # An array of a huge page or more starts on one, so huge pages cover all of it.
+  for count in (kernels.HUGE_PAGE // 4, 3 * kernels.HUGE_PAGE):
+    assert kernels.aligned_empty(count, np.float32).ctypes.data % kernels.HUGE_PAGE == 0
+  assert kernels.aligned_empty(kernels.HUGE_PAGE // 4 - 1, np.float32).ctypes.data % 4096 == 0
   with pytest.raises(ValueError, match="power of two"):
     kernels.aligned_empty(10, np.float32, alignment=48)
 
