@@ -3,10 +3,12 @@
 The same fp32 AdamW step (`kernels.adam_step_`, fp32 gradients) over 2^N
 parameters whose four arrays come from one of:
 
-  np4k  `kernels.aligned_empty` (numpy's allocation, page-aligned; numpy
-        advises large ones MADV_HUGEPAGE: the 2 MiB-aligned part of each
-        array is in huge pages)
-  np2m  the same, aligned to 2 MiB (the whole array in huge pages)
+  np4k  numpy's allocation, page-aligned (as `kernels.aligned_empty` made
+        them before session 41; numpy advises large ones MADV_HUGEPAGE:
+        the part of each array from its first 2 MiB boundary is in huge
+        pages)
+  np2m  `kernels.aligned_empty`: the same, started on a 2 MiB boundary
+        (the whole array in huge pages)
   mmap  a private anonymous mapping advised MADV_HUGEPAGE, 2 MiB aligned
 
 All three systems live in one process and take turns, ROUNDS rounds in
@@ -29,22 +31,26 @@ import cpu_adam_bench as bench
 from jzo import kernels
 
 ROUNDS = 6
-HUGE = 2 << 20
+
+
+def aligned(raw: np.ndarray, n: int, dtype, alignment: int) -> np.ndarray:
+  """n values of dtype in raw's bytes from its first `alignment` boundary."""
+  start = -raw.ctypes.data % alignment
+  return raw[start:start + n * np.dtype(dtype).itemsize].view(dtype)
+
+
+def page_aligned(n: int, dtype) -> np.ndarray:
+  return aligned(np.empty(n * np.dtype(dtype).itemsize + 4096, np.uint8), n, dtype, 4096)
 
 
 def via_mmap(n: int, dtype) -> np.ndarray:
-  dtype = np.dtype(dtype)
-  nbytes = n * dtype.itemsize
-  region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  region = mmap.mmap(-1, n * np.dtype(dtype).itemsize + kernels.HUGE_PAGE,
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   region.madvise(mmap.MADV_HUGEPAGE)
-  raw = np.frombuffer(region, np.uint8)
-  start = -raw.ctypes.data % HUGE
-  return raw[start:start + nbytes].view(dtype)
+  return aligned(np.frombuffer(region, np.uint8), n, dtype, kernels.HUGE_PAGE)
 
 
-ALLOCATORS = {"np4k": lambda n, dtype: kernels.aligned_empty(n, dtype),
-              "np2m": lambda n, dtype: kernels.aligned_empty(n, dtype, alignment=HUGE),
-              "mmap": via_mmap}
+ALLOCATORS = {"np4k": page_aligned, "np2m": kernels.aligned_empty, "mmap": via_mmap}
 
 
 def system(n: int, kind: str):
