@@ -5,7 +5,8 @@
 // arithmetic, taking turns in one process on T threads, tasks of 2^16
 // parameters handed out as the module's pool does; and the kernel again on
 // T contiguous parts, one a thread (as OpenMP's static schedule splits
-// torch's). If the kernel runs as fast as the loop, it is bound by memory,
+// torch's); and the kernel asking for its lines ahead (prefetch_above 0),
+// with the median over rounds of its speed over the plain kernel's. If the kernel runs as fast as the loop, it is bound by memory,
 // and no fused AdamW that moves these 28 bytes can be faster on this host.
 //
 // Built and run from the repository's root (gpu_runs.sh's part kernel-ceiling):
@@ -30,6 +31,11 @@
 // The kernel's way to int8 codes (adam_kernel.h): the dispatch that chooses
 // it is not linked, and this float32 pass never asks.
 bool jzo::quant8_gathers() { return false; }
+
+// The module's bound for prefetching (dispatch.cc is not linked): -1 never,
+// 0 always; each row sets it.
+int64_t g_prefetch_above = -1;
+int64_t jzo::prefetch_above() { return g_prefetch_above; }
 
 namespace {
 
@@ -103,20 +109,27 @@ int main(int argc, char** argv) {
     }
   };
 
-  const char* names[] = {"kernel", "same bytes, no Adam", "kernel, contiguous parts"};
-  std::vector<double> seconds[3];
+  const char* names[] = {"kernel", "same bytes, no Adam", "kernel, contiguous parts",
+                         "kernel, prefetching"};
+  std::vector<double> seconds[4];
   for (int r = 0; r < rounds; ++r) {
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 4; ++k) {
+      g_prefetch_above = k == 3 ? 0 : -1;
       const auto start = std::chrono::steady_clock::now();
-      k == 0 ? in_tasks(kernel) : k == 1 ? in_tasks(same_bytes) : in_parts(kernel);
+      k == 0 ? in_tasks(kernel) : k == 1 ? in_tasks(same_bytes) : k == 2 ? in_parts(kernel) : in_tasks(kernel);
       const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (r > 0) seconds[k].push_back(took);  // round 0 warms up
     }
   }
-  for (int k = 0; k < 3; ++k) {
+  std::vector<double> gain;  // prefetching over plain, round by round
+  for (size_t r = 0; r < seconds[0].size(); ++r) gain.push_back(seconds[0][r] / seconds[3][r]);
+  std::sort(gain.begin(), gain.end());
+  for (int k = 0; k < 4; ++k) {
     std::sort(seconds[k].begin(), seconds[k].end());
     const double median = seconds[k][seconds[k].size() / 2];
     std::printf("%-20s 2^%s, %d threads: %.3f Gparam/s (%.1f GB/s at 28 B a parameter)\n",
                 names[k], argv[1], threads, n / median * 1e-9, n * 28 / median * 1e-9);
   }
+  std::printf("prefetching / plain, round by round: median %.3f (quartiles %.3f, %.3f)\n",
+              gain[gain.size() / 2], gain[gain.size() / 4], gain[3 * gain.size() / 4]);
 }

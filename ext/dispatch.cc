@@ -1,6 +1,7 @@
 // Run-time choice of the instruction set: the build never assumes the CPU it
 // runs on (no -march=native), so one wheel serves every x86-64 and ARM host.
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -64,6 +65,20 @@ int initial_codes() {
 
 std::atomic<int> g_codes{initial_codes()};
 
+// The size of CPU 0's level-3 cache (sysfs writes e.g. "32768K"), else 32 MiB.
+// Not sysconf: glibc's answer there was 256 MiB on a VM whose sysfs says 32.
+int64_t last_level_cache_bytes() {
+  int64_t kib = 0;
+  if (FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+    long long v = 0;
+    if (std::fscanf(f, "%lldK", &v) == 1 && v > 0) kib = v;
+    std::fclose(f);
+  }
+  return kib ? kib * 1024 : int64_t{32} << 20;
+}
+
+std::atomic<int64_t> g_prefetch_above{last_level_cache_bytes()};
+
 }  // namespace
 
 const char* simd_level() {
@@ -104,6 +119,10 @@ bool set_int8_codes(const char* way) {
   g_codes.store(w, std::memory_order_relaxed);
   return true;
 }
+
+int64_t prefetch_above() { return g_prefetch_above.load(std::memory_order_relaxed); }
+
+void set_prefetch_above(int64_t bytes) { g_prefetch_above.store(bytes, std::memory_order_relaxed); }
 
 void adam_range(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64_t end) {
   switch (g_level.load(std::memory_order_relaxed)) {

@@ -230,6 +230,8 @@ NB_MODULE(native, m) {
   m.def("set_simd_level", &jzo::set_simd_level, nb::arg("level"));
   m.def("int8_codes", &jzo::int8_codes);
   m.def("set_int8_codes", &jzo::set_int8_codes, nb::arg("way"));
+  m.def("prefetch_above", &jzo::prefetch_above);
+  m.def("set_prefetch_above", &jzo::set_prefetch_above, nb::arg("bytes"));
   m.def("adam_update_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamUpdateFfi)); });
   m.def("adam_moments_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamMomentsFfi)); });
   m.def("adam_step_ffi", [] { return nb::capsule(reinterpret_cast<void*>(JzoAdamStepFfi)); });

@@ -97,6 +97,24 @@ def set_int8_codes(way: str) -> None:
     raise ValueError(f"int8 codes are 'gather' or 'computed', got {way!r}")
 
 
+def prefetch_above() -> int:
+  """Bytes above which the float-moment kernel prefetches its arrays' lines
+  ahead of its loop (all its arrays together): by default the last-level
+  cache's size. The results are the same either way."""
+  return native.prefetch_above()
+
+
+def set_prefetch_above(nbytes: int) -> None:
+  """Sets prefetch_above (for tests and benchmarks): 0 always prefetches, -1 never.
+
+  Raises:
+    ValueError: not an integer >= -1.
+  """
+  if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes < -1:
+    raise ValueError(f"prefetch_above must be an integer >= -1, got {nbytes!r}")
+  native.set_prefetch_above(int(nbytes))
+
+
 def num_threads() -> int:
   """Threads the host kernels use (the caller's thread included)."""
   return native.num_threads()

@@ -113,22 +113,31 @@ def test_grad_scale_is_applied_first():
   np.testing.assert_array_equal(v, v2)
 
 
+@contextlib.contextmanager
+def prefetching(nbytes):
+  before = kernels.prefetch_above()
+  kernels.set_prefetch_above(nbytes)
+  try:
+    yield
+  finally:
+    kernels.set_prefetch_above(before)
+
+
 @pytest.mark.parametrize("moment_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("grad_dtype", [np.float32, BF16, np.float16])
-def test_same_bits_for_any_thread_count_and_simd_level(grad_dtype, moment_dtype):
+def test_same_bits_for_any_thread_count_simd_level_and_prefetch(grad_dtype, moment_dtype):
   n = 5 * kernels_chunk() + 13  # several tasks and a ragged tail
   results = []
-  for level in X86_LEVELS:
-    for threads in (1, 2, 3):
-      p, g, m, v = host_state(n, grad_dtype, moment_dtype, seed=1)
-      out = np.empty(n, np.float16)
-      with simd(level):
-        kernels.adam_step_(p, g, m, v, count=2, lowp_out=out, num_threads=threads, **HYPER)
-      results.append((level, threads, p, m, v, out))
-  _, _, *first = results[0]
-  for level, threads, *arrays in results[1:]:
+  for level, threads, above in itertools.product(X86_LEVELS, (1, 2, 3), (-1, 0)):
+    p, g, m, v = host_state(n, grad_dtype, moment_dtype, seed=1)
+    out = np.empty(n, np.float16)
+    with simd(level), prefetching(above):
+      kernels.adam_step_(p, g, m, v, count=2, lowp_out=out, num_threads=threads, **HYPER)
+    results.append((level, threads, above, p, m, v, out))
+  _, _, _, *first = results[0]
+  for level, threads, above, *arrays in results[1:]:
     for a, b in zip(arrays, first):
-      assert a.tobytes() == b.tobytes(), (level, threads)
+      assert a.tobytes() == b.tobytes(), (level, threads, above)
 
 
 def kernels_chunk():
@@ -261,6 +270,12 @@ def test_thread_and_simd_settings():
       kernels.set_num_threads(bad)
   with pytest.raises(ValueError, match="SIMD level"):
     kernels.set_simd_level("sse9")
+  assert kernels.prefetch_above() > 0  # the last-level cache's bytes
+  for bad in (-2, 1.5, True, "1"):
+    with pytest.raises(ValueError, match="prefetch_above"):
+      kernels.set_prefetch_above(bad)
+  with prefetching(0):
+    assert kernels.prefetch_above() == 0
   assert kernels.simd_level() in ("avx512", "avx2", "scalar")
 
 
