@@ -87,8 +87,8 @@
 #   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
 #                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
 #   kernel-ceiling the C++ kernel (fp32) against a loop that moves the same 28 bytes a
-#                  parameter without Adam's arithmetic (kernel_ceiling.cc), 2^SIZES (26 28),
-#                  on THREADS (every CPU)
+#                  parameter without Adam's arithmetic, and prefetching or not
+#                  (kernel_ceiling.cc), 2^SIZES (26 28), on THREADS (every CPU), ROUNDS (8)
 #   suite          the README's test command (CPU only) on this machine's Python, with
 #                  WORKERS (8) workers, the slow cases too (MARKS, default all: -m "")
 #   params-schedule gpt2-10b cut to LAYERS (4) layers, offload_params, micro-batch 8: XLA's
@@ -340,7 +340,7 @@ for part in "$@"; do
       g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&
         g++ $flags -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o \
           -o /tmp/kernel_ceiling -lpthread || continue
-      for e in ${SIZES:-26 28}; do /tmp/kernel_ceiling "$e" 8 "${THREADS:-$(nproc)}"; done \
+      for e in ${SIZES:-26 28}; do /tmp/kernel_ceiling "$e" "${ROUNDS:-8}" "${THREADS:-$(nproc)}"; done \
         | tee "$OUT/$part.log" ;;
     suite)
       # (the notebook's test needs nbformat, which this machine's Python lacks;
