@@ -118,12 +118,12 @@ const char* int8_codes();
 // Sets the way ("gather" or "computed"); false if the name is unknown.
 bool set_int8_codes(const char* way);
 
-// The float-moment pass asks for its arrays' lines a little ahead of the
-// loop when they hold more bytes than this (all of them together, n times
-// the bytes of an element of each): from memory that ran it 2-5% faster on
-// the 2-core EPYC, from the cache 5-9% slower (the extra instructions).
-// The default is the last-level cache's size (Linux's sysfs; 32 MiB where it
-// does not say).
+// The kernel asks for its arrays' lines a little ahead of its loop (the
+// int8 pass: the next block's) when they hold more bytes than this (all of
+// them together, n times the bytes of an element of each; default 32 MiB).
+// From memory that ran the float-moment pass 1-10% faster on the 2-core EPYC
+// and 4-6% on the 16-core Xeon; from the EPYC's cache, 5-9% slower (the
+// extra instructions).
 int64_t prefetch_above();
 // Sets that bound, in bytes (tests and benchmarks: 0 always prefetches, -1 never).
 void set_prefetch_above(int64_t bytes);

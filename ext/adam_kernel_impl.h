@@ -169,11 +169,12 @@ JZO_INLINE void prefetch_ahead(const jzo::AdamBuffers& b, int64_t i) {
   if (b.param) __builtin_prefetch(reinterpret_cast<const char*>(b.param + i) + kAhead, 1);
 }
 
-// Whether the whole arrays hold more bytes than jzo::prefetch_above().
-template <jzo::DType G, jzo::DType M, jzo::DType N>
-inline bool prefetches(const jzo::AdamBuffers& b) {
-  const int64_t bytes = b.n * static_cast<int64_t>(sizeof(typename Storage<G>::T) + sizeof(typename Storage<M>::T) +
-                                                   sizeof(typename Storage<N>::T) + (b.param ? 4 : 0));
+// Whether the whole arrays hold more than jzo::prefetch_above() bytes, at
+// `moment_bytes` an element for the two moments together.
+template <jzo::DType G>
+inline bool prefetches(const jzo::AdamBuffers& b, int64_t moment_bytes) {
+  const int64_t bytes = b.n * (static_cast<int64_t>(sizeof(typename Storage<G>::T)) + moment_bytes +
+                               (b.param ? 4 : 0));
   const int64_t above = jzo::prefetch_above();
   return above >= 0 && bytes > above;
 }
@@ -203,7 +204,7 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
                     (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * i) % (2 * kW) == 0;
   }
   constexpr int64_t kLine = 16;  // float32 elements a 64-byte line
-  if (prefetches<G, M, N>(b)) {
+  if (prefetches<G>(b, sizeof(typename Storage<M>::T) + sizeof(typename Storage<N>::T))) {
     for (; i + kLine <= end; i += kLine) {
       prefetch_ahead<G, M, N>(b, i);
       for (int j = 0; j < kLine; j += kW) step<G, M, N, L>(b, c, i + j);
@@ -244,9 +245,23 @@ JZO_INLINE void block_scale(F absmax, float* scale, float* inv) {
   *inv = top ? 1.0f / *scale : 0.0f;
 }
 
+// Element e's line of each array where e starts a line's worth of elements:
+// called for each vector of a block with e in the next block, it asks for the
+// next block's lines while this one computes.
+template <jzo::DType G>
+JZO_INLINE void prefetch_q8(const jzo::AdamBuffers& b, int64_t e) {
+  constexpr int64_t kGrad = sizeof(typename Storage<G>::T);
+  if (b.param && (e & 15) == 0) __builtin_prefetch(b.param + e, 1);
+  if ((e & (64 / kGrad - 1)) == 0) __builtin_prefetch(static_cast<const char*>(b.grad) + e * kGrad);
+  if ((e & 63) == 0) {
+    __builtin_prefetch(static_cast<const uint8_t*>(b.mu) + e, 1);
+    __builtin_prefetch(static_cast<const uint8_t*>(b.nu) + e, 1);
+  }
+}
+
 template <jzo::DType G, int L>
 JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
-                     int64_t block, bool gather) {
+                     int64_t block, bool gather, bool prefetch) {
   alignas(64) float m_new[kB], v_new[kB];
   auto* mu = static_cast<uint8_t*>(b.mu);
   auto* nu = static_cast<uint8_t*>(b.nu);
@@ -254,6 +269,7 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
   const F zero = V::set1(0.0f);
   F m_max = zero, v_max = zero;
   for (int j = 0; j < kB; j += kW) {
+    if (prefetch) prefetch_q8<G>(b, lo + kB + j);
     const F g = scaled_grad<G>(b, c, lo + j);
     const F m0 = V::mul(V::dequant8(mu + lo + j, maps.mu), mu_scale);
     const F v0 = V::mul(V::dequant8(nu + lo + j, maps.nu), nu_scale);
@@ -315,7 +331,7 @@ inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, 
   std::memcpy(mu, static_cast<const uint8_t*>(b.mu) + lo, k);
   std::memcpy(nu, static_cast<const uint8_t*>(b.nu) + lo, k);
   if (b.param) std::memcpy(param, b.param + lo, k * 4);
-  q8_block<G, L>(t, c, maps, 0, 0, gather);
+  q8_block<G, L>(t, c, maps, 0, 0, gather, false);
   std::memcpy(static_cast<uint8_t*>(b.mu) + lo, mu, k);
   std::memcpy(static_cast<uint8_t*>(b.nu) + lo, nu, k);
   b.mu_scale[block] = mu_scale;
@@ -335,6 +351,7 @@ void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     c.stream_lowp = V::kStreams && b.lowp_out != b.grad && b.row % kW == 0 &&
                     (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;
   }
+  const bool prefetch = prefetches<G>(b, 2);
   // Blocks run along each row (the last axis): a row's last block may be short.
   const int64_t per_row = jzo::quant_blocks(b.row);
   for (int64_t lo = begin; lo < end;) {
@@ -343,7 +360,7 @@ void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     int64_t k = (r + 1) * b.row - lo < end - lo ? (r + 1) * b.row - lo : end - lo;
     k = k < kB ? k : kB;
     if (k == kB) {
-      q8_block<G, L>(b, c, maps, lo, block, gather);
+      q8_block<G, L>(b, c, maps, lo, block, gather, prefetch);
     } else {
       q8_partial<G, L>(b, c, maps, lo, k, block, gather);
     }

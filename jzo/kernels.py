@@ -99,8 +99,8 @@ def set_int8_codes(way: str) -> None:
 
 def prefetch_above() -> int:
   """Bytes above which the float-moment kernel prefetches its arrays' lines
-  ahead of its loop (all its arrays together): by default the last-level
-  cache's size. The results are the same either way."""
+  ahead of its loop (all its arrays together; default 32 MiB). The results
+  are the same either way."""
   return native.prefetch_above()
 
 

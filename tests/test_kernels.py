@@ -270,7 +270,7 @@ def test_thread_and_simd_settings():
       kernels.set_num_threads(bad)
   with pytest.raises(ValueError, match="SIMD level"):
     kernels.set_simd_level("sse9")
-  assert kernels.prefetch_above() > 0  # the last-level cache's bytes
+  assert kernels.prefetch_above() == 32 << 20
   for bad in (-2, 1.5, True, "1"):
     with pytest.raises(ValueError, match="prefetch_above"):
       kernels.set_prefetch_above(bad)

@@ -21,7 +21,7 @@ import jzo
 from jzo import kernels, native, quant8
 from jzo.cpu_adam import xla_update
 from test_engine import batches, init_params, loss_fn, mesh_of
-from test_kernels import HYPER, simd
+from test_kernels import HYPER, prefetching, simd
 
 INT8 = jnp.int8
 
@@ -186,9 +186,10 @@ def int8_codes(way):
 WAYS = kernels.INT8_CODES
 
 
-def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
+def test_bitwise_the_same_on_every_instruction_set_thread_count_and_prefetch():
   """Rows of 100,000 (short last blocks) over several tasks, and one long
-  row: every ISA, thread count and way to the codes writes the same bits."""
+  row: every ISA, thread count, way to the codes and prefetch setting writes
+  the same bits."""
   for shape in [(3, 100_000), (300_001,)]:
     rng = np.random.default_rng(3)
     p = rng.standard_normal(shape, dtype=np.float32)
@@ -196,10 +197,12 @@ def test_bitwise_the_same_on_every_instruction_set_and_thread_count():
     m, v = random_moments(shape)
     results = []
     for level in kernels.supported_simd_levels():
-      for threads, way in [(1, "gather"), (2, "computed"), (3, "gather"), (3, "computed")]:
-        with simd(level), int8_codes(way):
+      for threads, way, above in [(1, "gather", -1), (2, "computed", 0), (3, "gather", 0),
+                                  (3, "computed", -1)]:
+        with simd(level), int8_codes(way), prefetching(above):
           p1, mu, nu = kernel_steps(p, g, m, v, 2, num_threads=threads)
-        results.append((f"{level} on {threads} threads, codes {way}", p1, mu, nu))
+        results.append((f"{level} on {threads} threads, codes {way}, prefetch above {above}",
+                        p1, mu, nu))
     first = results[0]
     for name, *arrays in results[1:]:
       for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(first[1:])):

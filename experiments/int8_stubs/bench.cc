@@ -4,6 +4,7 @@
 //   bench E Q8 REPS T  ->  Gparam/s, the median and best of REPS steps
 //   bench E Q8 REPS T check  ->  whether REPS steps give the bits of the
 //     scalar kernel (run.sh links the unpatched one) on the same state
+// JZO_PREFETCH_ABOVE: the kernel's bound for prefetching (-1 never, 0 always).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -36,9 +37,12 @@ bool quant8_gathers() {
   static const bool gather = getenv("JZO_INT8_CODES") && strcmp(getenv("JZO_INT8_CODES"), "gather") == 0;
   return gather;
 }
-// The fp32-moment row prefetches, as the module does on arrays larger than
-// the cache (this bench times 2^24 parameters and more).
-int64_t prefetch_above() { return 0; }
+// The kernel's bound for prefetching (adam_kernel.h), the module's default
+// unless JZO_PREFETCH_ABOVE says (-1: never; 0: always).
+int64_t prefetch_above() {
+  static const int64_t above = getenv("JZO_PREFETCH_ABOVE") ? atoll(getenv("JZO_PREFETCH_ABOVE")) : int64_t{32} << 20;
+  return above;
+}
 }  // namespace jzo
 struct State {
   Buffer<uint16_t> grad, lowp;

@@ -76,10 +76,10 @@ if "LINE" in flags:
        in_impl=True)
   stub("  c.stream_lowp = false;\n  alignas(64) float grad[kB]",
        "  c.stream_lowp = false;\n  c.stream_line = false;\n  alignas(64) float grad[kB]", in_impl=True)
-  stub("        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;\n  }\n  // Blocks run",
+  stub("        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;\n  }\n",
        "        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;\n"
        "    c.stream_line = c.stream_lowp && L == static_cast<int>(jzo::DType::kBF16) && b.row % 32 == 0 &&\n"
-       "        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % 64 == 0;\n  }\n  // Blocks run", in_impl=True)
+       "        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % 64 == 0;\n  }\n", in_impl=True)
   stub("""  for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
     redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu, gather);
