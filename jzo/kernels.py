@@ -98,9 +98,9 @@ def set_int8_codes(way: str) -> None:
 
 
 def prefetch_above() -> int:
-  """Bytes above which the float-moment kernel prefetches its arrays' lines
-  ahead of its loop (all its arrays together; default 32 MiB). The results
-  are the same either way."""
+  """Bytes above which the kernel asks for its arrays' lines ahead of its
+  loop (the int8 pass: the next block's), counting all its arrays together;
+  default 32 MiB. The results are the same either way."""
   return native.prefetch_above()
 
 
