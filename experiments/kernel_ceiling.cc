@@ -6,8 +6,9 @@
 // parameters handed out as the module's pool does; and the kernel again on
 // T contiguous parts, one a thread (as OpenMP's static schedule splits
 // torch's); and the kernel asking for its lines ahead (prefetch_above 0),
-// with the median over rounds of its speed over the plain kernel's. If the kernel runs as fast as the loop, it is bound by memory,
-// and no fused AdamW that moves these 28 bytes can be faster on this host.
+// with the median over rounds of its speed over the plain kernel's. If the
+// kernel runs as fast as the loop, it is bound by memory, and no fused AdamW
+// that moves these 28 bytes can be faster on this host.
 //
 // Built and run from the repository's root (gpu_runs.sh's part kernel-ceiling):
 //   FLAGS="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
