@@ -43,6 +43,7 @@ struct V {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(x));
   }
   static constexpr bool kStreams = true;  // 16-byte aligned p only
+  static constexpr bool kCodesTwoWays = false;  // quant8 always gathers
   static JZO_INLINE void stream_bf16(uint16_t* p, F x) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x));
   }
@@ -62,9 +63,10 @@ struct V {
     return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
+  template <bool kSigned>
   static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i i = map.is_signed ? _mm256_and_si256(c, _mm256_set1_epi32(127)) : c;
+    const __m256i i = kSigned ? _mm256_and_si256(c, _mm256_set1_epi32(127)) : c;
     const __m256i bits = _mm256_castps_si256(
         _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(i, 1), _mm256_set1_epi32(1))));
     // The decade from the exponent's low 3 bits (permutevar8x32 reads those).
@@ -75,15 +77,16 @@ struct V {
                                                     _mm256_set1_ps(-0.8f)));
     const __m256i zero = _mm256_setzero_si256();
     value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(i, zero)), value);
-    const __m256i top = _mm256_cmpeq_epi32(i, _mm256_set1_epi32(map.is_signed ? 127 : 255));
+    const __m256i top = _mm256_cmpeq_epi32(i, _mm256_set1_epi32(kSigned ? 127 : 255));
     value = _mm256_blendv_ps(value, _mm256_set1_ps(1.0f), _mm256_castsi256_ps(top));
-    if (map.is_signed)
+    if constexpr (kSigned)
       value = _mm256_xor_ps(value, _mm256_castsi256_ps(_mm256_slli_epi32(
                                        _mm256_and_si256(c, _mm256_set1_epi32(128)), 24)));
     return value;
   }
   // Writes the codes of y's 8 lanes by the index's gather (always); returns 0:
   // none to redo.
+  template <bool kSigned>
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map,
                                     bool /*gather*/) {
     const __m256i bits = _mm256_castps_si256(y);
@@ -96,7 +99,7 @@ struct V {
     const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.index), top, 4);
     __m256i k = _mm256_srli_epi32(
         _mm256_add_epi32(e, _mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF))), 16);
-    if (map.is_signed)
+    if constexpr (kSigned)
       k = _mm256_or_si256(k, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
     // Codes fit a byte, so the saturating packs are exact; each 128-bit
     // lane then holds its four codes in its lowest 32 bits.

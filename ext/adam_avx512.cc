@@ -40,6 +40,7 @@ struct V {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(x));
   }
   static constexpr bool kStreams = true;  // 32-byte aligned p only
+  static constexpr bool kCodesTwoWays = true;  // quant8 gathers or computes
   static JZO_INLINE void stream_bf16(uint16_t* p, F x) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
   }
@@ -59,9 +60,10 @@ struct V {
     return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc), mag));
   }
   // 8-bit moments (quant8.h), as the scalar version.
+  template <bool kSigned>
   static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i i = map.is_signed ? _mm512_and_si512(c, _mm512_set1_epi32(127)) : c;
+    const __m512i i = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(127)) : c;
     const __m512i bits = _mm512_castps_si512(
         _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(i, 1), _mm512_set1_epi32(1))));
     // The decade from the exponent's low 4 bits: 15 (a zero entry) for i = 0.
@@ -70,9 +72,9 @@ struct V {
         _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x3f800000)));
     F value = _mm512_mul_ps(decade, _mm512_fmadd_ps(_mm512_set1_ps(0.9f), in_decade,
                                                     _mm512_set1_ps(-0.8f)));
-    const __mmask16 top = _mm512_cmpeq_epi32_mask(i, _mm512_set1_epi32(map.is_signed ? 127 : 255));
+    const __mmask16 top = _mm512_cmpeq_epi32_mask(i, _mm512_set1_epi32(kSigned ? 127 : 255));
     value = _mm512_mask_mov_ps(value, top, _mm512_set1_ps(1.0f));
-    if (map.is_signed)
+    if constexpr (kSigned)
       value = _mm512_castsi512_ps(_mm512_xor_si512(
           _mm512_castps_si512(value),
           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24)));
@@ -81,6 +83,7 @@ struct V {
   // Writes the codes of y's 16 lanes, by the index's gather (exact: returns
   // 0) or by the map's parts (quant8.h; returns the lanes to redo with
   // quant8_exact): the same codes, at a speed that depends on the CPU.
+  template <bool kSigned>
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map, bool gather) {
     const __m512i bits = _mm512_castps_si512(y);
     if (gather) {
@@ -92,7 +95,7 @@ struct V {
       const __m512i e = _mm512_i32gather_epi32(top, reinterpret_cast<const int*>(map.index), 4);
       __m512i k = _mm512_srli_epi32(
           _mm512_add_epi32(e, _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF))), 16);
-      if (map.is_signed)  // k | (the sign bit, moved to 0x80)
+      if constexpr (kSigned)  // k | (the sign bit, moved to 0x80)
         k = _mm512_ternarylogic_epi32(k, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
       return 0;
@@ -117,7 +120,7 @@ struct V {
                                                 _mm512_set1_ps(jzo::kQuantUnsure), _CMP_LT_OQ);
     __m512i k = _mm512_min_epi32(_mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC),
                                  _mm512_permutexvar_epi32(part, _mm512_loadu_si512(map.part_top)));
-    if (map.is_signed)
+    if constexpr (kSigned)
       k = _mm512_or_si512(k, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(k));
     return unsure;

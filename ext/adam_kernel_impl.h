@@ -180,8 +180,12 @@ inline bool prefetches(const jzo::AdamBuffers& b, int64_t moment_bytes) {
 }
 
 template <jzo::DType G, jzo::DType M, jzo::DType N, int L>
-void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
+void run(const jzo::AdamBuffers& buffers, const jzo::AdamScalars& s, int64_t begin,
          int64_t end) {
+  // The loops read a local copy of the buffers: a vector store's intrinsic
+  // (and a byte store) may alias anything in memory, so each pointer and flag
+  // of `buffers` would be loaded again after every store.
+  const jzo::AdamBuffers b = buffers;
   Consts c(s, b.param != nullptr);
   int64_t i = begin;
   // Peel a few elements so that the largest written array (param, else mu)
@@ -224,6 +228,8 @@ void run(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
 constexpr int kB = jzo::kQuantBlock;
 static_assert(kB % kW == 0, "a block is whole vectors");
 
+// mu's map is signed and nu's unsigned; V::dequant8 and V::quant8 take that
+// as a template argument, so that the block's loops test no flag of the map.
 struct Q8Maps {
   const jzo::Quant8Map& mu = jzo::quant8_signed();
   const jzo::Quant8Map& nu = jzo::quant8_unsigned();
@@ -259,9 +265,11 @@ JZO_INLINE void prefetch_q8(const jzo::AdamBuffers& b, int64_t e) {
   }
 }
 
-template <jzo::DType G, int L>
+// kGather: V::quant8's way to the codes, a template argument so that the
+// loop holds one way's constants in registers.
+template <jzo::DType G, int L, bool kGather>
 JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Maps& maps, int64_t lo,
-                     int64_t block, bool gather, bool prefetch) {
+                         int64_t block, bool prefetch) {
   alignas(64) float m_new[kB], v_new[kB];
   auto* mu = static_cast<uint8_t*>(b.mu);
   auto* nu = static_cast<uint8_t*>(b.nu);
@@ -271,8 +279,8 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
   for (int j = 0; j < kB; j += kW) {
     if (prefetch) prefetch_q8<G>(b, lo + kB + j);
     const F g = scaled_grad<G>(b, c, lo + j);
-    const F m0 = V::mul(V::dequant8(mu + lo + j, maps.mu), mu_scale);
-    const F v0 = V::mul(V::dequant8(nu + lo + j, maps.nu), nu_scale);
+    const F m0 = V::mul(V::dequant8<true>(mu + lo + j, maps.mu), mu_scale);
+    const F v0 = V::mul(V::dequant8<false>(nu + lo + j, maps.nu), nu_scale);
     const F m = V::fmadd(c.b1, m0, V::mul(c.omb1, g));
     const F v = V::fmadd(c.b2, v0, V::mul(c.omb2, V::mul(g, g)));
     V::store_f32(m_new + j, m);
@@ -289,8 +297,8 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
   uint32_t redo_mu[kB / kW], redo_nu[kB / kW], any = 0;
   for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
-    redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu, gather);
-    redo_nu[j / kW] = V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu, gather);
+    redo_mu[j / kW] = V::quant8<true>(mu + lo + j, V::mul(m, m_to_code), maps.mu, kGather);
+    redo_nu[j / kW] = V::quant8<false>(nu + lo + j, V::mul(v, v_to_code), maps.nu, kGather);
     any |= redo_mu[j / kW] | redo_nu[j / kW];
     if (!b.moments_only) apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
   }
@@ -310,9 +318,9 @@ JZO_INLINE void q8_block(const jzo::AdamBuffers& b, const Consts& c, const Q8Map
 
 // A last block shorter than kB, run on zero-padded copies (zeros leave the
 // absmax as it is).
-template <jzo::DType G, int L>
+template <jzo::DType G, int L, bool kGather>
 inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, int64_t lo,
-                       int64_t k, int64_t block, bool gather) {
+                       int64_t k, int64_t block) {
   c.stream_lowp = false;
   alignas(64) float grad[kB] = {}, param[kB] = {}, update[kB] = {}, lowp[kB] = {};
   alignas(64) uint8_t mu[kB] = {}, nu[kB] = {};
@@ -331,7 +339,7 @@ inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, 
   std::memcpy(mu, static_cast<const uint8_t*>(b.mu) + lo, k);
   std::memcpy(nu, static_cast<const uint8_t*>(b.nu) + lo, k);
   if (b.param) std::memcpy(param, b.param + lo, k * 4);
-  q8_block<G, L>(t, c, maps, 0, 0, gather, false);
+  q8_block<G, L, kGather>(t, c, maps, 0, 0, false);
   std::memcpy(static_cast<uint8_t*>(b.mu) + lo, mu, k);
   std::memcpy(static_cast<uint8_t*>(b.nu) + lo, nu, k);
   b.mu_scale[block] = mu_scale;
@@ -342,11 +350,12 @@ inline void q8_partial(const jzo::AdamBuffers& b, Consts c, const Q8Maps& maps, 
   if (b.lowp_out) std::memcpy(static_cast<uint16_t*>(b.lowp_out) + lo, lowp, k * 2);
 }
 
-template <jzo::DType G, int L>
-void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin, int64_t end) {
+template <jzo::DType G, int L, bool kGather>
+void run_q8_blocks(const jzo::AdamBuffers& buffers, const jzo::AdamScalars& s, int64_t begin,
+                   int64_t end) {
+  const jzo::AdamBuffers b = buffers;  // a local copy, as in run
   Consts c(s, b.param != nullptr);
   const Q8Maps maps;
-  const bool gather = jzo::quant8_gathers();
   if constexpr (L != kNoLowp) {
     c.stream_lowp = V::kStreams && b.lowp_out != b.grad && b.row % kW == 0 &&
                     (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % (2 * kW) == 0;
@@ -360,13 +369,21 @@ void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
     int64_t k = (r + 1) * b.row - lo < end - lo ? (r + 1) * b.row - lo : end - lo;
     k = k < kB ? k : kB;
     if (k == kB) {
-      q8_block<G, L>(b, c, maps, lo, block, gather, prefetch);
+      q8_block<G, L, kGather>(b, c, maps, lo, block, prefetch);
     } else {
-      q8_partial<G, L>(b, c, maps, lo, k, block, gather);
+      q8_partial<G, L, kGather>(b, c, maps, lo, k, block);
     }
     lo += k;
   }
   if (c.stream_lowp) V::stream_fence();
+}
+
+template <jzo::DType G, int L>
+void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin, int64_t end) {
+  if constexpr (V::kCodesTwoWays) {
+    if (jzo::quant8_gathers()) return run_q8_blocks<G, L, true>(b, s, begin, end);
+  }
+  run_q8_blocks<G, L, false>(b, s, begin, end);  // the one way of AVX2 and scalar
 }
 
 // Turns the run-time dtypes into one of the compiled instantiations (36 with float moments, 9 with q8).

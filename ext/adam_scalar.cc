@@ -41,6 +41,7 @@ struct V {
   }
   // No streaming stores here: the "stream" versions are plain stores.
   static constexpr bool kStreams = false;
+  static constexpr bool kCodesTwoWays = false;  // quant8 always uses the index
   static JZO_INLINE void stream_bf16(uint16_t* p, F x) { store_bf16(p, x); }
   static JZO_INLINE void stream_f16(uint16_t* p, F x) { store_f16(p, x); }
   static JZO_INLINE void stream_fence() {}
@@ -63,9 +64,10 @@ struct V {
   }
   // 8-bit moments (quant8.h): a code's value, by the map's arithmetic, and
   // the nearest code of y.
+  template <bool kSigned>
   static JZO_INLINE F dequant8(const uint8_t* p, const jzo::Quant8Map& map) {
-    const uint32_t c = *p, i = map.is_signed ? c & 127u : c;
-    const uint32_t top = map.is_signed ? 127u : 255u;
+    const uint32_t c = *p, i = kSigned ? c & 127u : c;
+    const uint32_t top = kSigned ? 127u : 255u;
     float r = static_cast<float>(2 * i + 1);
     uint32_t bits;
     std::memcpy(&bits, &r, 4);
@@ -74,9 +76,10 @@ struct V {
     std::memcpy(&r, &bits, 4);
     F value = i == 0 ? 0.0f : map.decade[exponent & 15] * __builtin_fmaf(0.9f, r, -0.8f);
     if (i == top) value = 1.0f;
-    if (map.is_signed && (c & 128u)) value = -value;
+    if constexpr (kSigned) value = c & 128u ? -value : value;
     return value;
   }
+  template <bool kSigned>
   static JZO_INLINE uint32_t quant8(uint8_t* p, F y, const jzo::Quant8Map& map,
                                     bool /*gather: always by the index*/) {
     *p = jzo::quant8_exact(y, map);

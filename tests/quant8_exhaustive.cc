@@ -33,7 +33,9 @@ int main() {
       for (int k = 0; k < 16; ++k) bits[k] = static_cast<uint32_t>(start + k);
       float values[16];
       std::memcpy(values, bits, sizeof values);
-      const uint32_t redo = V::quant8(codes, _mm512_load_ps(values), map, gather);
+      const F y = _mm512_load_ps(values);
+      const uint32_t redo = is_signed ? V::quant8<true>(codes, y, map, gather)
+                                      : V::quant8<false>(codes, y, map, gather);
       for (int k = 0; k < 16 && start + k <= 0x3f800000u; ++k, ++total) {
         if (redo >> k & 1) {
           ++redone;

@@ -82,8 +82,8 @@ if "LINE" in flags:
        "        (reinterpret_cast<uintptr_t>(b.lowp_out) + 2 * begin) % 64 == 0;\n  }\n", in_impl=True)
   stub("""  for (int j = 0; j < kB; j += kW) {
     const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
-    redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu, gather);
-    redo_nu[j / kW] = V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu, gather);
+    redo_mu[j / kW] = V::quant8<true>(mu + lo + j, V::mul(m, m_to_code), maps.mu, kGather);
+    redo_nu[j / kW] = V::quant8<false>(nu + lo + j, V::mul(v, v_to_code), maps.nu, kGather);
     any |= redo_mu[j / kW] | redo_nu[j / kW];
     if (!b.moments_only) apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
   }""", """  for (int j0 = 0; j0 < kB; j0 += 2 * kW) {
@@ -91,8 +91,8 @@ if "LINE" in flags:
     for (int h = 0; h < 2; ++h) {
       const int j = j0 + h * kW;
       const F m = V::load_f32(m_new + j), v = V::load_f32(v_new + j);
-      redo_mu[j / kW] = V::quant8(mu + lo + j, V::mul(m, m_to_code), maps.mu, gather);
-      redo_nu[j / kW] = V::quant8(nu + lo + j, V::mul(v, v_to_code), maps.nu, gather);
+      redo_mu[j / kW] = V::quant8<true>(mu + lo + j, V::mul(m, m_to_code), maps.mu, kGather);
+      redo_nu[j / kW] = V::quant8<false>(nu + lo + j, V::mul(v, v_to_code), maps.nu, kGather);
       any |= redo_mu[j / kW] | redo_nu[j / kW];
       if (!b.moments_only) p2[h] = apply<L>(b, c, lo + j, c.nesterov ? scaled_grad<G>(b, c, lo + j) : zero, m, v);
     }
