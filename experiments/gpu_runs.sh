@@ -245,7 +245,7 @@ for part in "$@"; do
       timeout 500 python3 experiments/checkpoint_io_probe.py --gib "${GIB:-12}" \
         --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log"; df -h /tmp | tail -1 ;;
     quant8-exhaustive)
-      g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
+      g++ -O2 -std=c++17 -ffp-contract=off -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
         tests/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive 2>/dev/null &&
         /tmp/quant8_exhaustive 2>&1 | tee "$OUT/$part.log" ;;
     gather-cost)
@@ -336,7 +336,7 @@ for part in "$@"; do
           "$OUT/$name.log" | cut -c1-400 | tail -12
       done; done; done; done ;;
     kernel-ceiling)
-      flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
+      flags="-O3 -std=c++17 -ffp-contract=off -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
       g++ $flags -Iext -c ext/adam_avx512.cc -o /tmp/k.o &&
         g++ $flags -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o \
           -o /tmp/kernel_ceiling -lpthread || continue

@@ -11,11 +11,11 @@
 // that moves these 28 bytes can be faster on this host.
 //
 // Built and run from the repository's root (gpu_runs.sh's part kernel-ceiling):
-//   FLAGS="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
+//   FLAGS="-O3 -std=c++17 -ffp-contract=off -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c"
 //   g++ $FLAGS -Iext -c ext/adam_avx512.cc -o /tmp/k.o
 //   g++ $FLAGS -Iext experiments/kernel_ceiling.cc ext/quant8.cc /tmp/k.o -o /tmp/kc -lpthread
 //   /tmp/kc E ROUNDS T   ->  each one's median Gparam/s over rounds 2..ROUNDS (round 1 warms up)
-// On an AVX2 host: FLAGS="-O3 -std=c++17 -mavx2 -mfma -mf16c" and ext/adam_avx2.cc.
+// On an AVX2 host: FLAGS="-O3 -std=c++17 -ffp-contract=off -mavx2 -mfma -mf16c" and ext/adam_avx2.cc.
 #include <sys/mman.h>
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // and how many lanes the computed way redoes.
 // Exits non-zero if a code differs. test_quant8.py builds and runs it;
 // by hand:
-//   g++ -O2 -std=c++17 -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
+//   g++ -O2 -std=c++17 -ffp-contract=off -Iext -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c \
 //     tests/quant8_exhaustive.cc ext/quant8.cc -o /tmp/quant8_exhaustive && /tmp/quant8_exhaustive
 #include "../ext/adam_avx512.cc"  // the kernel's V, as it is compiled there
 

@@ -123,16 +123,26 @@ def prefetching(nbytes):
     kernels.set_prefetch_above(before)
 
 
+# Hyperparameters beyond HYPER: each turns on another path of the update, where a
+# compiler allowed to fuse a multiply and an add (-ffp-contract) would change bits.
+PATHS = {"adamw": {}, "nesterov, eps_root, grad_scale": dict(nesterov=True, eps_root=1e-12,
+                                                             grad_scale=0.5)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("lowp_dtype", [BF16, np.float16])
 @pytest.mark.parametrize("moment_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("grad_dtype", [np.float32, BF16, np.float16])
-def test_same_bits_for_any_thread_count_simd_level_and_prefetch(grad_dtype, moment_dtype):
+def test_same_bits_for_any_thread_count_simd_level_and_prefetch(grad_dtype, moment_dtype,
+                                                                lowp_dtype, path):
   n = 5 * kernels_chunk() + 13  # several tasks and a ragged tail
   results = []
   for level, threads, above in itertools.product(X86_LEVELS, (1, 2, 3), (-1, 0)):
     p, g, m, v = host_state(n, grad_dtype, moment_dtype, seed=1)
-    out = np.empty(n, np.float16)
+    out = kernels.aligned_empty(n, lowp_dtype)  # aligned: the streamed copy, as the engine's
     with simd(level), prefetching(above):
-      kernels.adam_step_(p, g, m, v, count=2, lowp_out=out, num_threads=threads, **HYPER)
+      kernels.adam_step_(p, g, m, v, count=2, lowp_out=out, num_threads=threads, **HYPER,
+                         **PATHS[path])
     results.append((level, threads, above, p, m, v, out))
   _, _, _, *first = results[0]
   for level, threads, above, *arrays in results[1:]:

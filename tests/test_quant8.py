@@ -186,10 +186,12 @@ def int8_codes(way):
 WAYS = kernels.INT8_CODES
 
 
-def test_bitwise_the_same_on_every_instruction_set_thread_count_and_prefetch():
+@pytest.mark.parametrize("options", [{}, dict(nesterov=True, eps_root=1e-12, grad_scale=0.5)],
+                         ids=["adamw", "nesterov"])
+def test_bitwise_the_same_on_every_instruction_set_thread_count_and_prefetch(options):
   """Rows of 100,000 (short last blocks) over several tasks, and one long
   row: every ISA, thread count, way to the codes and prefetch setting writes
-  the same bits."""
+  the same bits, bfloat16 copy included."""
   for shape in [(3, 100_000), (300_001,)]:
     rng = np.random.default_rng(3)
     p = rng.standard_normal(shape, dtype=np.float32)
@@ -199,10 +201,11 @@ def test_bitwise_the_same_on_every_instruction_set_thread_count_and_prefetch():
     for level in kernels.supported_simd_levels():
       for threads, way, above in [(1, "gather", -1), (2, "computed", 0), (3, "gather", 0),
                                   (3, "computed", -1)]:
+        out = kernels.aligned_empty(shape, ml_dtypes.bfloat16)
         with simd(level), int8_codes(way), prefetching(above):
-          p1, mu, nu = kernel_steps(p, g, m, v, 2, num_threads=threads)
+          p1, mu, nu = kernel_steps(p, g, m, v, 2, num_threads=threads, lowp_out=out, **options)
         results.append((f"{level} on {threads} threads, codes {way}, prefetch above {above}",
-                        p1, mu, nu))
+                        p1, mu, nu, out))
     first = results[0]
     for name, *arrays in results[1:]:
       for a, b in zip(jax.tree.leaves(arrays), jax.tree.leaves(first[1:])):
@@ -291,8 +294,8 @@ def test_the_avx512_codes_are_exact_on_every_float32(tmp_path):
     pytest.skip("no C++ compiler to build tests/quant8_exhaustive.cc")
   root = pathlib.Path(__file__).resolve().parent.parent
   program = tmp_path / "quant8_exhaustive"
-  subprocess.run([compiler, "-O2", "-std=c++17", f"-I{root / 'ext'}", "-mavx512f", "-mavx512bw",
-                  "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
+  subprocess.run([compiler, "-O2", "-std=c++17", "-ffp-contract=off", f"-I{root / 'ext'}",
+                  "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
                   str(root / "tests" / "quant8_exhaustive.cc"), str(root / "ext" / "quant8.cc"),
                   "-o", str(program)], check=True, capture_output=True)
   run = subprocess.run([str(program)], capture_output=True, text=True, timeout=300)

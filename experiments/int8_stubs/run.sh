@@ -14,7 +14,7 @@
 # checked first: CHECK=1 runs each on 2^20 parameters against the unpatched
 # scalar kernel, bit for bit, before any timing.
 cd "$(dirname "$0")"
-flags="-O3 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c -w"
+flags="-O3 -std=c++17 -ffp-contract=off -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma -mf16c -w"
 build() {  # NAME EXT-FOLDER STUBS...
   local name=$1 src=$2; shift 2
   python3 patch.py "$src" "/tmp/v-$name" "$@" &&
@@ -22,7 +22,7 @@ build() {  # NAME EXT-FOLDER STUBS...
     g++ -O3 -std=c++17 -I"/tmp/v-$name" bench.cc "/tmp/v-$name/quant8.cc" "/tmp/v-$name.o" \
       /tmp/scalar.o -o "/tmp/b-$name" -lpthread
 }
-g++ -O3 -std=c++17 -I../../ext -c ../../ext/adam_scalar.cc -o /tmp/scalar.o
+g++ -O3 -std=c++17 -ffp-contract=off -I../../ext -c ../../ext/adam_scalar.cc -o /tmp/scalar.o
 variants=${VARIANTS:-new new-noq new-nodeq new-nodiv new-bf16cvt new-nolowp}
 for v in $variants; do build "$v" ../../ext $(echo "${v#new}" | tr - ' ' | tr a-z A-Z) & done
 if [ -n "${BASE:-}" ]; then
