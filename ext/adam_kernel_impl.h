@@ -388,7 +388,8 @@ void run_q8(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t begin,
   run_q8_blocks<G, L, false>(b, s, begin, end);  // the one way of AVX2 and scalar
 }
 
-// Turns the run-time dtypes into one of the compiled instantiations (36 with float moments, 9 with q8).
+// Turns the run-time dtypes into one of the compiled instantiations (36 with float moments, 9 with q8,
+// twice where V::kCodesTwoWays).
 template <jzo::DType G, jzo::DType M, jzo::DType N>
 void pick_lowp(const jzo::AdamBuffers& b, const jzo::AdamScalars& s, int64_t lo, int64_t hi) {
   if (!b.lowp_out || !b.update_param) return run<G, M, N, kNoLowp>(b, s, lo, hi);
