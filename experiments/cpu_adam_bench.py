@@ -273,11 +273,16 @@ def copy_system(gib: float) -> System:
                 2 * src.nbytes)
 
 
-def measure(systems: list[System], n: int | None, rounds: int, steps: int) -> list[Result]:
+def measure(systems: list[System], n: int | None, rounds: int, steps: int,
+            settle: float = 0.0) -> list[Result]:
   """Times every system in `rounds` rounds of `steps` steps each, after WARMUP.
 
   The systems take turns (in a rotated order each round), so a drift of the
   host's memory bandwidth, shared with other tenants, hits all of them alike.
+  With `settle` > 0, each turn starts after that many seconds idle and one
+  untimed step: a system's worker threads spin on the CPUs for a while after
+  its step (torch's OpenMP ones for milliseconds), which the next system's
+  first steps would pay for.
   """
   for system in systems:
     for _ in range(WARMUP):
@@ -285,6 +290,9 @@ def measure(systems: list[System], n: int | None, rounds: int, steps: int) -> li
   times = {s.name: [] for s in systems}
   for r in range(rounds):
     for system in systems[r % len(systems):] + systems[:r % len(systems)]:
+      if settle > 0:
+        time.sleep(settle)  # the last system's threads stop spinning
+        system.step()  # wakes this one's
       for _ in range(steps):
         start = time.perf_counter()
         system.step()
@@ -390,6 +398,9 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--rounds", type=int, default=5,
                       help="rounds in which every system takes its turn")
   parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
+  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                      help="idle time and one untimed step before each turn, so that no "
+                           "system runs among another's spinning threads (default: 0, none)")
   parser.add_argument("--copy-gib", type=float, default=2.0,
                       help="size of the buffer copied for the bandwidth ceiling")
   parser.add_argument("--systems", choices=("all", "optax", "kernel"), default="all",
@@ -432,7 +443,7 @@ def main() -> None:
       systems += xla_systems(n)
     if deepspeed_adam is not None:
       systems.append(deepspeed_system(n, deepspeed_adam))
-    results += measure(systems, n, args.rounds, args.steps)
+    results += measure(systems, n, args.rounds, args.steps, args.settle)
     del systems
     gc.collect()
 
@@ -444,7 +455,7 @@ def main() -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"machine": info, "bytes_per_param": BYTES_PER_PARAM, "warmup": WARMUP,
-                 "rounds": args.rounds, "steps_per_round": args.steps,
+                 "rounds": args.rounds, "steps_per_round": args.steps, "settle_s": args.settle,
                  "deepspeed_skipped": deepspeed_skip,
                  "copy": {"system": copy.system, "bytes": copy.bytes_moved,
                           "median_s": copy.seconds, "times_s": copy.times,

@@ -85,7 +85,8 @@
 #                  and of ACCUMULATION (default auto: the layers first where they fit;
 #                  device: the layers' float32 sums)
 #   kernel-torch   the C++ kernel (fp32) against torch's fused AdamW on the host CPU, each
-#                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES
+#                  in a process of its own, in PAIRS (5) alternating pairs, 2^SIZES; PAIR
+#                  names two other systems (kernel_vs_torch.py), e.g. "engine-int8 engine-fp32"
 #   kernel-ceiling the C++ kernel (fp32) against a loop that moves the same 28 bytes a
 #                  parameter without Adam's arithmetic, and prefetching or not
 #                  (kernel_ceiling.cc), 2^SIZES (26 28), on THREADS (every CPU), ROUNDS (8)
@@ -350,7 +351,7 @@ for part in "$@"; do
         -m "${MARKS:-}" \
         $(python3 -c "import nbformat" 2>/dev/null || echo --ignore=tests/test_notebook.py) ;;
     kernel-torch)
-      JAX_PLATFORMS=cpu python3 experiments/kernel_vs_torch.py --pairs ${PAIRS:-5} \
+      JAX_PLATFORMS=cpu python3 experiments/kernel_vs_torch.py --pairs ${PAIRS:-5} --pair ${PAIR:-jzo torch} \
         --sizes ${SIZES:-16 18 20 22 24 26 28} --json "$OUT/$part.json" 2>&1 | tee "$OUT/$part.log" ;;
     params-flags)
       default=";--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
