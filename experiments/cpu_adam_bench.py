@@ -40,9 +40,10 @@ fp32 ones) are printed after the table. `--systems kernel` runs jzo's rows and
 torch's fused AdamW only.
 
 Each is the median of `--rounds` x `--steps` timed steps after WARMUP untimed
-ones. All systems of one size are set up together and take turns, round after
-round, so that a drift in the host's memory bandwidth (a VM shares it with
-other tenants) hits them alike; the ratios are then side by side in time.
+ones, each turn's after `--warm-in` ms of untimed steps. All systems of one
+size are set up together and take turns, round after round, so that a drift
+in the host's memory bandwidth (a VM shares it with other tenants) hits them
+alike; the ratios are then side by side in time.
 Holding all of them needs about 26 GB of RAM at N = 2^28.
 Params and grads are random and non-zero; jzo's moments start random, the
 others' are created (zero) by their optimizer on the first step, so every
@@ -274,15 +275,16 @@ def copy_system(gib: float) -> System:
 
 
 def measure(systems: list[System], n: int | None, rounds: int, steps: int,
-            settle: float = 0.0) -> list[Result]:
+            warm_in: float = 0.0) -> list[Result]:
   """Times every system in `rounds` rounds of `steps` steps each, after WARMUP.
 
   The systems take turns (in a rotated order each round), so a drift of the
   host's memory bandwidth, shared with other tenants, hits all of them alike.
-  With `settle` > 0, each turn starts after that many seconds idle and one
-  untimed step: a system's worker threads spin on the CPUs for a while after
-  its step (torch's OpenMP ones for milliseconds), which the next system's
-  first steps would pay for.
+  Each turn starts with untimed steps for `warm_in` seconds (at least one
+  step where it is > 0): the last system's worker threads spin on the CPUs
+  for a while after its step (torch's OpenMP ones for milliseconds), and on
+  the GPU machines' Xeon jzo's first two steps at 2^20 after torch's ran 5x
+  slower than its later ones (turns_probe.py, session 44).
   """
   for system in systems:
     for _ in range(WARMUP):
@@ -290,9 +292,9 @@ def measure(systems: list[System], n: int | None, rounds: int, steps: int,
   times = {s.name: [] for s in systems}
   for r in range(rounds):
     for system in systems[r % len(systems):] + systems[:r % len(systems)]:
-      if settle > 0:
-        time.sleep(settle)  # the last system's threads stop spinning
-        system.step()  # wakes this one's
+      start = time.perf_counter()
+      while warm_in > 0 and time.perf_counter() - start < warm_in:
+        system.step()
       for _ in range(steps):
         start = time.perf_counter()
         system.step()
@@ -398,9 +400,9 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--rounds", type=int, default=5,
                       help="rounds in which every system takes its turn")
   parser.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
-  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
-                      help="idle time and one untimed step before each turn, so that no "
-                           "system runs among another's spinning threads (default: 0, none)")
+  parser.add_argument("--warm-in", type=float, default=20.0, metavar="MS",
+                      help="untimed steps for this long (at least one) at the start of each "
+                           "turn, while the last system's threads still spin (default: 20; 0: none)")
   parser.add_argument("--copy-gib", type=float, default=2.0,
                       help="size of the buffer copied for the bandwidth ceiling")
   parser.add_argument("--systems", choices=("all", "optax", "kernel"), default="all",
@@ -443,7 +445,7 @@ def main() -> None:
       systems += xla_systems(n)
     if deepspeed_adam is not None:
       systems.append(deepspeed_system(n, deepspeed_adam))
-    results += measure(systems, n, args.rounds, args.steps, args.settle)
+    results += measure(systems, n, args.rounds, args.steps, args.warm_in / 1e3)
     del systems
     gc.collect()
 
@@ -455,7 +457,7 @@ def main() -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"machine": info, "bytes_per_param": BYTES_PER_PARAM, "warmup": WARMUP,
-                 "rounds": args.rounds, "steps_per_round": args.steps, "settle_s": args.settle,
+                 "rounds": args.rounds, "steps_per_round": args.steps, "warm_in_ms": args.warm_in,
                  "deepspeed_skipped": deepspeed_skip,
                  "copy": {"system": copy.system, "bytes": copy.bytes_moved,
                           "median_s": copy.seconds, "times_s": copy.times,

@@ -6,7 +6,7 @@ ran in a process of its own. This probe holds jzo's kernel (fp32 gradients)
 and torch's fused AdamW at 2^N parameters on `--threads` CPUs and times
 jzo's steps, step by step, in three kinds of turn, ROUNDS each, in turn:
 
-  settled      after 0.2 s idle and one untimed step (cpu_adam_bench's --settle 0.2);
+  settled      after 0.2 s idle and one untimed step;
   after torch  right after STEPS torch steps;
   after jzo    right after STEPS jzo steps (back to back, the kernel's best case).
 
