@@ -283,7 +283,7 @@ def measure(systems: list[System], n: int | None, rounds: int, steps: int,
   Each turn starts with untimed steps for `warm_in` seconds (at least one
   step where it is > 0): the last system's worker threads spin on the CPUs
   for a while after its step (torch's OpenMP ones for milliseconds), and on
-  the GPU machines' Xeon jzo's first two steps at 2^20 after torch's ran 5x
+  the GPU machines' Xeon jzo's first two steps at 2^20 after torch's ran 5-6x
   slower than its later ones (turns_probe.py, session 44).
   """
   for system in systems:

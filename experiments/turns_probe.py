@@ -1,10 +1,11 @@
 """What one host optimizer's step pays for running right after another's, in one process.
 
 cpu_adam_bench.py's systems take turns in one process. Session 42 read jzo's
-fp32 kernel there at 2^22 on 16 threads at half the speed the same kernel
-ran in a process of its own. This probe holds jzo's kernel (fp32 gradients)
-and torch's fused AdamW at 2^N parameters on `--threads` CPUs and times
-jzo's steps, step by step, in three kinds of turn, ROUNDS each, in turn:
+fp32 kernel there at 2^22 on 16 threads at 2.6-3.4 Gparam/s, where a process
+of its own had run it at 11.8 (kernel_vs_torch.py, session 27). This probe
+holds jzo's kernel (fp32 gradients) and torch's fused AdamW at 2^N
+parameters on `--threads` CPUs and times jzo's steps, step by step, in three
+kinds of turn, ROUNDS each, in turn:
 
   settled      after 0.2 s idle and one untimed step;
   after torch  right after STEPS torch steps;
