@@ -3,8 +3,9 @@
 kernel_vs_torch.py's children run one system for about a second and report
 the median step. On the H200 machines' Xeon (16 threads) its jzo children
 ran 2^22 at 4.5 Gparam/s where turns_probe.py, in a process that also held
-torch, ran the same kernel at 10.5 (session 44). This prints the median
-step of each WINDOW_S window, so that a speed that changes over time shows.
+torch, ran the same kernel at 10.5 (session 44, call 2; fresh machines in
+calls 3-4 did not reproduce it: RESULTS.md). This prints the median step of
+each WINDOW_S window, so that a speed that changes over time shows.
 
   python experiments/sustained_probe.py --system jzo --size 22 --threads 16 [--prefetch-above -1]
 """
