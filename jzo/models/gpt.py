@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 import jzo
-from jzo.models import cross_entropy
+from jzo.models import cross_entropy, sampling
 
 
 # jax.checkpoint policy of each GPTConfig.remat value ("none": no checkpoint).
@@ -245,32 +245,7 @@ def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
 
 def generate(config: GPTConfig, params: dict, prompt: np.ndarray, n_tokens: int,
              key: jax.Array, temperature: float = 0.8) -> np.ndarray:
-  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones.
-
-  The model always sees a full window of seq_len tokens (zeros after the
-  current position, which causal attention ignores), so one compiled forward
-  serves every step; past seq_len the window slides.
-  """
-  if len(prompt) < 1:
-    raise ValueError("generate needs a prompt of at least one token")
-  S = config.seq_len
-  window = np.zeros(S, np.int32)
-  prompt = np.asarray(prompt, np.int32)[-(S - 1):]
-  window[:len(prompt)] = prompt
-  pos = len(prompt)
-
-  @jax.jit
-  def sample(params, window, pos, key):
-    logits = forward(config, params, window[None])[0, pos - 1].astype(jnp.float32)
-    return jax.random.categorical(key, logits / temperature)
-
-  out = []
-  for i in range(n_tokens):
-    if pos == S:  # slide the window by one token
-      window = np.roll(window, -1)
-      pos -= 1
-    token = int(sample(params, window, pos, jax.random.fold_in(key, i)))
-    window[pos] = token
-    pos += 1
-    out.append(token)
-  return np.asarray(out, np.int32)
+  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones
+  (`sampling.generate`, over a window of seq_len tokens)."""
+  return sampling.generate(functools.partial(forward, config), params, prompt, n_tokens,
+                           config.seq_len, key, temperature)
