@@ -194,6 +194,15 @@ def torch_system(n: int, *, impl: str) -> System:
   return System(TORCH_FUSED if impl == "fused" else f"torch AdamW {impl}", opt.step, BYTES_PER_PARAM * n)
 
 
+def named_system(name: str, n: int) -> System:
+  """A system by the short name the side-by-side scripts use: "jzo" (the fp32
+  kernel), "torch" (fused AdamW) or "engine-M" (the kernel as the engine runs
+  it, moments M: fp32, bf16 or int8)."""
+  if name == "torch":
+    return torch_system(n, impl="fused")
+  return jzo_system(n, engine_moments=name.partition("engine-")[2] or None)
+
+
 def optax_contract_step(tx, params, state, grads):
   """The user loop of the optax contract: the update, then apply_updates."""
   updates, state = tx.update(grads, state, params)

@@ -48,10 +48,7 @@ def child(system: str, log2_n: int, threads: int, steps: int) -> None:
 
   bench.use_threads(threads)
   n = 2**log2_n
-  if system == "torch":
-    s = bench.torch_system(n, impl="fused")
-  else:
-    s = bench.jzo_system(n, engine_moments=system.partition("engine-")[2] or None)
+  s = bench.named_system(system, n)
   for _ in range(bench.WARMUP):
     s.step()
   times = []

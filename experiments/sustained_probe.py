@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_adam_bench as bench  # noqa: E402
+from kernel_vs_torch import SYSTEMS  # noqa: E402
 from jzo import kernels  # noqa: E402
 
 WINDOW_S = 0.25
@@ -27,7 +28,7 @@ WINDOW_S = 0.25
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--system", choices=("jzo", "torch"), default="jzo")
+  parser.add_argument("--system", choices=SYSTEMS, default="jzo")
   parser.add_argument("--size", type=int, default=22, help="log2 of the parameter count")
   parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
   parser.add_argument("--seconds", type=float, default=2.0)
@@ -43,7 +44,7 @@ def main() -> None:
     torch_system = bench.torch_system(n, impl="fused")
     for _ in range(bench.WARMUP):
       torch_system.step()
-  s = bench.jzo_system(n) if args.system == "jzo" else bench.torch_system(n, impl="fused")
+  s = bench.named_system(args.system, n)
   for _ in range(bench.WARMUP):
     s.step()
   windows, times, begin = [], [], time.perf_counter()
