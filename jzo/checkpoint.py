@@ -50,7 +50,7 @@ _MAX_DETAIL = 300
 # Host RAM a save takes beside the state while it writes: the spans in flight
 # (state_spans: 8 of 64 MiB), their compressed copies, tensorstore's buffers
 # and orbax's cache, and what glibc keeps of them until `release_freed_memory`.
-# Measured on the H100 machine (experiments/RESULTS.md, sessions 20-22):
+# Measured on an H100 machine with a 125 GiB host:
 # host RSS rose 2.38-2.50 GiB in five saves of gpt2-4b's 47 GiB of fp32
 # state, 1.29-2.11 GiB for int8 states of 1.5B to 10.28B parameters; the
 # spans in flight and the threads' arenas bound it, not the model.
@@ -109,8 +109,7 @@ def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.Che
 
 def saved_bytes(engine) -> int:
   """Bytes of the arrays a checkpoint of `engine` writes, before
-  compression (zstd saves about 8% of float32 Adam state: experiments/
-  RESULTS.md, session 21); reads nothing."""
+  compression (zstd saves about 8% of float32 Adam state); reads nothing."""
   target, _ = state_dict.expected(engine.trained, {})
   return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(target))
 
@@ -207,8 +206,8 @@ def release_freed_memory() -> bool:
   """Returns the heap memory a save or restore freed to the OS (glibc's
   malloc_trim; False where there is none). glibc keeps what tensorstore's
   threads freed in their arenas: without this, gpt2-4b's save left the
-  host's RSS 1.2 GiB higher for the rest of the run (experiments/
-  RESULTS.md, session 21), on hosts the offloaded state fills."""
+  host's RSS 1.2 GiB higher for the rest of the run, on hosts the
+  offloaded state fills."""
   try:
     trim = ctypes.CDLL(None).malloc_trim
   except (OSError, AttributeError):  # not glibc

@@ -426,7 +426,7 @@ def aligned_empty(shape, dtype, *, alignment: int = 4096) -> np.ndarray:
   into transparent huge pages, which cover only the huge-page-aligned part
   of an array: started on one, the whole array is covered, and the kernel
   ran 1.2x faster on arrays of 16-64 MiB on a 2-core EPYC (no change at 4
-  and 256 MiB; experiments/huge_pages_probe.py, RESULTS.md session 41).
+  and 256 MiB; docs/performance.md).
   """
   if alignment < 1 or alignment & (alignment - 1):
     raise ValueError(f"alignment must be a power of two, got {alignment}")

@@ -1,5 +1,5 @@
 """The options of a ZeRO engine, checked in one place: `ZeroEngine`, the
-planner (`jzo.estimate`, `jzo.pick_micro_batch`) and the experiments build
+planner (`jzo.estimate`, `jzo.pick_micro_batch`) and the benchmarks build
 their plans from an `EngineOptions` (`jzo.plan.make_plan`)."""
 
 from __future__ import annotations

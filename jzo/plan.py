@@ -35,8 +35,7 @@ largest leaves when the host lacks room; the new weights are made again
 from the masters a leaf at a time, so none wait in landing buffers). Per
 device: params 2 a parameter, one micro-batch's gradients 2 a parameter,
 and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
-(experiments/RESULTS.md works these bytes through for gpt2-4b, -10b and
--13b on one H100.)
+(docs/planner.md reads a plan's table.)
 
 grads_in_params (stage 3) writes the stacked layers' gradients over their
 weights (jzo.layer_scan): the step's peak holds one layer's gradient of
@@ -79,14 +78,14 @@ from jzo.precision import LossScale
 from jzo.transfer import BUILD_CHUNK_BYTES
 
 # Host kernel speed assumed for the printed balance: AdamW on the 16-core
-# host of the GPU machines, parameters per second (experiments/RESULTS.md).
+# host of the GPU machines, parameters per second (docs/results.md).
 HOST_UPDATE_PARAMS_PER_S = 4.5e9
 # Share of the device memory the planner leaves free for what it does not
 # model (XLA's fragmentation, cuDNN and cuBLAS workspaces).
 DEVICE_HEADROOM = 0.06
 # Host RAM of a process besides its state, its pinned pools and its GPUs'
 # allocator tables (below): Python, jax, XLA's compiler, CUDA (measured with
-# experiments/host_rss_phases.py on H200s: 1.5 GiB on one GPU and 1.9 on
+# the resident set after start-up on H200s: 1.5 GiB on one GPU and 1.9 on
 # two of a 32-core host, 1.9 on one and 2.6 on four of a 64-core host).
 HOST_RUNTIME_BYTES = 2 * 2**30
 # ... and for each more GPU the process drives.
@@ -109,7 +108,7 @@ _XLA_PINNED_POOL_LIMIT_GIB = 64
 # derived, on one H100 at micro-batch 32 (XLA's temporaries of the compiled
 # step: gpt2-10b 1.40 GiB more, 3.7 layers; gpt2-13b 1.90 GiB, 3.2 layers).
 # The layers first hold none (gpt2-10b at 4 x 8: 16.58 GiB of temporaries
-# overlapping, 16.56 with the update first; experiments/RESULTS.md, session 40).
+# overlapping, 16.56 with the update first).
 OVERLAP_FETCH_LAYERS = 4
 
 # A streamed host update (jzo.offload) holds this many spans under its landing
@@ -881,7 +880,7 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
         except PlacementError:
           pass
       # Streamed, the update overlaps its transfers with the kernel: as fast
-      # or faster, in 2 B a parameter less host memory (experiments/RESULTS.md).
+      # or faster, in 2 B a parameter less host memory (docs/performance.md).
       plan = dataclasses.replace(plan, landing_limit=STREAM_LANDING_BYTES)
     check(plan)
     return plan

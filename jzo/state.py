@@ -9,7 +9,7 @@ device state (`EngineState`, donated to every step) and the host state
 
 `empty_device_state` is the device state's first value, zeros: a plain
 function of the plan, so `jax.eval_shape` gives its shapes and dtypes
-without allocating (experiments/step_memory.py lowers the step on them).
+without allocating (the step can be lowered and compiled on them alone).
 `build_state` allocates it, then fills it a leaf at a time.
 """
 

@@ -319,8 +319,7 @@ def compiler_options(plan: Plan, platform: str, fetching: bool = False) -> dict 
   buffer chains its commands one after another, so the layers'
   asynchronous fetches from host memory would wait for the matmuls instead
   of running under them (openxla/xla#48900). At gpt2-10b, micro-batch 32,
-  on one H100: 6.94 s a step with them, 6.45 s without (RESULTS.md,
-  session 17)."""
+  on one H100: 6.94 s a step with them, 6.45 s without (docs/performance.md)."""
   if platform == "gpu" and (plan.offload_params or fetching):
     return {"xla_gpu_enable_command_buffer": ""}
   return None

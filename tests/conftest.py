@@ -17,7 +17,7 @@ time, and the tests' programs are tiny. It changes no HLO, so two programs
 the tests compare still compute alike; but LLVM at -O0 fuses no
 multiply-add, so the tests that compare XLA's bits with the C++ kernel's
 (which fuses them) take the `optimized_xla` fixture, as do the few that run
-more than they compile. The GPU machine's suite (experiments/gpu_runs.sh)
+more than they compile. The GPU machines' suite (benchmarks/gpu.sh tests)
 runs everything at XLA's default level.
 """
 
@@ -51,7 +51,7 @@ if "JAX_PLATFORMS" not in os.environ:
 # (test_export's module fixture runs the recipe in this process).
 
 # The files that take longest, longest first (seconds in the README's run,
-# 2 cores, session 38); the rest, each under 45 s, follow in their own order. Under
+# 2 cores); the rest, each under 45 s, follow in their own order. Under
 # `-n 2 --dist loadfile` (with pyproject's --no-loadscope-reorder: xdist's
 # own order is by the number of tests in a file) each worker takes the next
 # file as the one it runs has two tests left: started last, a long file kept

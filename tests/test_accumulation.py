@@ -1,4 +1,4 @@
-"""Gradient accumulation on the host (issue 23) on 8 fake CPU devices: the
+"""Gradient accumulation on the host, on 8 fake CPU devices: the
 same training as accumulation on the device, the step's norm, skip and loss
 scale, what each side holds, the kernel, the planner's bytes and its pick."""
 

@@ -94,7 +94,7 @@ def test_the_compiled_step_copies_no_layer_buffer(mesh_size):
 
 def test_only_a_step_with_weights_on_the_host_runs_without_command_buffers(monkeypatch):
   """XLA:GPU's command buffers would chain the layers' fetches from host
-  memory behind the matmuls (RESULTS.md, session 17); steps without weights
+  memory behind the matmuls (docs/performance.md); steps without weights
   in host memory, and other platforms, keep XLA's default. The step is
   compiled with the options chosen: a bad one reaches XLA. (XLA:GPU forms
   command buffers from its thunks, after the HLO that a compiled step

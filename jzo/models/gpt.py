@@ -85,7 +85,7 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   intermediate (about 20 D incl. float32 LayerNorm statistics). One
   layer's backward holds about 28 D a token: XLA's peak on an H100 for
   gpt2-10b at micro-batches 80 and 96, where it is the larger term (25.5 D
-  and 28.4 D; experiments/RESULTS.md, session 26).
+  and 28.4 D).
   """
   T = seq_len or config.seq_len
   tokens = batch * T

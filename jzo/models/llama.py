@@ -257,7 +257,7 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   product). One layer's backward holds its intermediates plus the gate_up
   gradient (2 F). The same count as gpt.activation_bytes. On an H100,
   llama-3.1-8b at micro-batch 4 of 4096 with offload auto peaked at 70.50
-  GiB against a plan of 70.71 (experiments/RESULTS.md, session 26).
+  GiB against a plan of 70.71 (docs/results.md).
   """
   T = seq_len or config.seq_len
   tokens = batch * T
