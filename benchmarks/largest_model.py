@@ -1,0 +1,137 @@
+"""The largest GPT jzo trains with offload per GPU count: the planner's answer
+from shapes, then (--run) a training run of each.
+
+For each GPU count N of --gpus, the layer count of a base shape (--base,
+default gpt2-20b: d_model 6144, 0.45B parameters a layer) is searched for the
+largest model the planner (jzo.estimate) fits on N devices of --device-gb
+each and --host-gb of host RAM, at --batch sequences a GPU, --seq-len, full
+remat, --moments Adam moments. Two placements are tried, both ZeRO stage 3
+with offload, and the one of more layers kept:
+  auto    the optimizer state on the GPUs where it fits, the rest on the
+          host (the GPUs' memory adds up with N);
+  params  all of the optimizer state on the host and the layers' weights in
+          pinned host memory, as many layers resident as fit.
+With --run each count's answer trains --steps steps in a child of
+benchmarks/train_gpt.py (a time limit), planned with the same memory; its
+point, or why it did not train ("oom", "killed": the host, "timeout"),
+goes beside the plan's.
+
+  python3 benchmarks/largest_model.py --gpus 1 2 4 --run --limit 450 --json largest.json
+  python3 benchmarks/largest_model.py --base tiny --seq-len 32 --batch 2 --device-gb 0.01 \\
+      --host-gb 0.05 --run --steps 1      # a CPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import harness
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Placement -> (train_gpt.py's flags, jzo.estimate's options).
+PLACEMENTS = {
+    "auto": (["--child", "auto"], dict(offload="auto")),
+    "params": (["--child", "offload", "--offload-params", "auto"],
+               dict(offload=True, offload_params="auto")),
+}
+
+
+def base_config(args, n_layer: int | None = None):
+  from jzo.models import gpt
+  config = dataclasses.replace(gpt.PRESETS[args.base], seq_len=args.seq_len, remat="full")
+  return dataclasses.replace(config, n_layer=n_layer) if n_layer else config
+
+
+def fits(n_layer: int, gpus: int, placement: str, args) -> bool:
+  """Whether the planner fits `n_layer` layers on `gpus` devices in `placement`."""
+  import jax
+  import jzo
+  from jzo.models import gpt
+  config = base_config(args, n_layer)
+  shapes = jax.eval_shape(lambda: gpt.init_params(config, jax.random.PRNGKey(0)))
+  return jzo.estimate(shapes, activations=gpt.activation_bytes(config, args.batch, args.seq_len),
+                      devices=gpus, stage=3, layers="blocks", moments=args.moments,
+                      device_memory=int(args.device_gb * 2**30),
+                      host_memory=int(args.host_gb * 2**30),
+                      **PLACEMENTS[placement][1]).fits
+
+
+def largest_layers(gpus: int, placement: str, args) -> int:
+  """The most layers that fit (0: not even one): doubling until one does
+  not, then halving the gap."""
+  low, high = 0, 1
+  while fits(high, gpus, placement, args):
+    low, high = high, 2 * high
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if fits(mid, gpus, placement, args) else (low, mid)
+  return low
+
+
+def device_gib() -> float:
+  """GiB of this machine's first accelerator a plan may use, asked of a
+  process of its own: JAX here would hold every GPU while the runs train."""
+  ask = ("import jax, jzo.plan as p; "
+         "print((p.device_memory_limit(jax.devices()[0]) or 0) / 2**30)")
+  first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=first, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env)
+  gib = float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
+  if not gib:
+    raise SystemExit(f"no accelerator's memory to plan with: give --device-gb\n{done.stderr}")
+  return gib
+
+
+def main():
+  parser = harness.parser(__doc__)
+  parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--base", default="gpt2-20b", help="the preset whose layers are stacked")
+  parser.add_argument("--batch", type=int, default=8, help="sequences a GPU")
+  parser.add_argument("--seq-len", type=int, default=1024)
+  parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32")
+  parser.add_argument("--device-gb", type=float, help="GiB of one device the plan may use "
+                      "(default: this machine's first accelerator's)")
+  parser.add_argument("--host-gb", type=float, help="GiB of host RAM (default: what this "
+                      "machine has available at the start)")
+  parser.add_argument("--run", action="store_true", help="train each count's largest")
+  parser.add_argument("--steps", type=int, default=2, help="timed steps of each run")
+  parser.add_argument("--limit", type=float, default=480, help="seconds a run may take")
+  args = parser.parse_args()
+  import jax
+  jax.config.update("jax_platforms", "cpu")  # the search plans from shapes: no GPU taken
+  args.device_gb = args.device_gb or device_gib()
+  if not args.host_gb:  # read once, before any run: the search and each run plan with it
+    from jzo.plan import available_host_memory
+    args.host_gb = available_host_memory() / 2**30
+  points = []
+  for gpus in args.gpus:
+    layers = {p: largest_layers(gpus, p, args) for p in PLACEMENTS}
+    placement = max(layers, key=layers.get)
+    n_layer = layers[placement]
+    point = {"status": "ok", "gpus": gpus, "base": args.base, "placement": placement,
+             "n_layer": n_layer, "n_params": base_config(args, n_layer).n_params if n_layer else 0,
+             "layers_by_placement": layers, "batch": args.batch, "moments": args.moments,
+             "device_gb": args.device_gb, "host_gb": args.host_gb}
+    print(f"{gpus} GPU(s): {point['n_params'] / 1e9:.2f}B ({n_layer} layers of {args.base}, "
+          f"{placement}); by placement: {layers}", flush=True)
+    if args.run and n_layer:
+      cmd = [sys.executable, os.path.join(HERE, "train_gpt.py"), *PLACEMENTS[placement][0],
+             "--model", args.base, "--n-layer", str(n_layer), "--gpus", str(gpus),
+             "--stage", "3", "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+             "--moments", args.moments, "--steps", str(args.steps), "--no-breakdown",
+             "--device-memory-gb", str(args.device_gb), "--host-memory-gb", str(args.host_gb)]
+      # The environment's JAX_PLATFORMS for the run (this process's is set in jax.config).
+      point["trained"] = harness.run_child(cmd, timeout_s=args.limit)[0]
+      run = point["trained"]
+      print(f"  trained: {run['status']}" + (f", {run['tflops']:.1f} TFLOPS a GPU"
+                                             if run["status"] == "ok" else ""), flush=True)
+    points.append(point)
+    harness.write_record(args.json, "largest_model", args, points, with_devices=False)
+  harness.child_result(points)
+
+
+if __name__ == "__main__":
+  main()
