@@ -23,7 +23,8 @@ Two ways to time them:
                    one after another, for P rounds in alternating order; a ratio
                    is taken within a round (side by side in time), and its
                    median and spread over the rounds is the figure. A process
-                   times at least --steps steps and at least 1 s of them.
+                   times at least --steps steps and at least 1 s of them. By
+                   default jzo against torch (--systems names others).
 
 Reported: Gparam/s (1e9 parameters a second); GB/s at the bytes a step must
 move (float32 grads and moments: read param, grad, mu, nu and write param, mu,
@@ -38,7 +39,7 @@ Every process is held to --threads CPUs (its affinity mask), and jzo and torch
 pool from the mask. Holding all systems at 2^28 takes about 26 GB of RAM.
 
   python3 benchmarks/host_adam.py --sizes 24 28
-  python3 benchmarks/host_adam.py --systems jzo torch --sizes 16 18 20 22 24 26 28 --pairs 9
+  python3 benchmarks/host_adam.py --sizes 16 18 20 22 24 26 28 --pairs 9
   python3 benchmarks/host_adam.py --systems engine-int8 engine-fp32 --sizes 26 28 --pairs 5
 """
 
@@ -317,8 +318,9 @@ def report(points: list[dict]) -> None:
 
 def main() -> None:
   parser = harness.parser(__doc__)
-  parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
-                      metavar="SYSTEM", help="which systems, of: %(choices)s (default: all)")
+  parser.add_argument("--systems", "--pair", nargs="+", choices=SYSTEMS, metavar="SYSTEM",
+                      help="which systems, of: %(choices)s (default: all in turns, jzo and "
+                           "torch with --pairs)")
   parser.add_argument("--sizes", type=int, nargs="+", default=[24, 28], metavar="N",
                       help="log2 of the parameter counts (default: 24 28)")
   parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -332,7 +334,8 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=600, help="seconds a process may take")
   parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
   args = parser.parse_args()
-  args.systems = list(dict.fromkeys(args.systems))
+  args.systems = list(dict.fromkeys(args.systems or (["jzo", "torch"] if args.pairs
+                                                      else SYSTEMS)))
   if args.steps is None:
     args.steps = 50 if args.pairs or args.child else 4
   if args.child:
