@@ -342,6 +342,7 @@ def main() -> None:
     return child(args)
   points = pairs(args) if args.pairs else turns(args)
   report(points)
+  del args.child
   harness.write_record(args.json, "host_adam", args, points, with_devices=False)
 
 

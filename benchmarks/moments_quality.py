@@ -145,6 +145,7 @@ def main() -> None:
     if temporary:
       shutil.rmtree(args.out, ignore_errors=True)
   report(points)
+  del args.child
   harness.write_record(args.json, "moments_quality", args, points, with_devices=False)
 
 
