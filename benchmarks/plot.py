@@ -6,7 +6,7 @@ Each figure reads the records named beside it (RECORDS:
 --records/NAME.json, as harness.write_record writes them) and is written as
 --out/NAME.png; a figure whose records are missing is skipped, said so.
   largest-model     the largest GPT each system trained on one GPU
-                    (largest-model, throughput)
+                    (largest-model, throughput, gpt2-20b)
   throughput        model TFLOPS against model size on one GPU, and what did
                     not train (throughput, largest-model)
   delayed-update    step time with and without the delayed update against the
@@ -16,6 +16,8 @@ Each figure reads the records named beside it (RECORDS:
                     (largest-per-gpus)
   planner-memory    GPU and host bytes a parameter, planned against measured
                     (planner-memory)
+  moments-quality   held-out and training loss with fp32, bf16 and int8 Adam
+                    moments (moments-quality)
 Model TFLOPS count 6 N + 12 L D T a token (recomputation not counted).
 """
 
@@ -31,12 +33,13 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 import harness  # noqa: E402
 
-RECORDS = {"largest-model": ("largest-model", "throughput"),
+RECORDS = {"largest-model": ("largest-model", "throughput", "gpt2-20b"),
            "throughput": ("throughput", "largest-model"),
            "delayed-update": ("delayed-update",),
            "scaling": ("scaling",),
            "largest-per-gpus": ("largest-per-gpus",),
-           "planner-memory": ("planner-memory",)}
+           "planner-memory": ("planner-memory",),
+           "moments-quality": ("moments-quality",)}
 COLORS = {"jzo offload auto + DPU": "tab:blue", "jzo offload + DPU": "tab:cyan",
           "jzo stage 3 offload, grads in params": "tab:purple", "jzo, no offload": "tab:green",
           "PyTorch alone": "tab:orange", "DeepSpeed ZeRO-2 offload": "tab:red"}
@@ -48,8 +51,9 @@ def footer(record: dict) -> str:
   """The machine, versions and date of a record, in a line."""
   m, point = record["machine"], next(iter(record["points"]), {})
   device = m.get("device") or point.get("device", "")
-  parts = [m.get("name", m.get("hostname", "")), f"{m.get('devices', point.get('gpus', 1))} x "
-           f"{device}", f"{m.get('cores', '?')}-core host, {m.get('host_ram_gib', '?')} GiB"]
+  parts = [m.get("name", ""), f"{m.get('devices', point.get('gpus', 1))} x {device}"]
+  if "cores" in m:
+    parts.append(f"{m['cores']}-core host, {m['host_ram_gib']} GiB")
   parts += [f"{k} {m[k]}" for k in ("jax", "torch", "deepspeed") if k in m]
   return "; ".join(p for p in parts if p) + f"; {m.get('date', '')[:10]}"
 
@@ -75,9 +79,9 @@ def micro_batch_8(*records: dict) -> list[dict]:
   return [p for r in records for p in r["points"] if p.get("batch", 8) == 8]
 
 
-def fig_largest_model(largest: dict, throughput: dict, path: str) -> None:
+def fig_largest_model(largest: dict, throughput: dict, gpt2_20b: dict, path: str) -> None:
   best, failed = {}, {}
-  for p in (p for r in (largest, throughput) for p in r["points"]):
+  for p in (p for r in (largest, throughput, gpt2_20b) for p in r["points"]):
     if p["system"] == "jzo offload + DPU":  # all on the host: not searched for its largest
       continue
     key = label(p)
@@ -101,7 +105,7 @@ def fig_largest_model(largest: dict, throughput: dict, path: str) -> None:
   ax.set_xlim(0, max(b[0] for b in best.values()) * 1.9)
   ax.set_title("The largest model that trains on one GPU (seq 1024, full remat, micro-batch 8 "
                "unless marked)", fontsize=10)
-  save(fig, largest, path, "; gpt2-20b 2026-11-28")
+  save(fig, largest, path, f"; gpt2-20b {gpt2_20b['machine'].get('date', '')[:10]}")
 
 
 def fig_throughput(throughput: dict, largest: dict, path: str) -> None:
@@ -260,34 +264,67 @@ def fig_largest_per_gpus(record: dict, path: str) -> None:
 
 
 def fig_planner_memory(record: dict, path: str) -> None:
-  """GPU and host bytes a parameter of each run, planned against measured."""
-  rows = [p for p in record["points"] if p.get("peak_gpu_gib") and p.get("planned_host_gib")]
-  per = lambda gib, p: gib * 2**30 / p["n_params"]
-  bars = (("GPU, planned", "planned_gpu_gib", "tab:green", "//"),
-          ("GPU, measured", "peak_gpu_gib", "tab:green", ""),
-          ("host, planned", "planned_host_gib", "tab:blue", "//"),
-          ("host, measured", "host_rss_peak_gib", "tab:blue", ""))
+  """GPU and host bytes a parameter of each run, planned against measured
+  (the GPU's plan: its step's peak or its build's, whichever is more)."""
+  rows = [p for p in record["points"] if p["status"] == "ok" and p.get("peak_gpu_gib")
+          and p.get("planned_host_gib")]
+  planned_gpu = lambda p: max(p["planned_gpu_gib"], p.get("planned_build_gib", 0))
+  bars = (("GPU, planned", planned_gpu, "tab:green", "//"),
+          ("GPU, measured", lambda p: p["peak_gpu_gib"], "tab:green", ""),
+          ("host, planned", lambda p: p["planned_host_gib"], "tab:blue", "//"),
+          ("host, measured", lambda p: p["host_rss_peak_gib"], "tab:blue", ""))
   fig, ax = plt.subplots(figsize=(12, 5))
   width = 0.2
-  for k, (name, key, color, hatch) in enumerate(bars):
+  for k, (name, gib, color, hatch) in enumerate(bars):
     xs = [i + (k - 1.5) * width for i in range(len(rows))]
-    values = [per(p[key], p) for p in rows]
+    values = [gib(p) * 2**30 / p["n_params"] for p in rows]
     ax.bar(xs, values, width, label=name, color=color, hatch=hatch,
            alpha=0.55 if hatch else 0.9, edgecolor="black", lw=0.5)
     for x, v in zip(xs, values):
       ax.text(x, v + 0.1, f"{v:.1f}", ha="center", fontsize=7)
-  ax.set_xticks(range(len(rows)), [f"{p['run']}\n{p['machine']}" for p in rows], fontsize=7)
+  names = [p.get("run") or f"{p['model']}, {p['moments']}, {p['grad_accum']} x {p['batch']}"
+           for p in rows]
+  ax.set_xticks(range(len(rows)), [f"{n}\n{p.get('machine', '')}" for n, p in zip(names, rows)],
+                fontsize=7)
   ax.set_ylabel("bytes per parameter")
   ax.set_title("Memory per parameter, the planner's against measured (GPU: the process's peak; "
                "host: peak RSS)", fontsize=11)
   ax.legend(fontsize=9)
   ax.grid(axis="y", alpha=0.3)
-  save(fig, record, path, "; H200 rows 2026-11-27")
+  save(fig, record, path)
+
+
+def fig_moments_quality(record: dict, path: str) -> None:
+  """Held-out loss (left) and training loss, a trailing mean of 50 steps
+  (right), of one run a moment dtype."""
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+  colors = {"fp32": "tab:blue", "bf16": "tab:orange", "int8": "tab:green"}
+  for p in (p for p in record["points"] if p["status"] == "ok"):
+    color = colors.get(p["moments"], "gray")
+    against = p.get("against_fp32_pct")
+    left.plot(p["eval_steps"], p["eval_loss"], "o-", ms=3, color=color,
+              label=p["moments"] + (f" ({against:+.2f}% against fp32 at the end)"
+                                    if against is not None and p["moments"] != "fp32" else ""))
+    losses, window = p["train_loss"], 50
+    mean = [sum(losses[max(0, i - window + 1):i + 1]) / min(i + 1, window)
+            for i in range(len(losses))]
+    right.plot(p["steps"], mean, lw=0.9, color=color, label=p["moments"])
+  left.set_title("held-out loss", fontsize=10)
+  right.set_title("training loss, mean of the last 50 steps", fontsize=10)
+  for ax in (left, right):
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats a byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+  fig.suptitle("Adam moments in fp32, bf16 and int8, all on the host: the loss side by side",
+               fontsize=11)
+  save(fig, record, path)
 
 
 DRAW = {"largest-model": fig_largest_model, "throughput": fig_throughput,
         "delayed-update": fig_delayed_update, "scaling": fig_scaling,
-        "largest-per-gpus": fig_largest_per_gpus, "planner-memory": fig_planner_memory}
+        "largest-per-gpus": fig_largest_per_gpus, "planner-memory": fig_planner_memory,
+        "moments-quality": fig_moments_quality}
 
 
 def main():
