@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The benchmarks behind the published figures, on a GPU machine: one named part after
+# another, from the checkout this runs in, each record as $OUT/NAME.json (copy them to
+# benchmarks/records/ and run benchmarks/plot.py), each part's output in $OUT/PART.log.
+#
+#   OUT=/tmp/out bash benchmarks/gpu.sh PART [PART ...]
+#
+# It builds jzo from this checkout (an editable install) and installs the wheels of .whl/, if
+# any (DeepSpeed, tyro and their dependencies), into /tmp/site. GPUS sets the GPU counts of
+# the parts over several GPUs (default 1 2 4).
+#
+# Parts:
+#   tests              --help of each command; the GPU tests; the CPU tests that depend most
+#                      on the Python and jax versions, on this machine's
+#   throughput         model TFLOPS against size on one GPU: jzo without offload, with all of
+#                      the state on the host + delayed update, PyTorch alone, DeepSpeed ZeRO-2
+#                      offload at gpt2-1.5b and gpt2-4b (figures.py 1.5b 4b)
+#   largest-model      each system at the sizes around its largest on one GPU (figures.py 10b
+#                      13b edges)
+#   gpt2-20b           gpt2-20b, int8 moments, stage 3 + grads_in_params, micro-batch 32
+#   largest-per-gpus   the largest GPT the planner fits with offload on each of GPUS GPUs,
+#                      each trained 2 steps (largest_model.py)
+#   delayed-update     gpt2-1.5b with and without the delayed update at micro-batches 1-8, and
+#                      two 400-step loss curves (figures.py dpu)
+#   scaling            over GPUS: jzo stages 1-3 without offload at gpt2-1.5b, jzo offload +
+#                      delayed update and DeepSpeed at gpt2-13b (figures.py scale-*)
+#   zero-stages        ZeRO stages 0-3 without offload over GPUS, gpt2-1.5b
+#   llama-finetune     llama-3.1-8b (micro-batch 4 x 4096) and qwen2.5-14b (bf16 moments) in jzo
+#   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
+#                      full shape
+#   global-batch-32    gpt2-10b (fp32 moments) and gpt2-13b (bf16) at global batch 32, stage 3
+#                      + grads_in_params: 4 x 8 the layers first and with float32 sums, 1 x 32
+#                      with the forward overlapping the host update and with the update first
+#   params-offload     gpt2-10b, int8 moments, the layers' weights in pinned host memory where
+#                      the GPU needs it, micro-batch 96
+#   planner-memory     GPU peak and host RSS against the plan at gpt2-10b, 4 x 8 the layers
+#                      first (every train_gpt.py and train_llama.py record has both)
+#   host-adam          the host AdamW kernel against torch's fused AdamW, DeepSpeedCPUAdam and
+#                      optax; int8 against fp32 moments
+#   moments-quality    gpt2-124m's loss with fp32, bf16 and int8 moments, 2000 steps
+#   checkpoint-io      save and restore of gpt2-10b's int8 state and gpt2-4b's fp32 state
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+GPUS=${GPUS:-1 2 4}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl >"$OUT/wheels.log" 2>&1 || { tail -20 "$OUT/wheels.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+{ date -u; git rev-parse --short HEAD 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  grep -m1 "model name" /proc/cpuinfo; nproc; free -g | head -2; python3 --version
+  python3 -c "import jax; print('jax', jax.__version__)"
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+bench() {  # PART NAME SCRIPT ARGS...: benchmarks/SCRIPT with --json $OUT/NAME.json
+  local part=$1 name=$2 script=$3; shift 3
+  python3 "benchmarks/$script" "$@" --json "$OUT/$name.json" >>"$OUT/$part.log" 2>&1
+  echo "$part: $script $*: exit $?"
+}
+pytests() {  # NAME TIMEOUT ARGS...: one pytest call, its log in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: exit $? ($(tail -1 "$OUT/$name.log"))"
+}
+b32() {  # NAME MODEL MOMENTS ACCUM MICRO FLAGS...: train_gpt.py at stage 3 + grads_in_params
+  local name=$1 model=$2 moments=$3 accum=$4 micro=$5; shift 5
+  bench "$part" "$part-$name" train_gpt.py --configs auto --model "$model" --moments "$moments" \
+    --stage 3 --grads-in-params --grad-accum "$accum" --batch "$micro" --steps 3 \
+    --compiled-memory "$@"
+}
+
+for part in "$@"; do
+  case $part in
+    tests)
+      for m in jzo.train jzo.estimate jzo.export; do
+        python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
+      done
+      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 300 tests/test_offload_gpu.py
+      pytests tests-cpu 900 tests/test_transfer.py tests/test_streaming.py tests/test_offload.py \
+        tests/test_accumulation.py tests/test_placement.py tests/test_engine.py \
+        tests/test_cpu_adam.py tests/test_quant8.py tests/test_benchmarks.py ;;
+    throughput) bench $part $part figures.py 1.5b 4b ;;
+    largest-model) bench $part $part figures.py 10b 13b edges ;;
+    gpt2-20b)
+      bench $part $part train_gpt.py --configs offload --model gpt2-20b --moments int8 --stage 3 \
+        --grads-in-params --batch 32 --steps 3 --compiled-memory --timeout 540 ;;
+    largest-per-gpus)
+      bench $part $part largest_model.py --gpus $GPUS --run --limit 450 ;;
+    delayed-update) bench $part $part figures.py dpu ;;
+    scaling) bench $part $part figures.py scale-1.5b scale-13b scale-ds --gpus $GPUS ;;
+    zero-stages)
+      bench $part $part zero_stages.py --model gpt2-1.5b --gpus $GPUS --stages 0 1 2 3 --steps 5 ;;
+    llama-finetune)
+      bench $part $part train_llama.py --model llama-3.1-8b --seq-len 4096 --batch 4 \
+        --configs auto_dpu --steps 8
+      bench $part $part-qwen train_llama.py --model qwen2.5-14b --seq-len 4096 --batch 1 2 \
+        --moments bf16 --configs auto --steps 5 ;;
+    deepspeed-llama8b)
+      bench $part $part-jzo train_llama.py --model llama-3.1-8b --n-layer 14 --seq-len 4096 \
+        --batch 4 --configs auto_dpu --steps 10
+      bench $part $part peers_hf.py --shape llama-3.1-8b --n-layer 14 --system deepspeed \
+        --seq-len 4096 --micro-batch 4 --steps 8
+      bench $part $part-full peers_hf.py --shape llama-3.1-8b --system deepspeed --seq-len 4096 \
+        --micro-batch 4 --steps 4 ;;
+    global-batch-32)
+      b32 10b-4x8 gpt2-10b fp32 4 8
+      b32 10b-4x8-sums gpt2-10b fp32 4 8 --accumulation device
+      b32 10b-1x32 gpt2-10b fp32 1 32
+      b32 13b-1x32 gpt2-13b bf16 1 32
+      b32 13b-1x32-update-first gpt2-13b bf16 1 32 --no-overlap-forward
+      b32 13b-4x8 gpt2-13b bf16 4 8 ;;
+    params-offload)
+      bench $part $part train_gpt.py --configs offload --model gpt2-10b --moments int8 --stage 3 \
+        --offload-params auto --batch 96 --steps 3 --compiled-memory ;;
+    planner-memory)
+      bench $part $part train_gpt.py --configs auto --model gpt2-10b --moments fp32 --stage 3 \
+        --grads-in-params --grad-accum 4 --batch 8 --steps 3 ;;
+    host-adam)
+      bench $part $part host_adam.py --sizes 16 18 20 22 24 26 28 --pairs 9
+      bench $part $part-int8 host_adam.py --pair engine-int8 engine-fp32 --sizes 26 28 --pairs 5
+      bench $part $part-turns host_adam.py --sizes 24 28 --rounds 5 ;;
+    moments-quality) bench $part $part moments_quality.py --steps 2000 ;;
+    checkpoint-io)
+      bench $part $part checkpoint_io.py --model gpt2-10b --offload true --moments int8
+      bench $part $part-fp32 checkpoint_io.py --model gpt2-4b --offload true --moments fp32 ;;
+    *) echo "unknown part $part (the parts are listed at the top of benchmarks/gpu.sh)"; exit 2 ;;
+  esac
+done
