@@ -1,0 +1,176 @@
+"""The GPU training benchmarks (benchmarks/train_gpt.py, train_llama.py,
+peers_gpt.py, peers_hf.py, figures.py, largest_model.py, zero_stages.py,
+plot.py) at the tiny size on the CPU, and the GPU driver benchmarks/gpu.sh:
+each script's --help, a run of each in a subprocess whose JSON record is
+checked (status ok, the fields plot.py and docs/results.md read there, the
+figures positive), every figure drawn from benchmarks/records/, and every
+part gpu.sh's header names has a case. Benchmarks report figures; these
+tests only keep them from rotting.
+
+The runs start together, each a process of its own, and share one tiny
+configuration (and the session's compilation cache), so the file's time is
+about that of its slowest run."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+TINY = ["--seq-len", "32", "--steps", "1"]
+RUNS = {  # name: (script, arguments)
+    "train_gpt": ("train_gpt.py", ["--model", "tiny", "--batch", "2", "--configs", "offload_dpu",
+                                   *TINY]),
+    "train_llama": ("train_llama.py", ["--model", "llama-tiny", "--batch", "2", "--configs",
+                                       "offload", "--no-breakdown", *TINY]),
+    "peers_gpt": ("peers_gpt.py", ["--model", "tiny", "--system", "torch", "--batch", "2",
+                                   "--device", "cpu", *TINY]),
+    "peers_hf": ("peers_hf.py", ["--shape", "llama-tiny", "--system", "torch", "--warmup", "1",
+                                 "--device", "cpu", *TINY]),
+    "figures": ("figures.py", ["13b", "--smoke"]),
+    "largest_model": ("largest_model.py", ["--base", "tiny", "--seq-len", "32", "--batch", "2",
+                                           "--gpus", "1", "--device-gb", "0.02", "--host-gb", "3",
+                                           "--run", "--steps", "1"]),
+    "zero_stages": ("zero_stages.py", ["--model", "tiny", "--batch-per-gpu", "2", "--gpus", "1",
+                                       "--stages", "2", *TINY]),
+}
+SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py"})
+# The fields of a train_gpt.py / train_llama.py point that plot.py and docs/results.md read.
+ENGINE_FIELDS = ("step_s", "tokens_per_s", "tflops", "n_params", "host_rss_peak_gib",
+                 "planned_gpu_gib", "planned_build_gib", "planned_host_gib", "host_update_s",
+                 "host_update_gparam_s")
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+  """Starts every run at once (on the CPU); each name's (record, output) once it is done."""
+  folder = tmp_path_factory.mktemp("records")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / script), *args, "--json",
+                                   str(folder / f"{name}.json")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=env)
+           for name, (script, args) in RUNS.items()}
+  results = {}
+  for name, proc in procs.items():
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{name}:\n{out[-3000:]}"
+    results[name] = (json.loads((folder / f"{name}.json").read_text()), out)
+  return results
+
+
+def points(records, name: str) -> list[dict]:
+  record, _ = records[name]
+  assert record["benchmark"] == name
+  assert record["machine"]["cores"] > 0 and record["machine"]["date"]
+  assert record["command"].startswith(f"benchmarks/{RUNS[name][0]}")
+  assert record["points"]
+  return record["points"]
+
+
+def check_positive(point: dict, fields) -> None:
+  missing = [f for f in fields if f not in point]
+  assert not missing, f"{missing} missing from {point}"
+  assert all(point[f] > 0 for f in fields), {f: point[f] for f in fields}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_the_docstring(script):
+  out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"],
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert "--json" in out.stdout and "python3 benchmarks/" + script in out.stdout
+
+
+def test_train_gpt_offload_with_the_delayed_update(records):
+  (point,) = points(records, "train_gpt")
+  assert point["status"] == "ok" and point["config"] == "offload_dpu", point
+  check_positive(point, ENGINE_FIELDS + ("device_step_s",))
+  assert point["offloaded_fraction"] == 1.0 and point["peak_gpu_gib"] == 0  # a CPU: no GPU peak
+  assert "d2h_gb_s" not in point  # the pinned bandwidth: GPUs only
+  assert "offload_dpu" in records["train_gpt"][1]  # the summary table
+
+
+def test_train_llama_offload(records):
+  (point,) = points(records, "train_llama")
+  assert point["status"] == "ok" and point["model"] == "llama-tiny", point
+  check_positive(point, ENGINE_FIELDS + ("flops_per_token",))
+  assert "device_step_s" not in point  # --no-breakdown
+
+
+@pytest.mark.parametrize("name", ["peers_gpt", "peers_hf"])
+def test_pytorch_alone(records, name):
+  (point,) = points(records, name)
+  assert point["status"] == "ok" and point["system"] == "torch", point
+  check_positive(point, ("step_s", "tokens_per_s", "tflops", "n_params", "host_rss_peak_gib"))
+  assert point["device"] == "cpu" and len(point["losses"]) >= 2
+
+
+@pytest.mark.skipif(DEEPSPEED, reason="DeepSpeed is installed here")
+@pytest.mark.parametrize("command", [["peers_gpt.py", "--model", "tiny"],
+                                     ["peers_hf.py", "--shape", "llama-tiny"]])
+def test_deepspeed_missing_is_one_line(command):
+  out = subprocess.run([sys.executable, str(BENCHMARKS / command[0]), *command[1:], "--system",
+                        "deepspeed"], capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0
+  assert out.stderr.strip() == "DeepSpeed is not installed (pip install deepspeed)"
+
+
+def test_figures_smoke_part(records):
+  jzo, deepspeed = points(records, "figures")
+  assert jzo["status"] == "ok" and jzo["system"] == "jzo offload auto + DPU", jzo
+  assert jzo["part"] == "13b" and jzo["moments"] == "bf16" and jzo["step_s_rounds"]
+  check_positive(jzo, ("step_s", "tflops", "n_params"))
+  assert deepspeed["system"] == "DeepSpeed ZeRO-2 offload" and deepspeed["n_params"] > 0
+  if not DEEPSPEED:  # a point that did not train says why
+    assert deepspeed["status"] == "error", deepspeed
+    assert "DeepSpeed is not installed" in deepspeed["detail"][-1]
+
+
+def test_largest_model_planned_then_trained(records):
+  (point,) = points(records, "largest_model")
+  assert point["n_layer"] == max(point["layers_by_placement"].values()) > 2, point
+  trained = point["trained"]
+  assert trained["status"] == "ok" and trained["n_layer"] == point["n_layer"], trained
+  assert trained["stage"] == 3 and trained["n_params"] == point["n_params"]
+  check_positive(trained, ("step_s", "tflops", "planned_gpu_gib", "planned_host_gib"))
+
+
+def test_zero_stages(records):
+  (point,) = points(records, "zero_stages")
+  assert point["status"] == "ok" and point["stage"] == 2 and point["gpus"] == 1, point
+  check_positive(point, ("step_s", "tokens_per_s", "tflops", "x_one_gpu"))
+
+
+def test_plot_draws_every_figure_from_the_records(tmp_path):
+  out = subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    import plot
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  present = {p.stem for p in (BENCHMARKS / "records").glob("*.json")}
+  expected = {name for name, needs in plot.RECORDS.items() if set(needs) <= present}
+  assert expected >= set(plot.DRAW) - {"moments-quality"}  # the records behind the figures
+  drawn = {p.stem for p in tmp_path.glob("*.png") if p.stat().st_size > 10_000}
+  assert drawn == expected
+
+
+def test_gpu_sh_parses_and_every_part_in_its_header_has_a_case():
+  script = BENCHMARKS / "gpu.sh"
+  assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+  text = script.read_text()
+  header = text.split("# Parts:", 1)[1].split("\nset ", 1)[0]
+  named = re.findall(r"^#   ([a-z0-9-]+)  ", header, re.MULTILINE)
+  cases = set(re.findall(r"^    ([a-z0-9-]+)\)", text, re.MULTILINE))
+  assert "tests" in named and len(named) >= 10
+  assert set(named) == cases, (set(named) ^ cases)
