@@ -73,7 +73,8 @@ def run_all(args) -> list[dict]:
   """Each dtype's run as a child, --jobs at once; the points, fp32's first."""
   env = {}
   if args.jobs == 1:  # one after another: the later runs load the first one's executables
-    env = {"JAX_COMPILATION_CACHE_DIR": os.path.join(args.out, "jax-cache"),
+    env = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                       os.path.join(args.out, "jax-cache")),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   elif "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / args.jobs:.2f}"
