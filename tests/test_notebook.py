@@ -1,4 +1,4 @@
-"""experiments/colab_quickstart.ipynb runs top to bottom on the CPU with the
+"""docs/colab_quickstart.ipynb runs top to bottom on the CPU with the
 small sizes it takes from JZO_NOTEBOOK_SMALL=1, in a real Jupyter kernel
 (nbclient), so that it cannot rot: it installs nothing (jzo is here),
 prints the devices, trains and draws the loss curve."""
@@ -8,7 +8,7 @@ import pathlib
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "colab_quickstart.ipynb"
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "docs" / "colab_quickstart.ipynb"
 
 
 def test_the_colab_quickstart_runs_on_cpu(tmp_path, monkeypatch):
