@@ -31,7 +31,8 @@ move (float32 grads and moments: read param, grad, mu, nu and write param, mu,
 nu, 28 B; bfloat16 grads read 2 B and a 2-byte copy is written); and the ratios
 jzo / torch, jzo / deepspeed, jzo / optax, engine-int8 / engine-fp32 and
 engine-bf16 / engine-fp32 (parameters a second over parameters a second) of
-the systems that ran. Params and grads are random and non-zero, jzo's moments
+the systems that ran: their median, spread and count over the rounds (in
+turns also the ratio of the two systems' median steps, "of_medians"). Params and grads are random and non-zero, jzo's moments
 too; the others' moments are made by their first (untimed) steps.
 
 Every process is held to --threads CPUs (its affinity mask), and jzo and torch
@@ -201,14 +202,19 @@ def rate_point(mode: str, name: str, log2_n: int, nbytes: int, seconds: list[flo
           "step_s": harness.stats(seconds)}
 
 
-def ratio_points(mode: str, log2_n: int, rounds: list[dict[str, float]]) -> list[dict]:
-  """RATIOS of the systems in `rounds` (each: a system's step seconds in one round)."""
+def ratio_points(mode: str, log2_n: int, rounds: list[dict[str, float]],
+                 medians: dict[str, float] | None = None) -> list[dict]:
+  """RATIOS of the systems in `rounds` (each: a system's step seconds in one
+  round); with `medians` (each system's median step over all rounds) also
+  their ratio, "of_medians"."""
   points = []
   for a, b in RATIOS:
     values = [r[b] / r[a] for r in rounds if a in r and b in r]
     if values:
       points.append({"status": "ok", "mode": mode, "ratio": f"{a} / {b}", "log2_n": log2_n,
                      **harness.stats(values), "values": values})
+      if medians:
+        points[-1]["of_medians"] = medians[b] / medians[a]
   return points
 
 
@@ -242,11 +248,12 @@ def turns(args) -> list[dict]:
           step()
           times[name].append(time.perf_counter() - start)
       rounds.append(times)
-    for name in systems:
-      seconds = [t for r in rounds for t in r[name]]
-      points.append(rate_point("turns", name, log2_n, made[name][1], seconds))
+    seconds = {name: [t for r in rounds for t in r[name]] for name in systems}
+    points += [rate_point("turns", name, log2_n, made[name][1], seconds[name])
+               for name in systems]
     points += ratio_points("turns", log2_n, [{k: statistics.median(v) for k, v in r.items()}
-                                             for r in rounds])
+                                             for r in rounds],
+                           {k: statistics.median(v) for k, v in seconds.items()})
     del made
   return points
 
@@ -309,11 +316,13 @@ def report(points: list[dict]) -> None:
     elif "system" in p:
       print(f"{p['mode']:<10} {p['system']:<12} {'2^%d' % p['log2_n']:>5} {p['status']}: "
             f"{' '.join(p.get('detail', []))[-200:]}")
-  print(f"\n{'mode':<10} {'ratio':<28} {'N':>5} {'median':>7} {'min':>6} {'max':>6} {'>= 1':>6}")
+  print(f"\n{'mode':<10} {'ratio':<28} {'N':>5} {'median':>7} {'min':>6} {'max':>6} {'>= 1':>9}"
+        f" {'of medians':>10}")
   for p in points:
     if "ratio" in p:
       print(f"{p['mode']:<10} {p['ratio']:<28} {'2^%d' % p['log2_n']:>5} {p['median']:7.2f} "
-            f"{p['min']:6.2f} {p['max']:6.2f} {sum(v >= 1 for v in p['values']):>3} of {p['n']}")
+            f"{p['min']:6.2f} {p['max']:6.2f} {sum(v >= 1 for v in p['values']):>3} of "
+            f"{p['n']:<2} {p.get('of_medians', float('nan')):10.2f}")
 
 
 def main() -> None:
