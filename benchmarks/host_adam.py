@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import itertools
 import os
@@ -255,6 +256,7 @@ def turns(args) -> list[dict]:
                                              for r in rounds],
                            {k: statistics.median(v) for k, v in seconds.items()})
     del made
+    gc.collect()
   return points
 
 
