@@ -114,19 +114,24 @@ def gib(nbytes) -> float:
   return nbytes / 2**30
 
 
+def before_jax(args, family: Family, name: str) -> None:
+  """What must precede JAX's GPU backend, as in the recipe: XLA may hand out
+  95% of a GPU, and with offload its pinned pool is not rounded up past the
+  landing buffers (at most 2 B a parameter)."""
+  from jzo.recipe.loop import claim_gpu_memory
+  claim_gpu_memory()
+  if CONFIGS[name] is not False:
+    import jzo
+    jzo.plan.limit_pinned_pool(2 * model_config(args, family)[1].n_params, args.gpus)
+
+
 def build(args, family: Family, name: str):
   """The engine of configuration `name` over the first --gpus devices, and
   the activation bytes the plan makes room for at each micro-batch."""
   offload = CONFIGS[name]
   models, config, params = model_config(args, family)
-  from jzo.recipe.loop import claim_gpu_memory
-  claim_gpu_memory()  # before JAX starts its GPU backend, as the recipe
-  import jzo
-  if offload is not False:
-    # As the recipe: the pinned pool is not rounded up past the landing
-    # buffers (at most 2 B a parameter).
-    jzo.plan.limit_pinned_pool(2 * config.n_params, args.gpus)
   import jax
+  import jzo
   import jax.numpy as jnp
   import numpy as np
   import optax
@@ -164,6 +169,7 @@ def build(args, family: Family, name: str):
 def measure_config(args, family: Family, name: str) -> list[dict]:
   """In a child: builds configuration `name` and measures it at each
   micro-batch; its points."""
+  before_jax(args, family, name)
   import jax
   jax.devices()  # the runtime's own host memory counts as the baseline
   rss_before = harness.host_rss_gib()

@@ -77,12 +77,12 @@ class Parts:
     return model, n_layer, batch, steps, []
 
   def jzo(self, model, config, *, batch=(8,), n_layer=None, moments="fp32", steps=4,
-          limit=300, gpus=1, stage=2):
+          limit=300, gpus=1, stage=2, breakdown=True):
     model, n_layer, batch, steps, extra = self._size(model, n_layer, batch, steps)
     cmd = [sys.executable, os.path.join(HERE, "train_gpt.py"), "--child", config,
            "--model", model, "--batch", *map(str, batch), "--steps", str(steps),
            "--moments", moments, "--stage", str(stage), "--gpus", str(gpus), *extra]
-    if gpus > 1 and "--no-breakdown" not in cmd:
+    if not breakdown and "--no-breakdown" not in cmd:
       cmd.append("--no-breakdown")
     cmd += ["--n-layer", str(n_layer)] if n_layer else []
     return [Point(JZO[config], tuple(cmd), limit, self._about(model, n_layer, batch[0], gpus,
@@ -103,17 +103,15 @@ class Parts:
                                 "--steps", "400"])
     cmd = [sys.executable, __file__, "--loss-curve", *size, "--lr", "6e-4", "--log-every", "50",
            "--eval-every", "100", "--checkpoint-every", "0", "--sample-tokens", "0", "--offload",
-           *flags]
+           "--offload-fraction", "1", *flags]
     return [Point(name, tuple(cmd), 240)]
 
-  @staticmethod
-  def _about(model, n_layer, batch, gpus, **more):
+  def _about(self, model, n_layer, batch, gpus, **more):
     from jzo.models.gpt import PRESETS  # shapes only
-    config = PRESETS[model]
-    n_layer = n_layer or config.n_layer
-    n_params = dataclasses.replace(config, n_layer=n_layer).n_params
-    return tuple(dict(model=model, n_layer=n_layer, n_params=n_params, batch=batch, gpus=gpus,
-                      **more).items())
+    n_layer = n_layer or PRESETS[model].n_layer
+    config = dataclasses.replace(PRESETS[model], n_layer=n_layer, seq_len=32 if self.smoke else 1024)
+    return tuple(dict(model=model, n_layer=n_layer, n_params=config.n_params, batch=batch,
+                      gpus=gpus, **more).items())
 
   def points(self, part: str, counts: list[int]) -> list[Point]:
     jzo, peer = self.jzo, self.peer
@@ -141,10 +139,12 @@ class Parts:
               + self.loss_curve("loss, no DPU") + self.loss_curve("loss, DPU", "--delayed-update"))
     if part == "scale-1.5b":
       return [p for n in counts for stage in (1, 2, 3)
-              for p in jzo("gpt2-1.5b", "device", stage=stage, gpus=n, steps=5, limit=240)]
+              for p in jzo("gpt2-1.5b", "device", stage=stage, gpus=n, steps=5, limit=240,
+                           breakdown=False)]
     if part == "scale-13b":
       return [p for n in counts
-              for p in jzo("gpt2-13b", "offload_dpu", gpus=n, steps=4, limit=420)]
+              for p in jzo("gpt2-13b", "offload_dpu", gpus=n, steps=4, limit=420,
+                           breakdown=False)]
     if part == "scale-ds":
       return [p for n in counts for p in peer("deepspeed", "gpt2-13b", steps=2, limit=420, gpus=n)]
     raise ValueError(part)
@@ -158,8 +158,8 @@ def median_round(rounds: list[list[dict]]) -> list[dict]:
   at each micro-batch the round of the median step, with every round's
   step beside it; a point that never trained, its last round's failure."""
   trained = [r for r in rounds if r and all(p["status"] == "ok" for p in r)]
-  if not trained:
-    return rounds[-1]
+  if not trained or "step_s" not in trained[0][0]:  # a loss curve: its last round's
+    return trained[-1] if trained else rounds[-1]
   result = []
   for i in range(len(trained[0])):
     ranked = sorted((r[i] for r in trained), key=lambda p: p["step_s"])

@@ -332,7 +332,7 @@ def main():
   parser = harness.parser(__doc__)
   parser.add_argument("--records", default=os.path.join(here, "records"),
                       help="the folder of NAME.json records")
-  parser.add_argument("--out", default=os.path.join(here, "..", "docs", "figures"),
+  parser.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "docs", "figures")),
                       help="the folder of the PNGs")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
