@@ -1,17 +1,6 @@
 """jzo's ZeroEngine training a GPT or Llama-family model, measured: what
-train_gpt.py and train_llama.py share (their flags, the child process that
-measures one configuration, its record, the summary table).
-
-Configurations (--configs), each measured in a fresh process of its own, so
-that its GPU peak and host RSS are its own:
-  device       optax.adamw on the GPU, no offload;
-  offload      every shard's fp32 master and moments in host RAM, the C++
-               AdamW on the host, bf16 weights back;
-  offload_dpu  the same with the one-step delayed parameter update;
-  auto         offload="auto": as much of the state on the GPU as fits the
-               plan, the rest on the host;
-  auto_dpu     the same with the delayed update of the host part.
-One engine a configuration is measured at each micro-batch of --batch.
+train_gpt.py and train_llama.py share (their flags and configurations, the
+child process that measures one configuration, the record, the summary).
 """
 
 from __future__ import annotations
@@ -131,10 +120,11 @@ def build(args, family: Family, name: str):
   offload = CONFIGS[name]
   models, config, params = model_config(args, family)
   import jax
-  import jzo
   import jax.numpy as jnp
   import numpy as np
   import optax
+
+  import jzo
   devices = jax.devices()
   if args.gpus > len(devices):
     raise SystemExit(f"--gpus {args.gpus}: {len(devices)} {devices[0].platform} devices here")
@@ -181,7 +171,8 @@ def measure_config(args, family: Family, name: str) -> list[dict]:
                  build_s=build_s, host_rss_before_gib=rss_before)
             for micro in args.batch]
   on_gpu = jax.devices()[0].platform != "cpu"
-  if args.breakdown and on_gpu and engine.host_update is not None and engine.state.grads is not None:
+  host_grads = engine.host_update is not None and engine.state.grads is not None
+  if args.breakdown and on_gpu and host_grads:
     points[-1].update(transfer_bandwidth(engine))
   engine.close()
   return points

@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 
@@ -109,7 +108,8 @@ class Parts:
   def _about(self, model, n_layer, batch, gpus, **more):
     from jzo.models.gpt import PRESETS  # shapes only
     n_layer = n_layer or PRESETS[model].n_layer
-    config = dataclasses.replace(PRESETS[model], n_layer=n_layer, seq_len=32 if self.smoke else 1024)
+    config = dataclasses.replace(PRESETS[model], n_layer=n_layer,
+                                 seq_len=32 if self.smoke else 1024)
     return tuple(dict(model=model, n_layer=n_layer, n_params=config.n_params, batch=batch,
                       gpus=gpus, **more).items())
 

@@ -329,10 +329,11 @@ DRAW = {"largest-model": fig_largest_model, "throughput": fig_throughput,
 
 def main():
   here = os.path.dirname(os.path.abspath(__file__))
+  figures = os.path.normpath(os.path.join(here, "..", "docs", "figures"))
   parser = harness.parser(__doc__)
   parser.add_argument("--records", default=os.path.join(here, "records"),
                       help="the folder of NAME.json records")
-  parser.add_argument("--out", default=os.path.normpath(os.path.join(here, "..", "docs", "figures")),
+  parser.add_argument("--out", default=figures,
                       help="the folder of the PNGs")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
