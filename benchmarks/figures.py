@@ -209,7 +209,7 @@ def main():
     for name, p in names.items():
       for point in median_round(runs[name]):
         about = dict(p.about) if point["status"] != "ok" else {}
-        points.append(dict(about, **point, system=p.system, part=part))
+        points.append({**about, **point, "system": p.system, "part": part})
         print(json.dumps({k: v for k, v in points[-1].items() if k not in ("metrics", "times_s")}),
               flush=True)
     harness.write_record(args.json, "figures", args, points, with_devices=False)  # each part

@@ -128,6 +128,8 @@ def main():
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   torch_peers.require(args.system)
+  if args.gpus > 1 and args.system != "deepspeed":
+    parser.error("--gpus > 1 is for DeepSpeed (PyTorch alone trains on one GPU)")
   if args.child:
     others = torch_peers.start_ranks(args.gpus)
     point = measure(args)
