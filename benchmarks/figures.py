@@ -28,6 +28,9 @@ Parts on one GPU (GPT-2 shapes, seq 1024, micro-batch 8, full remat, bf16):
   dpu         gpt2-1.5b, all of the state on the host, with and without the
               delayed update at micro-batches 1, 2, 4, 8 (one engine each),
               and the loss of two 400-step recipe runs of gpt2-124m
+  llama-1b    Llama-3.2-1B's shape at seq 4096, micro-batch 4: jzo with offload
+              auto (as the recipe fine-tunes) against transformers'
+              LlamaForCausalLM under PyTorch alone (peers_hf.py)
 Parts over the GPU counts of --gpus (micro-batch 8 a GPU):
   scale-1.5b  gpt2-1.5b, jzo without offload at stages 1, 2 and 3
   scale-13b   gpt2-13b, jzo stage 2, all of the state on the host + DPU
@@ -50,7 +53,7 @@ import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JZO = {"device": "jzo, no offload", "offload": "jzo offload", "offload_dpu": "jzo offload + DPU",
-       "auto_dpu": "jzo offload auto + DPU"}
+       "auto": "jzo offload auto", "auto_dpu": "jzo offload auto + DPU"}
 PEERS = {"torch": "PyTorch alone", "deepspeed": "DeepSpeed ZeRO-2 offload"}
 
 
@@ -96,6 +99,21 @@ class Parts:
     cmd += ["--n-layer", str(n_layer)] if n_layer else []
     return [Point(PEERS[system], tuple(cmd), limit, self._about(model, n_layer, batch[0], gpus))]
 
+  def llama_pair(self, shape, *, seq_len=4096, batch=4, steps=6, limit=300):
+    """jzo (train_llama.py, offload auto) and PyTorch alone (peers_hf.py) on
+    one Llama-family shape."""
+    smoke = ["--device-memory-gb", "1"] if self.smoke else []  # offload auto plans for it
+    if self.smoke:
+      shape, seq_len, batch, steps = "llama-tiny", 32, 2, 1
+    size = ["--seq-len", str(seq_len), "--steps", str(steps)]
+    jzo = [sys.executable, os.path.join(HERE, "train_llama.py"), "--child", "auto",
+           "--model", shape, "--batch", str(batch), "--no-breakdown", *size, *smoke]
+    torch = [sys.executable, os.path.join(HERE, "peers_hf.py"), "--child", "--system", "torch",
+             "--shape", shape, "--micro-batch", str(batch), *size]
+    about = (("model", shape), ("batch", batch), ("seq_len", seq_len), ("gpus", 1))
+    return [Point(JZO["auto"], tuple(jzo), limit, about),
+            Point(PEERS["torch"], tuple(torch), limit, about)]
+
   def loss_curve(self, name, *flags):
     size = (["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2"]
             if self.smoke else ["--model", "gpt2-124m", "--seq-len", "512", "--batch-size", "16",
@@ -137,6 +155,8 @@ class Parts:
       return (jzo("gpt2-1.5b", "offload", batch=(1, 2, 4, 8), steps=5)
               + jzo("gpt2-1.5b", "offload_dpu", batch=(1, 2, 4, 8), steps=5)
               + self.loss_curve("loss, no DPU") + self.loss_curve("loss, DPU", "--delayed-update"))
+    if part == "llama-1b":
+      return self.llama_pair("llama-3.2-1b")
     if part == "scale-1.5b":
       return [p for n in counts for stage in (1, 2, 3)
               for p in jzo("gpt2-1.5b", "device", stage=stage, gpus=n, steps=5, limit=240,
@@ -150,7 +170,8 @@ class Parts:
     raise ValueError(part)
 
 
-PARTS = ("1.5b", "4b", "10b", "13b", "edges", "dpu", "scale-1.5b", "scale-13b", "scale-ds")
+PARTS = ("1.5b", "4b", "10b", "13b", "edges", "dpu", "llama-1b", "scale-1.5b", "scale-13b",
+         "scale-ds")
 
 
 def median_round(rounds: list[list[dict]]) -> list[dict]:

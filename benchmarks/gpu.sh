@@ -25,6 +25,9 @@
 #   scaling            over GPUS: jzo stages 1-3 without offload at gpt2-1.5b, jzo offload +
 #                      delayed update and DeepSpeed at gpt2-13b (figures.py scale-*)
 #   zero-stages        ZeRO stages 0-3 without offload over GPUS, gpt2-1.5b
+#   llama-1b           the Llama-3.2-1B shape at 4 x 4096: jzo (offload auto, as the recipe
+#                      fine-tunes) against transformers' model under PyTorch alone, 3 rounds
+#                      in turn (figures.py llama-1b)
 #   llama-finetune     llama-3.1-8b (micro-batch 4 x 4096) and qwen2.5-14b (bf16 moments) in jzo
 #   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
 #                      full shape
@@ -39,6 +42,10 @@
 #                      optax; int8 against fp32 moments
 #   moments-quality    gpt2-124m's loss with fp32, bf16 and int8 moments, 2000 steps
 #   checkpoint-io      save and restore of gpt2-10b's int8 state and gpt2-4b's fp32 state
+#   smoke-jzo          each jzo benchmark (train_gpt, train_llama, largest_model, zero_stages,
+#                      moments_quality, checkpoint_io) at one small point on this machine
+#   smoke-peers        each peer and host benchmark (peers_gpt and peers_hf under DeepSpeed,
+#                      host_adam in turns and in pairs) at one small point; plot.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -94,6 +101,7 @@ for part in "$@"; do
     largest-per-gpus)
       bench $part $part largest_model.py --gpus $GPUS --run --limit 450 ;;
     delayed-update) bench $part $part figures.py dpu ;;
+    llama-1b) bench $part $part figures.py llama-1b --rounds 3 ;;
     scaling) bench $part $part figures.py scale-1.5b scale-13b scale-ds --gpus $GPUS ;;
     zero-stages)
       bench $part $part zero_stages.py --model gpt2-1.5b --gpus $GPUS --stages 0 1 2 3 --steps 5 ;;
@@ -122,14 +130,36 @@ for part in "$@"; do
     planner-memory)
       bench $part $part train_gpt.py --configs auto --model gpt2-10b --moments fp32 --stage 3 \
         --grads-in-params --grad-accum 4 --batch 8 --steps 3 ;;
-    host-adam)
-      bench $part $part host_adam.py --sizes 16 18 20 22 24 26 28 --pairs 9
-      bench $part $part-int8 host_adam.py --pair engine-int8 engine-fp32 --sizes 26 28 --pairs 5
-      bench $part $part-turns host_adam.py --sizes 24 28 --rounds 5 ;;
+    host-adam)  # the host's CPU alone: JAX on the CPU, the GPU untouched
+      JAX_PLATFORMS=cpu bench $part $part host_adam.py --sizes 16 18 20 22 24 26 28 --pairs 9
+      JAX_PLATFORMS=cpu bench $part $part-int8 host_adam.py --pair engine-int8 engine-fp32 \
+        --sizes 26 28 --pairs 5
+      JAX_PLATFORMS=cpu bench $part $part-turns host_adam.py --sizes 24 28 --rounds 5 ;;
     moments-quality) bench $part $part moments_quality.py --steps 2000 ;;
     checkpoint-io)
       bench $part $part checkpoint_io.py --model gpt2-10b --offload true --moments int8
       bench $part $part-fp32 checkpoint_io.py --model gpt2-4b --offload true --moments fp32 ;;
+    smoke-jzo)
+      bench $part $part-train-gpt train_gpt.py --model gpt2-124m --configs device offload_dpu \
+        --batch 8 --steps 3
+      bench $part $part-train-llama train_llama.py --model llama-3.2-1b --seq-len 1024 --batch 2 \
+        --configs offload_dpu --steps 3
+      bench $part $part-largest largest_model.py --base gpt2-350m --gpus 1 --device-gb 6 \
+        --host-gb 24 --run --steps 2
+      bench $part $part-zero-stages zero_stages.py --model gpt2-124m --gpus 1 --stages 0 3 \
+        --steps 3
+      bench $part $part-moments-quality moments_quality.py --steps 60 --eval-every 30
+      bench $part $part-checkpoint-io checkpoint_io.py --model gpt2-350m --offload true \
+        --moments int8 ;;
+    smoke-peers)
+      bench $part $part-peers-gpt peers_gpt.py --model gpt2-124m --system deepspeed --batch 8 \
+        --steps 3
+      bench $part $part-peers-hf peers_hf.py --shape llama-3.2-1b --system deepspeed \
+        --seq-len 1024 --micro-batch 2 --steps 3
+      JAX_PLATFORMS=cpu bench $part $part-host-adam host_adam.py --sizes 24 --pairs 2
+      JAX_PLATFORMS=cpu bench $part $part-host-adam-turns host_adam.py --sizes 24 --rounds 2
+      python3 benchmarks/plot.py --out "$OUT/figures" >>"$OUT/$part.log" 2>&1
+      echo "$part: plot.py: exit $?" ;;
     *) echo "unknown part $part (the parts are listed at the top of benchmarks/gpu.sh)"; exit 2 ;;
   esac
 done
