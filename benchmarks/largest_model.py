@@ -72,17 +72,25 @@ def largest_layers(gpus: int, placement: str, args) -> int:
 
 
 def device_gib() -> float:
-  """GiB of this machine's first accelerator a plan may use, asked of a
-  process of its own: JAX here would hold every GPU while the runs train."""
+  """GiB of this machine's first accelerator a plan may use (0: none reports
+  its memory), asked of a process of its own: JAX here would hold every GPU
+  while the runs train."""
   ask = ("import jax, jzo.plan as p; "
          "print((p.device_memory_limit(jax.devices()[0]) or 0) / 2**30)")
   first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=first, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env)
-  gib = float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
-  if not gib:
-    raise SystemExit(f"no accelerator's memory to plan with: give --device-gb\n{done.stderr}")
-  return gib
+  return float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0.0
+
+
+def run_environment(args, machine_gib: float | None) -> dict[str, str]:
+  """The run's GPU allocator held to --device-gb where that is less than the
+  machine's: the allocator's host tables, which the plan counts, then match
+  the device the search planned for."""
+  if not machine_gib or args.device_gb >= machine_gib:
+    return {}
+  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
+  return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction * args.device_gb / machine_gib:.4f}"}
 
 
 def main():
@@ -102,7 +110,10 @@ def main():
   args = parser.parse_args()
   import jax
   jax.config.update("jax_platforms", "cpu")  # the search plans from shapes: no GPU taken
-  args.device_gb = args.device_gb or device_gib()
+  machine_gib = device_gib()
+  args.device_gb = args.device_gb or machine_gib
+  if not args.device_gb:
+    parser.error("no accelerator here reports its memory: give --device-gb")
   if not args.host_gb:  # read once, before any run: the search and each run plan with it
     from jzo.plan import available_host_memory
     args.host_gb = available_host_memory() / 2**30
@@ -124,7 +135,8 @@ def main():
              "--moments", args.moments, "--steps", str(args.steps), "--no-breakdown",
              "--device-memory-gb", str(args.device_gb), "--host-memory-gb", str(args.host_gb)]
       # The environment's JAX_PLATFORMS for the run (this process's is set in jax.config).
-      point["trained"] = harness.run_child(cmd, timeout_s=args.limit)[0]
+      point["trained"] = harness.run_child(cmd, timeout_s=args.limit,
+                                           env=run_environment(args, machine_gib))[0]
       run = point["trained"]
       print(f"  trained: {run['status']}" + (f", {run['tflops']:.1f} TFLOPS a GPU"
                                              if run["status"] == "ok" else ""), flush=True)

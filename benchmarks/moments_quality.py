@@ -76,8 +76,9 @@ def run_all(args) -> list[dict]:
     env = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                        os.path.join(args.out, "jax-cache")),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  elif "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / args.jobs:.2f}"
+  else:  # each run at once gets its share of the GPU this environment allows
+    whole = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{whole / args.jobs:.3f}"
   passed = sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                 ("model", "seq_len", "batch_size", "steps", "eval_every", "eval_batches", "seed",
                  "out")), [])
