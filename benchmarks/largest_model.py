@@ -50,12 +50,19 @@ def fits(n_layer: int, gpus: int, placement: str, args) -> bool:
   import jax
   import jzo
   from jzo.models import gpt
+  from jzo.plan import host_runtime_bytes
   config = base_config(args, n_layer)
   shapes = jax.eval_shape(lambda: gpt.init_params(config, jax.random.PRNGKey(0)))
+  device_memory = int(args.device_gb * 2**30)
+  # The search runs on the CPU (it takes no GPU from the runs), where
+  # jzo.estimate counts a CPU process's runtime: what the run's GPUs add to
+  # it (their allocators' tables, a driver each) comes off the host here.
+  gpu_runtime = (host_runtime_bytes(gpus, "gpu", device_memory)
+                 - host_runtime_bytes(gpus, "cpu", device_memory))
   return jzo.estimate(shapes, activations=gpt.activation_bytes(config, args.batch, args.seq_len),
                       devices=gpus, stage=3, layers="blocks", moments=args.moments,
-                      device_memory=int(args.device_gb * 2**30),
-                      host_memory=int(args.host_gb * 2**30),
+                      device_memory=device_memory,
+                      host_memory=int(args.host_gb * 2**30) - gpu_runtime,
                       **PLACEMENTS[placement][1]).fits
 
 

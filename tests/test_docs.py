@@ -68,7 +68,7 @@ def environment() -> dict:
   return env
 
 
-@pytest.mark.parametrize("page,line,language,code", examples())
+@pytest.mark.parametrize("page,line,language,code", list(examples()))
 def test_example_runs_as_written(page, line, language, code, tmp_path):
   where = f"{page.relative_to(ROOT)}:{line}"
   assert language, f"{where}: a code block without a language (```python, ```bash; ```text for output)"
