@@ -13,7 +13,7 @@ byte), and the final held-out loss against fp32's, in percent. The record's
 points hold the curves, one a dtype (moments, steps, train_loss, eval_steps,
 eval_loss); benchmarks/plot.py draws them.
 
-  python3 benchmarks/moments_quality.py --steps 2000 --json moments_quality.json
+  python3 benchmarks/moments_quality.py --steps 2000 --json moments-quality.json
   python3 benchmarks/moments_quality.py --model tiny --steps 4 --seq-len 32 --batch-size 2 \\
       --eval-every 2 --eval-batches 1 --jobs 1
 """
