@@ -101,8 +101,16 @@ def write_record(path: str | None, benchmark: str, args: argparse.Namespace,
             "points": points}
   if path:
     with open(path, "w") as f:
-      json.dump(record, f, indent=1)
+      f.write(dumps(record))
   return record
+
+
+def dumps(record: dict) -> str:
+  """A record as JSON text, a point a line (diffs and line counts stay small)."""
+  head = json.dumps({k: v for k, v in record.items() if k != "points"})
+  points = ",\n".join(json.dumps(p) for p in record["points"])
+  return f'{head[:-1]}, "points": [\n{points}\n]}}\n'
+
 
 
 def read_record(path: str) -> dict:

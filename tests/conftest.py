@@ -56,16 +56,19 @@ if "JAX_PLATFORMS" not in os.environ:
 # own order is by the number of tests in a file) each worker takes the next
 # file as the one it runs has two tests left: started last, a long file kept
 # one worker busy for minutes after the other had run out of files.
-SLOWEST_FILES = ("test_train.py",  # ~240 s
+SLOWEST_FILES = ("test_docs.py",  # every example of README.md and docs/
+                 "test_train.py",  # ~240 s
                  "test_cli.py",  # ~230 s
                  "test_multiprocess.py",  # ~205 s
                  "test_grads_in_params.py",  # ~195 s
                  "test_multiprocess_signals.py",  # ~180 s
                  "test_resilience.py",  # ~180 s
+                 "test_benchmarks.py",  # ~130 s
                  "test_accumulation.py",  # ~125 s
                  "test_engine.py",  # ~125 s
                  "test_cpu_adam.py",  # ~120 s
                  "test_state_spans.py",  # ~105 s
+                 "test_benchmarks_host.py",  # ~90 s
                  "test_placement.py",  # ~90 s
                  "test_offload.py",  # ~85 s
                  "test_export.py",  # ~75 s
