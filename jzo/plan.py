@@ -864,7 +864,10 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
   if landing_limit is not None:
     return _make_plan(shapes, tx_state_bytes, options, landing_limit=landing_limit,
                       host_memory=host_memory, **kw)
-  plan = _make_plan(shapes, tx_state_bytes, options, landing_limit=0, host_memory=None, **kw)
+  # Checked below, once the landing buffers are chosen: a whole set's exchange
+  # may not fit the device where the streamed update's spans do.
+  plan = _make_plan(shapes, tx_state_bytes, options, landing_limit=0, host_memory=None,
+                    **{**kw, "checked": False})
 
   def check(plan: Plan) -> None:
     if checked:
@@ -885,7 +888,9 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
     check(plan)
     return plan
   if not plan.has_host_state:
-    return dataclasses.replace(plan, host_accumulation=False)
+    plan = dataclasses.replace(plan, host_accumulation=False)
+    check(plan)
+    return plan
   try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
     check(plan)
     return plan

@@ -300,6 +300,19 @@ def test_estimate_cli_on_the_10b_model_and_an_h100(capsys):
   assert out.returncode == 0 and "checkpoint writes" not in out.stdout
 
 
+def test_the_device_is_checked_against_the_landing_buffers_the_plan_chose(capsys):
+  """Where a whole set of landing buffers would not fit the device beside the
+  exchange, the update streams through spans: the device is checked against
+  that plan, the one the table shows, not against the set it replaced."""
+  gpt2_20b = ("--model", "gpt2-20b", "--moments", "int8", "--host-gb", "125")
+  out = estimate_here(capsys, *gpt2_20b, "--device-gb", "85")
+  assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stdout
+  assert "landing (streamed)" in out.stdout
+  out = estimate_here(capsys, *gpt2_20b, "--device-gb", "80")
+  peak = next(line.split()[2] for line in out.stdout.splitlines() if "total (peak)" in line)
+  assert out.returncode == 1 and f"needs {peak} GiB per device" in out.stdout, out.stdout
+
+
 def test_estimate_cli_help_and_bad_input(capsys):
   out = run_estimate("--help")
   assert out.returncode == 0 and "--device-gb" in out.stdout
