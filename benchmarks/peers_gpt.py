@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import harness
 import torch_peers
@@ -143,17 +142,7 @@ def main():
   config = dataclasses.replace(config, n_layer=args.n_layer or config.n_layer)
   about = {"system": args.system, "model": args.model, "n_layer": config.n_layer,
            "n_params": config.n_params, "batch": args.batch, "seq_len": args.seq_len}
-  points = [dict(about, **p) for p in harness.run_child(
-      [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child"],
-      timeout_s=args.timeout)]
-  harness.write_record(args.json, "peers_gpt", args, points, with_devices=False)
-  p = points[0]
-  print(f"{args.system} {args.model} ({config.n_params / 1e9:.2f}B): " + (
-      f"{p['step_s']:.3f} s/step, {p['tflops']:.1f} TFLOPS a GPU, GPU peak "
-      f"{p['peak_gpu_gib']:.1f} GiB, host RSS peak {p['host_rss_peak_gib']:.1f} GiB"
-      if p["status"] == "ok" else f"{p['status']}: {(p.get('detail') or [''])[-1]}"))
-  harness.child_result(points)
-
+  torch_peers.run_and_record(args, "peers_gpt", about, args.model)
 
 if __name__ == "__main__":
   main()

@@ -226,17 +226,7 @@ def main():
   about = {"system": args.system, "shape": args.shape, "family": family,
            "n_layer": config["num_hidden_layers"], "n_params": count_params(family, config),
            "micro_batch": args.micro_batch, "seq_len": args.seq_len}
-  points = [dict(about, **p) for p in harness.run_child(
-      [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child"],
-      timeout_s=args.timeout)]
-  harness.write_record(args.json, "peers_hf", args, points, with_devices=False)
-  p = points[0]
-  print(f"{args.system} {args.shape} ({about['n_params'] / 1e9:.2f}B): " + (
-      f"{p['step_s']:.3f} s/step, {p['tflops']:.1f} TFLOPS, GPU peak {p['peak_gpu_gib']:.1f} "
-      f"GiB, host RSS peak {p['host_rss_peak_gib']:.1f} GiB"
-      if p["status"] == "ok" else f"{p['status']}: {(p.get('detail') or [''])[-1]}"))
-  harness.child_result(points)
-
+  torch_peers.run_and_record(args, "peers_hf", about, args.shape)
 
 if __name__ == "__main__":
   main()

@@ -138,3 +138,20 @@ def out_of_memory(error: BaseException) -> dict:
   return {"status": "oom", "detail": str(error).splitlines()[:1],
           "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30
           if torch.cuda.is_available() else 0.0}
+
+
+def run_and_record(args, benchmark: str, about: dict, name: str) -> None:
+  """The parent's part of a peer benchmark: this script again as a child
+  (--child) with a time limit, its point beside `about` in the record, and a
+  line of what it measured for `name`."""
+  import harness
+  script = os.path.abspath(sys.argv[0])
+  points = [dict(about, **p) for p in harness.run_child(
+      [sys.executable, script, *sys.argv[1:], "--child"], timeout_s=args.timeout)]
+  harness.write_record(args.json, benchmark, args, points, with_devices=False)
+  p = points[0]
+  print(f"{args.system} {name} ({about['n_params'] / 1e9:.2f}B): " + (
+      f"{p['step_s']:.3f} s/step, {p['tflops']:.1f} TFLOPS a GPU, GPU peak "
+      f"{p['peak_gpu_gib']:.1f} GiB, host RSS peak {p['host_rss_peak_gib']:.1f} GiB"
+      if p["status"] == "ok" else f"{p['status']}: {(p.get('detail') or [''])[-1]}"))
+  harness.child_result(points)
