@@ -887,9 +887,10 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
       plan = dataclasses.replace(plan, landing_limit=STREAM_LANDING_BYTES)
     check(plan)
     return plan
-  if not plan.has_host_state:
+  if not plan.has_host_state:  # nothing on the host: the device alone is checked
     plan = dataclasses.replace(plan, host_accumulation=False)
-    check(plan)
+    if checked:
+      check_fits(plan, activations=activations, device_memory=device_memory, host_memory=None)
     return plan
   try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
     check(plan)
