@@ -45,7 +45,7 @@ def checksum(engine) -> dict[str, int]:
   span from the live state (as a save reads it)."""
   import jax
   import numpy as np
-  from jzo import state_spans
+  from jzo.checkpoint import spans as state_spans
   saved = engine.state_dict(streamed=True)
   sums = {}
   for name in SAVED:

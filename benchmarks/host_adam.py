@@ -6,7 +6,7 @@ call in host memory (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01):
   jzo          jzo.kernels.adam_step_ on float32 gradients;
   engine-M     the same kernel as the offload engine runs it: bfloat16 gradients
                in, a bfloat16 copy of the new weights out, moments M (fp32, bf16
-               or int8, jzo.quant8): 28, 20 and 16 bytes a parameter;
+               or int8, jzo.kernels.quant8): 28, 20 and 16 bytes a parameter;
   torch        torch.optim.AdamW(fused=True) on CPU tensors;
   deepspeed    DeepSpeedCPUAdam(adamw_mode=True), skipped where DeepSpeed is not
                installed (its op is compiled on first use: a minute or two);
@@ -89,7 +89,8 @@ def jzo_system(n: int, moments: str | None):
   """jzo's kernel: (step, bytes a step). moments None: float32 grads, no copy
   out; else the engine's pass with moments of that dtype."""
   import ml_dtypes
-  from jzo import kernels, quant8
+  from jzo import kernels
+  from jzo.kernels import quant8
   param, grad, mu, nu = random_state(n)
   lowp_out, nbytes = None, 28 * n
   if moments is not None:

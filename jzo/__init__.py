@@ -16,16 +16,17 @@ Public API:
   `python -m jzo.train`: the GPT training recipe.
 """
 
-from jzo import distributed, kernels
-from jzo.cpu_adam import CpuAdamState, CpuAdamTransform, adamw_step, cpu_adam, cpu_adamw
-from jzo.engine import ZeroEngine
-from jzo.host_leaf import HostLeaf
+from jzo.parallel import distributed
+from jzo import kernels
+from jzo.kernels.cpu_adam import CpuAdamState, CpuAdamTransform, adamw_step, cpu_adam, cpu_adamw
+from jzo.engine.engine import ZeroEngine
+from jzo.host.leaf import HostLeaf
 from jzo.options import EngineOptions
-from jzo.planner import estimate, pick_micro_batch
+from jzo.plan.fit import estimate, pick_micro_batch
 from jzo.plan import Plan, PlacementError
 from jzo.step import EngineState, StepMetrics
-from jzo.layer_scan import scan_layers
-from jzo.partition import gather_layer
+from jzo.parallel.layer_scan import scan_layers
+from jzo.parallel.partition import gather_layer
 from jzo.precision import LossScale
 
 __all__ = ["CpuAdamState", "CpuAdamTransform", "EngineOptions", "EngineState", "HostLeaf",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzo.precision import resolve_precision
-from jzo.transfer import HOST_TRANSFERS
+from jzo.host.transfer import HOST_TRANSFERS
 
 ACCUMULATIONS = ("auto", "device", "host", "layers")
 
@@ -111,7 +111,7 @@ class EngineOptions:
   def grad_dtype(self) -> np.dtype:
     """The gradients the step keeps or ships: several micro-batches are
     summed in float32 on the device when the device's optimizer keeps the
-    sum; offload ships the compute dtype (jzo.step)."""
+    sum; offload ships the compute dtype (jzo.step.step)."""
     if self.grad_accum > 1 and not self.offloading:
       return np.dtype(np.float32)
     return self.compute_dtype

@@ -29,7 +29,7 @@ JAX_NUM_PROCESSES and JAX_PROCESS_ID, or JZO_DISTRIBUTED=auto under Slurm, Open
 MPI or a TPU pod; jzo.distributed): each feeds its devices' rows of every
 batch and writes its shards of each checkpoint; process 0 alone prints, logs
 and plots. They stop together: a signal to any stops all at one step, and
-one that fails or dies stops the others (jzo.peer_watch).
+one that fails or dies stops the others (jzo.parallel.peer_watch).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import os
 import sys
 import traceback
 
-from jzo import config as config_lib
+from jzo.recipe import config as config_lib
 from jzo.recipe.loop import claim_gpu_memory, start_processes, train
 from jzo.recipe.options import TrainConfig, UserError
-from jzo.peer_watch import PeerWatch
-from jzo.quick_exit import quick_exit
+from jzo.parallel.peer_watch import PeerWatch
+from jzo.recipe.quick_exit import quick_exit
 from jzo.recipe.signals import Interrupted, Interrupts, quiet_failed_reads
 
 

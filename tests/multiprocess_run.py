@@ -26,9 +26,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jzo
-from jzo import checkpoint, distributed, state_dict, state_spans
-from jzo.partition import is_layout
-from jzo.quick_exit import quick_exit
+from jzo import checkpoint
+from jzo.parallel import distributed
+from jzo.checkpoint import state_dict
+from jzo.checkpoint import spans as state_spans
+from jzo.parallel.partition import is_layout
+from jzo.recipe.quick_exit import quick_exit
 from test_engine import batches, init_params, loss_fn
 from test_grads_in_params import loss_fn as scanned_loss_fn
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import kernels, planner
+from jzo import kernels
+from jzo import plan as planner
 from jzo.plan import GiB, PlacementError
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_nonfinite import poisoned_loss, with_poison
@@ -97,7 +98,7 @@ def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part(mo
   parts only and compute-dtype gradients of the host parts; between steps
   no accumulator at all, so checkpoints are unchanged."""
   between = []  # (shape, dtype) of the sums and gradients after each micro-batch
-  make_micro_step = jzo.step.make_micro_step
+  make_micro_step = jzo.step.step.make_micro_step
 
   def watched_make_micro_step(*args, **kwargs):
     micro_step = make_micro_step(*args, **kwargs)
@@ -108,7 +109,7 @@ def test_the_device_holds_one_micro_batch_and_no_float32_sum_of_the_host_part(mo
                       [x.dtype for x in jax.tree.leaves(state.grads)]))
       return state, loss
     return watched
-  monkeypatch.setattr(jzo.step, "make_micro_step", watched_make_micro_step)
+  monkeypatch.setattr(jzo.step.step, "make_micro_step", watched_make_micro_step)
   on_device, on_host = engines(stage=2, offload=0.5, compute_dtype=jnp.bfloat16)
   b = batches(1, size=64)[0]
   on_host.step(b)

@@ -1,4 +1,4 @@
-"""The command lines (jzo.config, the parser of jzo.train, jzo.estimate and
+"""The command lines (jzo.recipe.config, the parser of jzo.train, jzo.estimate and
 jzo.export): --help lists every option with its help and default, presets
 load, and every mistake gets one line on stderr and status 2, no traceback:
 in an option, a preset, a data file (missing, empty, binary, unreadable) or
@@ -29,8 +29,10 @@ import textwrap
 
 import pytest
 
-from jzo import config as config_lib
-from jzo import export, plan, train
+from jzo.recipe import config as config_lib
+from jzo import train
+from jzo.recipe import export
+from jzo import plan
 from jzo.recipe import estimate as estimate_cli
 from jzo.recipe.options import ALL_WEIGHTS_FIT
 
@@ -225,7 +227,7 @@ def test_estimate_plans_the_share_of_the_gpu_the_recipe_claims(monkeypatch, caps
   """jzo.estimate reads the GPU's limit under the share of its memory that
   jzo.train claims (JAX's default, 75%, would plan for 20 GB less of an
   H100 than training has), and leaves the environment as it was."""
-  from jzo import planner
+  from jzo import plan as planner
   from jzo.recipe import loop
   var = "XLA_PYTHON_CLIENT_MEM_FRACTION"
   monkeypatch.delenv(var, raising=False)

@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import jzo
-from jzo.cpu_adam import xla_step, xla_update
-from jzo.kernels import adam_scalars
+from jzo.kernels.cpu_adam import xla_step, xla_update
+from jzo.kernels.ops import adam_scalars
 
 SHAPES = {"scalar": (), "one": (1,), "seven": (7,), "fifteen": (15,), "seventeen": (17,),
           "k": (1023,), "big": (2**20 + 3,), "cube": (3, 5, 7),

@@ -18,9 +18,11 @@ from flax import nnx, traverse_util
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from jzo import checkpoint, export, train
+from jzo import train
+from jzo import checkpoint
+from jzo.recipe import export
 from jzo.recipe import loop
-from jzo.partition import LeafLayout
+from jzo.parallel.partition import LeafLayout
 from jzo.models import gpt
 
 # Two steps of the tiny GPT, a checkpoint after each.

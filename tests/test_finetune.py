@@ -20,7 +20,8 @@ import tokenizers
 import torch
 import transformers
 
-from jzo import export, train
+from jzo import train
+from jzo.recipe import export
 from jzo.models import llama
 from jzo.recipe import data as data_lib
 

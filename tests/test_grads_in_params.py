@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import layer_scan
+from jzo.parallel import layer_scan
 from test_engine import DIN, DOUT, LAYERS, assert_close, batches, init_params, mesh_of
 from test_offload import TX
 

@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import jzo
-from jzo import kernels, native
+from jzo import native
+from jzo import kernels
 
 BF16 = ml_dtypes.bfloat16
 X86_LEVELS = list(kernels.supported_simd_levels())

@@ -25,8 +25,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 import multiprocess_run as run
-from jzo import checkpoint, quant8, state_dict, state_spans
-from jzo.partition import LeafLayout
+from jzo import checkpoint
+from jzo.kernels import quant8
+from jzo.checkpoint import state_dict
+from jzo.checkpoint import spans as state_spans
+from jzo.parallel.partition import LeafLayout
 from test_engine import HIDDEN, LAYERS, mesh_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -266,8 +269,8 @@ def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
 # Process 0 of a pair starts the peer watch, whose other process never connects.
 _LONE_WATCH = """
 import os, time
-from jzo import distributed
-from jzo.peer_watch import PeerWatch
+from jzo.parallel import distributed
+from jzo.parallel.peer_watch import PeerWatch
 distributed.initialize_from_environment()
 if distributed.is_primary():
   try:

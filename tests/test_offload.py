@@ -68,7 +68,7 @@ def test_a_device_step_run_alone_lets_go_of_the_gradients_before_the_next(monkey
   an H100 gpt2-10b has no room for two sets)."""
   import weakref
   previous, held = [], []
-  make_step = jzo.step.make_step
+  make_step = jzo.step.step.make_step
 
   def watched_make_step(*args, **kwargs):
     step = make_step(*args, **kwargs)
@@ -77,7 +77,7 @@ def test_a_device_step_run_alone_lets_go_of_the_gradients_before_the_next(monkey
       held.append(sum(r() is not None for r in previous))
       return step(state, batch)
     return watched
-  monkeypatch.setattr(jzo.step, "make_step", watched_make_step)
+  monkeypatch.setattr(jzo.step.step, "make_step", watched_make_step)
   engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(1))
   b = batches(1)[0]
   engine.run_device_step(b)
@@ -184,7 +184,8 @@ def test_host_update_yields_leaves_largest_first_with_their_new_weights():
   """The pipelined upload sends each leaf as soon as it is yielded: its
   landing buffer must already hold the new weights (written over the
   gradients), and the big leaves come first."""
-  from jzo import offload, plan
+  from jzo.host import update as offload
+  from jzo import plan
   params = init_params()
   hyper = jzo.cpu_adamw(1e-2).hyperparams
   layout_plan = plan.make_plan(params, 8, jzo.EngineOptions(offload=True, dpu_warmup=0),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import transfer
+from jzo.host import transfer
 from test_engine import assert_close, batches, init_params, loss_fn
 
 try:

@@ -16,7 +16,7 @@ import pytest
 
 import jzo
 from jzo import step as step_lib
-from jzo.partition import is_layout
+from jzo.parallel.partition import is_layout
 from jzo.plan import DEVICE_HEADROOM
 from test_engine import LAYERS, assert_close, batches, init_params, mesh_of
 from test_grads_in_params import engine, loss_fn

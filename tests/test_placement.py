@@ -15,7 +15,9 @@ import optax
 import pytest
 
 import jzo
-from jzo import checkpoint, partition, plan as plan_lib
+from jzo import checkpoint
+from jzo.parallel import partition
+from jzo import plan as plan_lib
 from jzo.recipe import estimate as estimate_cli
 from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
@@ -179,7 +181,7 @@ def test_the_build_writes_a_leafs_copies_into_their_buffers_without_a_copy_of_th
   piece of the device part is made without the part whole. (The bf16
   piece's convert fuses into its slice on the GPU, not on the CPU, as
   measured on an H200.)"""
-  from jzo import state as state_lib
+  from jzo.state import build as state_lib
   compiled = lambda fn, *args: fn.lower(*args).compile().memory_analysis()
   for per_layer in (False, True):
     layout = partition.LeafLayout((8, 64, 256), 4, per_layer).place(1024)

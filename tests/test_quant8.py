@@ -1,4 +1,4 @@
-"""int8 Adam moments (jzo.quant8): the maps, the kernel against the array
+"""int8 Adam moments (jzo.kernels.quant8): the maps, the kernel against the array
 reference, determinism, the optax drop-in, the offload engine, checkpoints
 and bad input."""
 
@@ -18,8 +18,10 @@ import optax
 import pytest
 
 import jzo
-from jzo import kernels, native, quant8
-from jzo.cpu_adam import xla_update
+from jzo import native
+from jzo import kernels
+from jzo.kernels import quant8
+from jzo.kernels.cpu_adam import xla_update
 from test_engine import batches, init_params, loss_fn, mesh_of
 from test_kernels import HYPER, prefetching, simd
 
@@ -259,7 +261,8 @@ def test_every_instruction_set_picks_the_nearest_code_next_to_every_midpoint(lev
 
 CHOICE = """
 import numpy as np
-from jzo import kernels, quant8
+from jzo import kernels
+from jzo.kernels import quant8
 print(kernels.int8_codes())
 p = np.zeros(1 << 16, np.float32)
 kernels.adam_step_(p, np.ones_like(p), quant8.zeros(p.shape), quant8.zeros(p.shape), count=1,

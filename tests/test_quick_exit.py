@@ -1,4 +1,4 @@
-"""`jzo.quick_exit`, how the entry points end: what exit must do is done."""
+"""`jzo.recipe.quick_exit`, how the entry points end: what exit must do is done."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from jzo import quick_exit
+from jzo.recipe import quick_exit
 
 
 def exiting(tmp_path) -> str:

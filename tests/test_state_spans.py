@@ -1,4 +1,4 @@
-"""jzo.state_spans: checkpoints written and read a span at a time. Spans
+"""jzo.checkpoint.spans: checkpoints written and read a span at a time. Spans
 cut small here cross the shards' edges, the device and host parts' and
 int8 blocks'; what is restored is the state as it was, bit for bit, and
 saving or restoring holds no second copy of the state on the host."""
@@ -20,8 +20,11 @@ import pytest
 import tensorstore as ts
 
 import jzo
-from jzo import checkpoint, quant8, state_dict, state_spans
-from jzo.partition import LeafLayout
+from jzo import checkpoint
+from jzo.kernels import quant8
+from jzo.checkpoint import state_dict
+from jzo.checkpoint import spans as state_spans
+from jzo.parallel.partition import LeafLayout
 from test_engine import batches, mesh_of
 from test_grads_in_params import loss_fn
 
@@ -185,7 +188,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys, threading, time
     import jax, jax.numpy as jnp, psutil
     import jzo
-    from jzo import checkpoint, quant8, state_spans
+    from jzo import checkpoint
+    from jzo.kernels import quant8
+    from jzo.checkpoint import spans as state_spans
 
     state_spans.SPAN_BYTES = 2**20  # at most 8 MiB in flight
 

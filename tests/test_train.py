@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import checkpoint, config as config_lib, train
+from jzo import train
+from jzo import checkpoint
+from jzo.recipe import config as config_lib
 from jzo.recipe import data as data_lib, models, options, runs
 
 FAST = ["--steps", "4", "--warmup", "1", "--log-every", "2", "--eval-every", "4",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jzo
-from jzo import transfer
+from jzo.host import transfer
 from test_engine import batches, init_params, loss_fn, mesh_of
 
 

@@ -28,7 +28,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from jzo.host_leaf import HostLeaf
+from jzo.host.leaf import HostLeaf
 from jzo.models.llama import LlamaConfig
 
 CONFIG = "config.json"

@@ -17,10 +17,10 @@ from unittest import mock
 
 import jax
 
-from jzo import config as config_lib
-from jzo.checkpoint import SAVE_HOST_BYTES
+from jzo.recipe import config as config_lib
+from jzo.checkpoint.files import SAVE_HOST_BYTES
 from jzo.plan import GiB
-from jzo.planner import Estimate, estimate_micro_batch
+from jzo.plan.fit import Estimate, estimate_micro_batch
 from jzo.recipe import models
 from jzo.recipe.loop import cap_pinned_pool, claim_gpu_memory
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, UserError, check_resident_layers,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import psutil
 
 import jzo
-from jzo import distributed
+from jzo.parallel import distributed
 from jzo.recipe.models import Model
 from jzo.recipe.options import TrainConfig
 

@@ -20,8 +20,9 @@ import tqdm
 from jax.sharding import Mesh
 
 import jzo
-from jzo import checkpoint, distributed
-from jzo.cpu_adam import MOMENT_DTYPES
+from jzo import checkpoint
+from jzo.parallel import distributed
+from jzo.kernels.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,

@@ -16,7 +16,8 @@ import jax
 from jax.experimental import multihost_utils
 
 import jzo
-from jzo import checkpoint, distributed
+from jzo import checkpoint
+from jzo.parallel import distributed
 from jzo.recipe.options import TrainConfig, UserError
 
 

@@ -46,7 +46,7 @@ class Interrupts:
   with status 128 + the signal's number.
 
   The handler only sets a flag: stopped in the middle of an exchange with
-  its update thread, an engine could not go on (jzo.offload's `_guard`), nor
+  its update thread, an engine could not go on (jzo.host.update's `_guard`), nor
   write its state. Installed from the main thread only (where Python runs
   signal handlers); the previous handlers come back on exit.
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jzo import native, quant8
+from jzo import native
+from jzo.kernels import quant8
 
 # XLA FFI targets of the CPU backend (ext/ffi_adam.cc): the update for
 # optax's contract, the moments alone, and the in-place step.
@@ -236,7 +237,7 @@ def adam_step_(param: np.ndarray, grad: np.ndarray, mu: np.ndarray | quant8.Int8
     param: float32 master weights, any shape; updated in place.
     grad: gradients of param's size, float32, bfloat16 or float16.
     mu, nu: first and second moments of param's shape, float32 or bfloat16
-      arrays, or both `jzo.quant8.Int8Moment`s of numpy arrays (8-bit codes
+      arrays, or both `jzo.kernels.quant8.Int8Moment`s of numpy arrays (8-bit codes
       and their blocks' scales along the last axis); updated in place.
     learning_rate, b1, b2, eps, eps_root, weight_decay, nesterov: as optax.adamw.
     count: 1-based index of this step (for the bias corrections), at most

@@ -7,7 +7,7 @@ kernel reads each gradient and writes the new low-precision weight over it
 (`kernels.adam_step_(..., lowp_out=grad)`), and the same buffer goes back
 up. So the host holds 2 bytes a parameter (bf16/fp16) for all transfers,
 and one set of landing buffers: the engine downloads a step's gradients
-only once the previous update's weights have left (see jzo.offload).
+only once the previous update's weights have left (see jzo.host.update).
 
 That fast path needs the device to place arrays in pinned host memory
 (the 'pinned_host' memory kind: GPUs, CPUs). Elsewhere, or when asked
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo.distributed import local_positions
-from jzo.partition import LeafLayout, is_layout
+from jzo.parallel.distributed import local_positions
+from jzo.parallel.partition import LeafLayout, is_layout
 
 # Bytes a leaf moves to the host at once while the engine is being built:
 # the pinned bounce of a chunk is all the host holds beside the masters.

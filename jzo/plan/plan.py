@@ -38,7 +38,7 @@ and per device-part parameter master 4 + moments 8 (4) + accumulator 4.
 (docs/planner.md reads a plan's table.)
 
 grads_in_params (stage 3) writes the stacked layers' gradients over their
-weights (jzo.layer_scan): the step's peak holds one layer's gradient of
+weights (jzo.parallel.layer_scan): the step's peak holds one layer's gradient of
 them, and the exchange none beside the weights; the device parts' new
 weights go over their gradients in the step. With
 grad_accum > 1 it runs the layers first (`Plan.layers_first`): every micro-
@@ -71,11 +71,11 @@ import jax
 import numpy as np
 import psutil
 
-from jzo import partition
+from jzo.parallel import partition
 from jzo.options import EngineOptions
-from jzo.partition import LeafLayout, is_layout
+from jzo.parallel.partition import LeafLayout, is_layout
 from jzo.precision import LossScale
-from jzo.transfer import BUILD_CHUNK_BYTES
+from jzo.host.transfer import BUILD_CHUNK_BYTES
 
 # Host kernel speed assumed for the printed balance: AdamW on the 16-core
 # host of the GPU machines, parameters per second (docs/results.md).
@@ -111,7 +111,7 @@ _XLA_PINNED_POOL_LIMIT_GIB = 64
 # overlapping, 16.56 with the update first).
 OVERLAP_FETCH_LAYERS = 4
 
-# A streamed host update (jzo.offload) holds this many spans under its landing
+# A streamed host update (jzo.host.update) holds this many spans under its landing
 # limit: one going down, one in the kernel, one going up, one more.
 STREAM_SPANS = 4
 # The landing limit of an update that is not delayed, where one step's host
@@ -262,7 +262,7 @@ class Plan:
   host_accumulation: bool = False
   # Bytes of landing buffers one process holds at once (0: one set, every
   # host part's gradient). Under host accumulation they carry micro-batches
-  # to the sums; otherwise a limit streams the update in spans (jzo.offload).
+  # to the sums; otherwise a limit streams the update in spans (jzo.host.update).
   landing_limit: int = 0
   # Stage 3 with layers: each layer's gradient is written over its weights
   # in the backward pass (jzo.scan_layers); the host update writes them back.
@@ -289,7 +289,7 @@ class Plan:
   # grads_in_params with grad_accum > 1: the layers run over every micro-
   # batch at once, a layer at a time, keeping every micro-batch's layer
   # inputs (counted in the activations) and no float32 sums of the layers
-  # (jzo.step._layers_first); else the layers' backward adds into such sums.
+  # (jzo.step.step._layers_first); else the layers' backward adds into such sums.
   layers_first: bool = False
 
   def __post_init__(self):
@@ -323,7 +323,7 @@ class Plan:
   @property
   def overlaps_update(self) -> bool:
     """Each step's forward runs beside the last step's host update, taking
-    each layer's new weights as the host finishes them (jzo.step.make_step's
+    each layer's new weights as the host finishes them (jzo.step.step.make_step's
     `wait`): asked for (`overlap_forward`), with grads_in_params, one
     micro-batch or the layers first, the stacked layers' weights in device
     memory and one set of landing buffers (not streamed), where some of them
@@ -498,7 +498,7 @@ class Plan:
   @property
   def streamed(self) -> bool:
     """The host update goes through the landing buffers in spans (a landing
-    limit without host accumulation; see jzo.offload)."""
+    limit without host accumulation; see jzo.host.update)."""
     return self.has_host_state and not self.host_accumulation and self.landing_limit > 0
 
   def landing_bytes(self, i: int) -> int:
@@ -519,7 +519,7 @@ class Plan:
     float32 values and, on several devices, one device's piece of a leaf's
     low-precision weights (offloaded weights are made on the host) or of
     its device part's float32 master, made there and moved before the next
-    (jzo.state._placed). On one device each is written straight into its
+    (jzo.state.build._placed). On one device each is written straight into its
     buffer. (Before, the whole low-precision copy and every device's piece
     of it were made at once: gpt2-20b's shape at 104 layers over 4 H200s
     peaked at the state 35.54 + the MLP kernel drawn 58.50 + in bf16 29.25
@@ -878,7 +878,7 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
     if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
       if plan.overlaps_update:
         try:  # one set where the host has room: the next step's forward can then
-          check(plan)  # overlap the update (jzo.step), which a streamed one cannot
+          check(plan)  # overlap the update (jzo.step.step), which a streamed one cannot
           return plan
         except PlacementError:
           pass

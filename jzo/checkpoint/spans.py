@@ -3,12 +3,12 @@ checkpoint of a model as large as the host never holds a second copy of it.
 
 A leaf's masters or moments live in pieces: each shard's device part (on
 its device) and host part (in host RAM; int8 moments as codes and scales).
-A checkpoint keeps them in the params' full shapes (jzo.state_dict's ADAM
+A checkpoint keeps them in the params' full shapes (jzo.checkpoint.state_dict's ADAM
 format). `StreamedArray` reads a rectangle of the full shape (one layer's
 rows [a, b) of its first axis, or a leaf's) from the pieces; jzo.checkpoint
 writes one rectangle after another (`SpanHandler`). `load_leaf` goes the
 other way: it reads a saved leaf (`SavedLeaf`, or an array held whole) span
-by span and writes the engine's pieces in place (jzo.state_dict drives it).
+by span and writes the engine's pieces in place (jzo.checkpoint.state_dict drives it).
 Either way the host holds a few spans of SPAN_BYTES beside the state,
 whatever the model's size.
 
@@ -35,8 +35,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jzo import quant8
-from jzo.partition import LeafLayout
+from jzo.kernels import quant8
+from jzo.parallel.partition import LeafLayout
 
 # Bytes of one span: what the host holds for each write or read in flight.
 SPAN_BYTES = 64 * 2**20

@@ -14,7 +14,7 @@ and an unfinished one is never restored.
 The engine is used through `state_dict(streamed=True)` and
 `load_state_dict(saved)`, and `restore` reads the shapes of what it loads
 from its state (`state_dict.expected`). Adam's masters and moments go to
-disk and back a span at a time (jzo.state_spans): the host holds a few
+disk and back a span at a time (jzo.checkpoint.spans): the host holds a few
 spans beside the state, never a copy of it.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
@@ -22,7 +22,7 @@ fit the engine is refused before any array is read, naming the first
 entries that differ (another model's parameters, shapes or optimizer).
 
 What is saved, in which format, and what loads into what, is
-jzo.state_dict's. With several processes (jzo.distributed) every process
+jzo.checkpoint.state_dict's. With several processes (jzo.distributed) every process
 calls `save` and `restore` together and orbax writes one set of files, each
 process writing and reading its own devices' shards, span by span as one
 process does (another optimizer's state: staged in host memory); scalars
@@ -41,8 +41,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jzo import state_dict, state_spans
-from jzo.partition import LeafLayout
+from jzo.checkpoint import state_dict
+from jzo.checkpoint import spans as state_spans
+from jzo.parallel.partition import LeafLayout
 
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
 _MAX_DETAIL = 300
@@ -119,7 +120,7 @@ def save(manager: ocp.CheckpointManager, engine, step: int) -> None:
   and waits for it.
 
   Waiting matters: the state dict reads the engine's live state span by
-  span (jzo.state_spans: no copy of it on the host), which the next step
+  span (jzo.checkpoint.spans: no copy of it on the host), which the next step
   updates in place; and a run that dies after this returns finds the
   checkpoint complete.
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzo import plan as plan_lib
-from jzo.cpu_adam import MOMENT_DTYPES
-from jzo.plan import GiB, Plan, PlacementError
+from jzo.plan import plan as plan_lib
+from jzo.kernels.cpu_adam import MOMENT_DTYPES
+from jzo.plan.plan import GiB, Plan, PlacementError
 from jzo.options import EngineOptions
 
 # Device memory assumed when the estimate runs where there is no accelerator.

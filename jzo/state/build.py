@@ -24,14 +24,16 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import partition, step as step_lib, transfer
-from jzo.distributed import local_positions
-from jzo.offload import HostAdam
-from jzo.partition import is_layout
+from jzo.parallel import partition
+from jzo import step as step_lib
+from jzo.host import transfer
+from jzo.parallel.distributed import local_positions
+from jzo.host.update import HostAdam
+from jzo.parallel.partition import is_layout
 from jzo.plan import Plan
 from jzo.precision import init_loss_scale
 from jzo.step import EngineState
-from jzo.transfer import copy_to_host, host_pieces
+from jzo.host.transfer import copy_to_host, host_pieces
 
 
 @dataclasses.dataclass

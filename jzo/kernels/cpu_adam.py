@@ -18,7 +18,7 @@ Differences from optax, all deliberate:
   * Gradients are upcast to float32 before any arithmetic (optax forms
     `(1 - b1) * g` in the gradient's dtype).
   * Moments are float32 unless `mu_dtype`/`nu_dtype` ask for bfloat16 or
-    int8 (block-wise quantized, `jzo.quant8`); optax keeps them in the
+    int8 (block-wise quantized, `jzo.kernels.quant8`); optax keeps them in the
     params' dtype.
   * Updates are float32 whatever the params' dtype.
   * Bias corrections are multiplied as reciprocals (one division per element
@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzo import kernels, quant8
+from jzo.kernels import ops as kernels
+from jzo.kernels import quant8
 
 # The moment dtypes by the names the recipe and the planner take (--moments).
 MOMENT_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
@@ -47,7 +48,7 @@ _SUPPORTED_MOMENTS = tuple(MOMENT_DTYPES.values())
 @dataclasses.dataclass(frozen=True)
 class AdamHyperparams:
   """cpu_adamw's arguments, kept for adamw_step and for the offload engine,
-  which runs the same update itself on host-resident state (see jzo.offload)."""
+  which runs the same update itself on host-resident state (see jzo.host.update)."""
   learning_rate: optax.ScalarOrSchedule
   b1: float
   b2: float
@@ -115,7 +116,7 @@ def xla_update(g, m, v, p, scalars, *, nesterov: bool):
 
   Args:
     g, m, v: a leaf's gradient and moments (any shape; dtypes as the kernel's,
-      or both `jzo.quant8.Int8Moment`s).
+      or both `jzo.kernels.quant8.Int8Moment`s).
     p: its params (float32), or None for no weight decay.
     scalars: `jzo.kernels.adam_scalars(...)`.
     nesterov: Nesterov momentum.
@@ -311,9 +312,9 @@ def cpu_adamw(
     nu_dtype: dtype of the second moment: float32 (None, default), bfloat16 or
       int8. bfloat16 moments halve the optimizer memory; they are rounded to
       nearest even after each update. int8 moments (both) quarter it: each
-      moment is a `jzo.quant8.Int8Moment`, one byte a value and a float32
+      moment is a `jzo.kernels.quant8.Int8Moment`, one byte a value and a float32
       scale per block of 256 along the last axis, quantized block-wise and
-      dynamically (Dettmers et al. 2022; see jzo.quant8). The update comes
+      dynamically (Dettmers et al. 2022; see jzo.kernels.quant8). The update comes
       from the moments before quantization.
 
   Returns:

@@ -28,7 +28,7 @@ the update thread runs the other leaves first, which go up before the
 next step starts, then the stacked leaves a layer at a time, marking each
 layer done; the next step's forward waits for each layer's mark
 (`wait_for_layer`, a host callback in the step) and fetches its weights
-from the landing buffers itself (jzo.layer_scan). The step takes those
+from the landing buffers itself (jzo.parallel.layer_scan). The step takes those
 buffers (donated) and hands them back with its gradients of the stacked
 leaves' host parts, written in its backward pass: the exchange after it
 downloads only the other leaves. Anything else that reads the params
@@ -68,14 +68,15 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 import jax
 import numpy as np
 
-from jzo import kernels, quant8
-from jzo.cpu_adam import AdamHyperparams
-from jzo.partition import is_layout
+from jzo.kernels import ops as kernels
+from jzo.kernels import quant8
+from jzo.kernels.cpu_adam import AdamHyperparams
+from jzo.parallel.partition import is_layout
 from jzo.plan import STREAM_SPANS, Plan
-from jzo.transfer import ShardTransfer
+from jzo.host.transfer import ShardTransfer
 
 if TYPE_CHECKING:
-  from jzo.state import ZeroState
+  from jzo.state.build import ZeroState
 
 
 class HostAdam:

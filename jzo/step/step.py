@@ -15,7 +15,7 @@ One step is one jitted `shard_map` over the data axis:
     -> every shard's gradient of each leaf with a host part stays on the
        device as an output (the whole shard: a slice would copy it at the
        step's peak), with the factor the host kernel unscales and clips by;
-       jzo.transfer copies the host parts down after the step.
+       jzo.host.transfer copies the host parts down after the step.
 
 With offload, grad_accum = K > 1 and the host part accumulated on the host
 (`plan.host_accumulation`), a step is K + 1 calls the engine drives instead:
@@ -32,13 +32,13 @@ With grads_in_params, grad_accum > 1 stays one call: the layers run first
 the layers, a layer at a time, then each layer's backward over every
 micro-batch, its float32 sum written over its weights), or the layers'
 float32 sums are added to in their backward passes (`_sums_in_layers`,
-jzo.layer_scan) and the last micro-batch writes them over the weights.
+jzo.parallel.layer_scan) and the last micro-batch writes them over the weights.
 
 With grads_in_params and one micro-batch or the layers first the step may
 overlap the host update (`Plan.overlaps_update`): it takes the stacked
 leaves' landing buffers, where the host is still writing the last update's
 weights, and its forward fetches each layer's as the host finishes it
-(`wait`, jzo.layer_scan), so the forward runs beside the host update; its
+(`wait`, jzo.parallel.layer_scan), so the forward runs beside the host update; its
 backward writes those leaves' host parts' gradients back into them.
 
 `host_part_installer` writes a leaf's host part's new weights, once
@@ -58,8 +58,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import layer_scan, partition
-from jzo.partition import LeafLayout, is_layout
+from jzo.parallel import layer_scan
+from jzo.parallel import partition
+from jzo.parallel.partition import LeafLayout, is_layout
 from jzo.plan import Plan
 from jzo.precision import LossScaleState, update_loss_scale
 
@@ -546,7 +547,7 @@ def _layers_first(plan: Plan, loss_fn: Callable, params, scale, stats, micro, re
   update's, or None.
 
   The layers' forward runs over all K micro-batches, a layer at a time
-  (with landing, beside the host update: jzo.layer_scan.forward_chunks); then
+  (with landing, beside the host update: jzo.parallel.layer_scan.forward_chunks); then
   each micro-batch's loss and its gradient; then the layers' backward a
   layer at a time over every micro-batch, its float32 sum written over its
   weights (backward_chunks); then the gradients of what comes before the
@@ -749,7 +750,7 @@ def scaled_loss(plan: Plan, loss_fn: Callable, lowp_params, batch, scale, scan=N
   """Local loss, scaled so that summing gradients over devices and
   micro-batches gives the gradient of the global mean loss (times scale).
   scan: with grads_in_params, what jzo.scan_layers does while loss_fn is
-  traced: a context of jzo.layer_scan (`writing_grads_over_layers(...)`,
+  traced: a context of jzo.parallel.layer_scan (`writing_grads_over_layers(...)`,
   its default, `capturing_layers` or `giving_layers`)."""
   layer_layouts = partition.subtree(plan.layouts, plan.layers) if plan.layers else None
   gathered = [False]

@@ -56,15 +56,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax.experimental import multihost_utils
 
-from jzo import quant8, state_spans, step as step_lib
-from jzo.cpu_adam import CpuAdamState
-from jzo.distributed import local_positions
-from jzo.partition import LeafLayout, is_layout
+from jzo.kernels import quant8
+from jzo.checkpoint import spans as state_spans
+from jzo import step as step_lib
+from jzo.kernels.cpu_adam import CpuAdamState
+from jzo.parallel.distributed import local_positions
+from jzo.parallel.partition import LeafLayout, is_layout
 from jzo.plan import Plan
 from jzo.precision import LossScaleState
-from jzo.state import ZeroState
+from jzo.state.build import ZeroState
 from jzo.step import EngineState
-from jzo.transfer import host_memory_kind, host_pieces
+from jzo.host.transfer import host_memory_kind, host_pieces
 
 # Differences between a saved state and an engine that a message lists at most.
 _MAX_DIFFERENCES = 4

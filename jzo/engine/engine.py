@@ -1,6 +1,6 @@
 """`ZeroEngine`: the object users hold. It makes the plan, builds the state
-leaf by leaf (jzo.state), and each step calls the jitted device step
-(jzo.step) and the host side (jzo.offload); the state lives in
+leaf by leaf (jzo.state.build), and each step calls the jitted device step
+(jzo.step.step) and the host side (jzo.host.update); the state lives in
 `engine.trained` (device part `engine.state`, host part `engine.host`).
 
 Memory per device for Psi params with Adam (ZeRO paper, K = 12): stage 0
@@ -13,7 +13,7 @@ Under JAX's multi-process runtime the mesh spans every process's devices;
 each process runs this same object over its own devices' shards (host
 state, batches, checkpoint shards: see jzo.distributed).
 
-The optimizer sees each leaf as a flat shard (see jzo.partition), so it must
+The optimizer sees each leaf as a flat shard (see jzo.parallel.partition), so it must
 be elementwise (adam, adamw, jzo.cpu_adamw, sgd, ...), and global-norm
 clipping belongs to the engine (`max_grad_norm`), not to the optax chain,
 whose clip would see one shard only.
@@ -31,12 +31,17 @@ import optax
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo import distributed, plan as plan_lib, quant8, state as state_lib, state_dict, step as step_lib
-from jzo.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
-from jzo.offload import HostAdam, HostUpdate
+from jzo.parallel import distributed
+from jzo import plan as plan_lib
+from jzo.kernels import quant8
+from jzo.state import build as state_lib
+from jzo.checkpoint import state_dict
+from jzo import step as step_lib
+from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
+from jzo.host.update import HostAdam, HostUpdate
 from jzo.options import EngineOptions
 from jzo.step import EngineState, StepMetrics
-from jzo.transfer import ShardTransfer, resolve_host_transfer
+from jzo.host.transfer import ShardTransfer, resolve_host_transfer
 
 
 class ZeroEngine:
@@ -92,7 +97,7 @@ class ZeroEngine:
       offload="auto" and the fit check (`jzo.estimate` computes it for GPTs).
     host_transfer: how offload moves gradients down and weights up: "auto"
       (pinned host memory where the devices have it, else the portable
-      path, with a warning), "pinned", or "portable" (see jzo.transfer).
+      path, with a warning), "pinned", or "portable" (see jzo.host.transfer).
     accumulation: with offload and grad_accum > 1, where the micro-batches'
       gradients are summed (float32): "device" (one jitted call a step; a
       float32 sum of every shard on the device), "host" (a call per
@@ -115,7 +120,7 @@ class ZeroEngine:
       layer's gradient over its weights in the backward pass, so the
       layers' gradients take no device memory of their own; the step
       writes the device parts' new weights over their gradients and the
-      host update writes the host parts' back (jzo.layer_scan). A device
+      host update writes the host parts' back (jzo.parallel.layer_scan). A device
       part costs its masters and moments in device memory (12 B a
       parameter with fp32 moments) and takes its update off the host.
       With grad_accum > 1 (accumulation "auto" or "layers") the step runs
@@ -149,14 +154,14 @@ class ZeroEngine:
       (`plan.overlaps_update`), on accelerators (not CPU devices): each
       step's forward runs beside the last step's host update, a layer at a
       time, each layer as soon as the host has its new weights
-      (jzo.layer_scan). The same arithmetic as without; False runs the
+      (jzo.parallel.layer_scan). The same arithmetic as without; False runs the
       update before the next step instead.
 
   Attributes:
     plan: the layouts and placement (printable).
     options: the checked options (jzo.EngineOptions).
     tx: the optimizer as given.
-    trained: the state (jzo.state.ZeroState): `state` is its device part,
+    trained: the state (jzo.state.build.ZeroState): `state` is its device part,
       `host` its host part, and its step counter the only one.
 
   Raises:
@@ -233,7 +238,7 @@ class ZeroEngine:
       decay = decay_flags(hyper.mask, shapes)
       device_tx = cpu_adamw_with(hyper, decay)
       adam = HostAdam(self.plan, hyper, decay, self.positions)
-    pinned = False  # host copies through pinned host memory (jzo.transfer)
+    pinned = False  # host copies through pinned host memory (jzo.host.transfer)
     if self.plan.has_host_state:
       pinned = resolve_host_transfer(host_transfer, device) == "pinned"
       if self.plan.offload_params and not pinned:
@@ -259,7 +264,7 @@ class ZeroEngine:
 
   @property
   def state(self) -> EngineState:
-    """The device state (global arrays; see jzo.step.EngineState)."""
+    """The device state (global arrays; see jzo.step.step.EngineState)."""
     return self.trained.device
 
   @property
@@ -301,7 +306,7 @@ class ZeroEngine:
     """A step under host accumulation: a device call per micro-batch, each
     followed by its host parts' trip down and their sums on the host; then
     the end of the step on the devices with the host's sums of squares; then
-    the host update (see jzo.step and jzo.offload)."""
+    the host update (see jzo.step.step and jzo.host.update)."""
     delayed = self._delayed()
     metrics, grad_scale = self._micro_calls(batch, self.host_update)
     self.host_update.exchange_accumulated(metrics.skipped, grad_scale, delayed=delayed)
@@ -524,13 +529,13 @@ class ZeroEngine:
     """Everything needed to continue training exactly, as host numpy arrays:
     with Adam (jzo's or optax's) masters and moments in the params' full
     shapes, with another optimizer as the devices keep them (see
-    jzo.state_dict). With several processes, what each process holds: the
+    jzo.checkpoint.state_dict). With several processes, what each process holds: the
     masters and moments as global arrays, flat and padded, whose shards
     each process wrote from its own. A delayed update in flight is applied
     first.
 
     streamed: in one process, Adam's masters and moments as
-    `jzo.state_spans.StreamedArray`s that read the live state a span at a
+    `jzo.checkpoint.spans.StreamedArray`s that read the live state a span at a
     time when written (no copy of the state on the host: what
     jzo.checkpoint saves), valid until the next step."""
     self.wait()
@@ -552,7 +557,7 @@ class ZeroEngine:
 
   @property
   def host_timings(self) -> dict[str, float]:
-    """Seconds of the last host update (see jzo.offload.HostUpdate.timings)."""
+    """Seconds of the last host update (see jzo.host.update.HostUpdate.timings)."""
     if self.host_update is None:
       return {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     return dict(self.host_update.timings)
@@ -591,7 +596,7 @@ def _leaf_sources(params, device):
   trace in one program (XLA drops the rest of the function), so no whole
   float32 copy is ever held; a HostLeaf is loaded only when drawn, and its
   host array is let go as soon as it is on the device."""
-  from jzo.host_leaf import HostLeaf
+  from jzo.host.leaf import HostLeaf
   if callable(params):
     # Replaying the trace is cheaper than tracing the model's initializer
     # again for each leaf (those traces were half of a small model's build),

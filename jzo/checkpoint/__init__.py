@@ -1,0 +1,15 @@
+"""Checkpoints: the engine's state as a dict of host arrays (state_dict),
+streamed a span at a time between the live state and the files (spans),
+and orbax folders on disk (files: save, restore, read the masters).
+
+`jzo.checkpoint.open_manager`, `save`, `restore` and the rest of files'
+public names are this package's."""
+
+from jzo.checkpoint.files import (SAVE_HOST_BYTES, CheckpointError, UnreadableCheckpointError,
+                                  folder_of, masters_in_shapes, open_manager, read_masters,
+                                  release_freed_memory, restore, restore_readable, save,
+                                  saved_bytes)
+
+__all__ = ["SAVE_HOST_BYTES", "CheckpointError", "UnreadableCheckpointError", "folder_of",
+           "masters_in_shapes", "open_manager", "read_masters", "release_freed_memory",
+           "restore", "restore_readable", "save", "saved_bytes"]
