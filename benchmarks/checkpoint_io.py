@@ -96,13 +96,13 @@ def measure(args) -> dict:
   config = dataclasses.replace(gpt.PRESETS[args.model], seq_len=args.seq_len)
   jzo.plan.limit_pinned_pool(2 * config.n_params)
   dtype = MOMENT_DTYPES[args.moments]
-  engine = jzo.ZeroEngine(
-      functools.partial(gpt.loss_fn, config),
-      functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),
-      jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=dtype, nu_dtype=dtype),
-      stage=3, layers="blocks", mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
-      max_grad_norm=1.0, offload=True if args.offload == "true" else "auto",
-      activation_memory=gpt.activation_bytes(config, args.batch, args.seq_len))
+  engine = jzo.ZeroEngine(functools.partial(gpt.loss_fn, config),
+                          functools.partial(gpt.init_params, config, jax.random.PRNGKey(0)),
+                          jzo.cpu_adamw(3e-4, weight_decay=0.1, mu_dtype=dtype, nu_dtype=dtype),
+                          options=jzo.EngineOptions(stage=3, layers="blocks", max_grad_norm=1.0,
+                                                    offload=True if args.offload == "true" else "auto"),
+                          mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)),
+                          activation_memory=gpt.activation_bytes(config, args.batch, args.seq_len))
   rng = np.random.default_rng(0)
   batches = [{"tokens": rng.integers(0, config.vocab_size, (args.batch, args.seq_len + 1),
                                      dtype=np.int32)} for _ in range(3)]

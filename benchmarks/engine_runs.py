@@ -141,18 +141,18 @@ def build(args, family: Family, name: str):
   in_gib = lambda x: None if x is None else int(x * 2**30)
   if params is None:  # drawn leaf by leaf
     params = functools.partial(models.init_params, config, jax.random.PRNGKey(0))
-  engine = jzo.ZeroEngine(
-      functools.partial(models.loss_fn, config), params, tx, stage=args.stage,
-      layers=family.layers if args.stage == 3 else None,
-      mesh=jax.sharding.Mesh(np.array(devices[:args.gpus]), ("data",)),
-      max_grad_norm=1.0, grad_accum=args.grad_accum, offload=offload,
-      accumulation=args.accumulation if offload else "auto",
-      delayed_update=name.endswith("_dpu"), dpu_warmup=1,
-      grads_in_params=args.grads_in_params, overlap_forward=args.overlap_forward,
+  options = jzo.EngineOptions(
+      stage=args.stage, layers=family.layers if args.stage == 3 else None, max_grad_norm=1.0,
+      grad_accum=args.grad_accum, offload=offload,
+      accumulation=args.accumulation if offload else "auto", delayed_update=name.endswith("_dpu"),
+      dpu_warmup=1, grads_in_params=args.grads_in_params, overlap_forward=args.overlap_forward,
       offload_params={None: False, "all": True, "auto": "auto"}[args.offload_params],
-      resident_layers=args.resident_layers, landing_limit=in_gib(args.landing_limit_gb),
-      activation_memory=max(activations.values()),
-      host_memory=in_gib(args.host_memory_gb), device_memory=in_gib(args.device_memory_gb))
+      resident_layers=args.resident_layers, landing_limit=in_gib(args.landing_limit_gb))
+  engine = jzo.ZeroEngine(functools.partial(models.loss_fn, config), params, tx, options,
+                          mesh=jax.sharding.Mesh(np.array(devices[:args.gpus]), ("data",)),
+                          activation_memory=max(activations.values()),
+                          host_memory=in_gib(args.host_memory_gb),
+                          device_memory=in_gib(args.device_memory_gb))
   return engine, config, activations
 
 

@@ -1,6 +1,7 @@
-"""The options of a ZeRO engine, checked in one place: `ZeroEngine`, the
-planner (`jzo.estimate`, `jzo.pick_micro_batch`) and the benchmarks build
-their plans from an `EngineOptions` (`jzo.plan.make_plan`)."""
+"""The options of a ZeRO engine, documented and checked in one place:
+`ZeroEngine`, the planner (`jzo.estimate`, `jzo.pick_micro_batch`), the
+recipe and the benchmarks build their plans from an `EngineOptions`
+(`jzo.plan.make_plan`)."""
 
 from __future__ import annotations
 
@@ -19,29 +20,109 @@ ACCUMULATIONS = ("auto", "device", "host", "layers")
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-  """What a ZeRO engine does with a model's parameters; `ZeroEngine`'s
-  docstring says what each option means. Built checked: a bad value raises
-  ValueError (TypeError for a loss scale of another type), naming it.
+  """What a ZeRO engine does with a model's parameters: each field below,
+  with what it means. Built checked: a bad value raises ValueError
+  (TypeError for a loss scale of another type), naming it.
 
-  `compute_dtype` and `loss_scale` are kept resolved: a numpy dtype, and a
-  LossScale or None ("auto" is dynamic scaling for float16 only).
+  `ZeroEngine(loss_fn, params, tx, EngineOptions(...))` takes it; the
+  planner (`jzo.estimate`, `jzo.plan.make_plan`) and the recipe build their
+  plans from the same object. `compute_dtype` and `loss_scale` are kept
+  resolved: a numpy dtype, and a LossScale or None.
   """
   stage: int = 2
+  """ZeRO stage, 0 (plain data parallelism) to 3."""
   compute_dtype: Any = jnp.bfloat16
+  """dtype of the forward and backward passes: bfloat16, float16 or float32."""
   loss_scale: Any = "auto"
+  """"auto" (dynamic for float16, none otherwise), None, or a jzo.LossScale."""
   grad_accum: int = 1
+  """micro-batches per step; the batch splits evenly into them."""
   max_grad_norm: float | None = None
+  """clip the global gradient norm to this (None: no clipping)."""
   layers: str | None = None
+  """stage 3 only: dotted key path of the subtree that holds the stack of
+  layers (leading axis = layer), which the model's scan gathers one layer
+  at a time with `jzo.gather_layer`. None: gather all at once."""
   offload: bool | float | str = False
+  """where the optimizer state (float32 masters and Adam moments) of each
+  device's shard lives (stages 1-3, tx jzo.cpu_adam or cpu_adamw; with int8
+  moments the host, "auto" included). False: device memory; True: host RAM
+  (ZeRO-Offload), updated by the C++ kernel; a fraction f in [0, 1]: about
+  f of every shard on the host, the rest updated on the device inside the
+  step; "auto": as much on the device as fits (the engine's device_memory
+  and activation_memory), the rest on the host."""
   delayed_update: bool = False
+  """with offload, the ZeRO-Offload paper's one-step delayed parameter
+  update: the host part of step t's update overlaps the device's step
+  t + 1, whose gradients are computed on weights that lack it (the device
+  part is never delayed)."""
   dpu_warmup: int = 10
+  """plain (not delayed) steps before delayed_update starts."""
   accumulation: str = "auto"
+  """with offload and grad_accum > 1, where the micro-batches' gradients are
+  summed (float32): "device" (one jitted call a step; a float32 sum of
+  every shard on the device), "host" (a call per micro-batch; the host
+  parts' gradients go down after each and are summed on the host, the
+  device parts' on the device: the device holds one micro-batch's
+  gradients), "layers" (grads_in_params: the layers run first, see there),
+  or "auto": with grads_in_params "layers", else the device where it fits."""
   landing_limit: int | None = None
+  """with offload, bytes of pinned host memory the landing buffers
+  (gradients going down, weights going up) may hold at once in this
+  process; 0: all of a step's host parts. Without host accumulation a limit
+  streams the update: spans of a quarter of it go down, through the kernel
+  and up, overlapped (not with delayed_update). None: 2 GiB streamed
+  (jzo.plan.STREAM_LANDING_BYTES) where a step's host parts are more, one
+  set with delayed_update; under host accumulation one micro-batch's set,
+  or a ring of two leaves where the host lacks room."""
   host_transfer: str = "auto"
+  """how offload moves gradients down and weights up: "auto" (pinned host
+  memory where the devices have it, else the portable path, with a
+  warning), "pinned", or "portable" (see jzo.host.transfer)."""
   grads_in_params: bool = False
+  """stage 3 with layers= and offload (True, a fraction or "auto"), no
+  delayed update: the model's `jzo.scan_layers` writes each layer's
+  gradient over its weights in the backward pass, so the layers' gradients
+  take no device memory of their own; the step writes the device parts'
+  new weights over their gradients and the host update writes the host
+  parts' back (jzo.parallel.layer_scan). A device part costs its masters
+  and moments in device memory (12 B a parameter with fp32 moments) and
+  takes its update off the host. With grad_accum > 1 (accumulation "auto"
+  or "layers") the step runs the layers' forward over every micro-batch
+  first, a layer at a time, then each layer's backward over every
+  micro-batch, its gradient summed in float32 and written over its
+  weights: no float32 sums of the layers, but every micro-batch's layer
+  inputs are kept (activation_memory must count them: e.g.
+  jzo.models.gpt's activation_bytes(..., accumulation=grad_accum)), and the
+  forward may overlap the host update as with one micro-batch.
+  Accumulation "device" instead adds the layers' gradients into float32
+  sums on the device (4 B a parameter), the last micro-batch's written
+  over the weights. Not "host"."""
   offload_params: bool | str = False
+  """grads_in_params (implied, with its conditions) with the layers'
+  low-precision weights in pinned host memory (ZeRO-3 offload of
+  parameters): each layer comes up to the device for its forward and
+  again for its backward, and its gradient goes down over its weights,
+  which the host kernel then updates where they are. The devices hold one
+  layer's weights and gradient at a time. True offloads the stacked
+  layers' weights; "auto" keeps them on the devices where they fit (the
+  engine's device_memory and activation_memory), else offloads them and
+  keeps as many of the first layers resident as still fit: a copy of their
+  weights stays in device memory, so the step does not fetch them, and
+  comes up again once after each host update (the plan says how many).
+  Needs devices with pinned host memory (GPUs; the CPU backend runs it
+  too)."""
   resident_layers: int | None = None
+  """with offload_params=True, how many of the first layers stay resident
+  (None: 0), in place of "auto"'s choice."""
   overlap_forward: bool = True
+  """with grads_in_params, one micro-batch or the layers first, the layers'
+  weights in device memory, no landing limit and pinned transfers
+  (`Plan.overlaps_update`), on accelerators (not CPU devices): each step's
+  forward runs beside the last step's host update, a layer at a time, each
+  layer as soon as the host has its new weights (jzo.parallel.layer_scan).
+  The same arithmetic as without; False runs the update before the next
+  step instead."""
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):

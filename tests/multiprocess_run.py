@@ -32,7 +32,7 @@ from jzo.checkpoint import state_dict
 from jzo.checkpoint import spans as state_spans
 from jzo.parallel.partition import is_layout
 from jzo.recipe.quick_exit import quick_exit
-from test_engine import batches, init_params, loss_fn
+from test_engine import batches, init_params, loss_fn, make_engine
 from test_grads_in_params import loss_fn as scanned_loss_fn
 
 STEPS = 10
@@ -41,15 +41,16 @@ STAGES = (2, 3)
 VARIANTS = ("int8", "resident")  # besides the plain run ("")
 
 
-def make_engine(stage: int, mesh=None, variant: str = "") -> jzo.ZeroEngine:
+def engine_of(stage: int, mesh=None, variant: str = "") -> jzo.ZeroEngine:
   moments = "int8" if variant == "int8" else None
   tx = jzo.cpu_adamw(1e-3, b2=0.95, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments)
   kw = dict(mesh=mesh, stage=stage, compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True,
             layers="blocks" if stage == 3 else None)
   if variant == "resident":
-    return jzo.ZeroEngine(scanned_loss_fn, init_params(), tx, offload_params=True,
-                          resident_layers=1, **kw)
-  return jzo.ZeroEngine(loss_fn, init_params(), tx, delayed_update=True, dpu_warmup=2, **kw)
+    return make_engine(scanned_loss_fn, init_params(), tx,
+                          offload_params=True, resident_layers=1, **kw)
+  return make_engine(loss_fn, init_params(), tx,
+                        delayed_update=True, dpu_warmup=2, **kw)
 
 
 def folder(stage: int, variant: str = "") -> str:
@@ -62,7 +63,7 @@ def train(stage: int, out: pathlib.Path, mesh=None, resume: bool = False,
   """Trains STEPS steps, saving at SAVE_AT (or, if `resume`, from checkpoint
   SAVE_AT[0], saving none); returns {"loss", "grad_norm"} (the steps run) and "master"
   (the final float32 weights, flat, in jax.tree.leaves order)."""
-  engine = make_engine(stage, mesh, variant)
+  engine = engine_of(stage, mesh, variant)
   losses, norms = [], []
   data = [jax.tree.map(np.asarray, b) for b in batches(STEPS)]  # global, (16, ...)
   with checkpoint.open_manager(out / folder(stage, variant)) as manager:
@@ -83,7 +84,7 @@ def load(stage: int, where: pathlib.Path, mesh=None, variant: str = "") -> dict:
   `where`/folder(stage, variant): "master", "mu" and "nu" (float32, in full
   shapes, flat and joined in jax.tree.leaves order; int8 moments' values)
   and "count"."""
-  engine = make_engine(stage, mesh, variant)
+  engine = engine_of(stage, mesh, variant)
   with checkpoint.open_manager(where / folder(stage, variant)) as manager:
     checkpoint.restore(manager, engine)
   saved = engine.state_dict()

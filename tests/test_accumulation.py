@@ -14,7 +14,7 @@ import jzo
 from jzo import kernels
 from jzo import plan as planner
 from jzo.plan import GiB, PlacementError
-from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
 from test_nonfinite import poisoned_loss, with_poison
 from test_offload import TX
 
@@ -23,8 +23,9 @@ K = 4  # micro-batches a step
 
 def engines(accumulations=("device", "host"), loss=loss_fn, **kw):
   """One engine per accumulation, the rest of their options the same."""
-  return [jzo.ZeroEngine(loss, init_params(), TX(), mesh=mesh_of(8), grad_accum=K,
-                         max_grad_norm=1.0, accumulation=a, **kw) for a in accumulations]
+  return [make_engine(loss, init_params(), TX(),
+                         grad_accum=K, max_grad_norm=1.0, accumulation=a,
+                         mesh=mesh_of(8), **kw) for a in accumulations]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
@@ -52,9 +53,9 @@ def test_bf16_sums_of_the_same_micro_batch_gradients_match_without_offload(stage
   paths and the host sums it in float32 as the device does."""
   kw = dict(stage=stage, compute_dtype=jnp.bfloat16, mesh=mesh_of(8), grad_accum=K,
             max_grad_norm=1.0)
-  plain = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
-  on_host = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, accumulation="host",
-                           **kw)
+  plain = make_engine(loss_fn, init_params(), TX(), **kw)
+  on_host = make_engine(loss_fn, init_params(), TX(),
+                           offload=True, accumulation="host", **kw)
   for b in batches(4, size=64):
     want, got = plain.step(b), on_host.step(b)
     assert float(got.grad_norm) == pytest.approx(float(want.grad_norm), rel=1e-5)
@@ -139,9 +140,10 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
   time behind the host's sums: the same result."""
   kw = dict(stage=2, offload=True, compute_dtype=jnp.float32, mesh=mesh_of(8), grad_accum=K,
             accumulation="host")
-  free = jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
+  free = make_engine(loss_fn, init_params(), TX(), **kw)
   # one leaf at a time (one always may land)
-  ring = jzo.ZeroEngine(loss_fn, init_params(), TX(), landing_limit=1, **kw)
+  ring = make_engine(loss_fn, init_params(), TX(), landing_limit=1,
+                        **kw)
   assert ring.plan.host_accumulation and not ring.plan.streamed
   for b in batches(3, size=64):
     free.step(b)

@@ -167,10 +167,11 @@ def test_the_engine_trains_with_chunks_as_with_all_logits(monkeypatch, stage):
   mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
 
   def losses():
-    engine = jzo.ZeroEngine(functools.partial(llama.loss_fn, config), params,
-                            jzo.cpu_adamw(3e-3), mesh=mesh, stage=stage,
-                            layers=llama.LAYERS if stage == 3 else None,
-                            compute_dtype=jnp.float32)
+    engine = jzo.ZeroEngine(functools.partial(llama.loss_fn, config), params, jzo.cpu_adamw(3e-3),
+                            options=jzo.EngineOptions(stage=stage,
+                                                      layers=llama.LAYERS if stage == 3 else None,
+                                                      compute_dtype=jnp.float32),
+                            mesh=mesh)
     out = [float(engine.step(_batch(config, rows=32, seed=s)).loss) for s in range(3)]
     engine.close()
     return out

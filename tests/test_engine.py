@@ -1,5 +1,6 @@
 """ZeRO stages 0-3 on 8 fake CPU devices: results, memory, collectives, bad input."""
 
+import dataclasses
 import math
 import re
 
@@ -61,6 +62,16 @@ def mesh_of(n):
   return Mesh(np.array(jax.devices()[:n]), ("data",))
 
 
+OPTION_NAMES = {f.name for f in dataclasses.fields(jzo.EngineOptions)}
+
+
+def make_engine(loss_fn, params, tx, **kw):
+  """A ZeroEngine from keywords of both kinds: EngineOptions' fields go into
+  its options, the rest (mesh, memory) to the engine."""
+  options = jzo.EngineOptions(**{k: kw.pop(k) for k in list(kw) if k in OPTION_NAMES})
+  return jzo.ZeroEngine(loss_fn, params, tx, options, **kw)
+
+
 def assert_close(got, want, rtol=2e-5, atol=2e-6):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=rtol, atol=atol), got, want)
@@ -75,8 +86,10 @@ OPTIMIZERS = {"optax.adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
 @pytest.mark.parametrize("stage, layers", STAGES, ids=lambda x: str(x))
 def test_stages_match_single_device(stage, layers, opt):
   params, data = init_params(), batches(20)
-  engine = jzo.ZeroEngine(loss_fn, params, OPTIMIZERS[opt](), stage=stage, layers=layers,
-                          compute_dtype=jnp.float32, mesh=mesh_of(8))
+  engine = jzo.ZeroEngine(loss_fn, params, OPTIMIZERS[opt](),
+                          options=jzo.EngineOptions(stage=stage, layers=layers,
+                                                    compute_dtype=jnp.float32),
+                          mesh=mesh_of(8))
   for b in data:
     engine.step(b)
   assert_close(engine.params, reference(params, OPTIMIZERS[opt](), data))
@@ -92,7 +105,8 @@ def test_evaluate_is_the_loss_of_the_weights(stage, layers, offload):
   kw = dict(stage=stage, layers=layers, compute_dtype=jnp.float32, mesh=mesh_of(8),
             grad_accum=2)
   tx = jzo.cpu_adamw(1e-2) if offload else optax.adam(1e-2)
-  engine = jzo.ZeroEngine(loss_fn, init_params(), tx, offload=offload and stage > 0, **kw)
+  engine = make_engine(loss_fn, init_params(), tx,
+                          offload=offload and stage > 0, **kw)
   data = batches(3)
   for b in data[:2]:
     engine.step(b)
@@ -109,8 +123,8 @@ def test_evaluate_is_the_loss_of_the_weights(stage, layers, offload):
 def test_compute_params_are_the_weights_in_the_compute_dtype(stage, layers):
   """compute_params(): the masters rounded to bf16, in full shapes, on the
   devices (replicated)."""
-  engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-2), stage=stage, layers=layers,
-                          mesh=mesh_of(8))
+  engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-2),
+                          options=jzo.EngineOptions(stage=stage, layers=layers), mesh=mesh_of(8))
   engine.step(batches(1)[0])
   got = engine.compute_params()
   want = jax.tree.map(lambda x: x.astype(jnp.bfloat16), engine.params)
@@ -122,8 +136,10 @@ def test_compute_params_are_the_weights_in_the_compute_dtype(stage, layers):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_grad_accumulation_and_clipping(stage):
   params, data = init_params(), batches(6, size=32)
-  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2), stage=stage, grad_accum=4,
-                          max_grad_norm=0.5, compute_dtype=jnp.float32, mesh=mesh_of(4))
+  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2),
+                          options=jzo.EngineOptions(stage=stage, grad_accum=4, max_grad_norm=0.5,
+                                                    compute_dtype=jnp.float32),
+                          mesh=mesh_of(4))
   for b in data:
     metrics = engine.step(b)
   assert_close(engine.params, reference(params, optax.adam(1e-2), data, max_grad_norm=0.5))
@@ -133,7 +149,8 @@ def test_grad_accumulation_and_clipping(stage):
 
 def test_bf16_compute_tracks_float32():
   params, data = init_params(), batches(10)
-  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2), stage=2, mesh=mesh_of(8))
+  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2), options=jzo.EngineOptions(stage=2),
+                          mesh=mesh_of(8))
   for b in data:
     engine.step(b)
   assert engine.state.params["head"].dtype == jnp.bfloat16
@@ -160,7 +177,8 @@ def test_memory_matches_zero_paper(stage, n_dev):
   """Bytes per device for bf16 params and grads, fp32 master + Adam moments."""
   params = big_params()
   psi = sum(x.size for x in jax.tree.leaves(params))
-  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-3), stage=stage, mesh=mesh_of(n_dev))
+  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-3), options=jzo.EngineOptions(stage=stage),
+                          mesh=mesh_of(n_dev))
   mem = engine.memory_per_device()
   expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / n_dev, 2: 2 * psi + 14 * psi / n_dev,
               3: 16 * psi / n_dev}[stage]
@@ -209,8 +227,10 @@ def collectives(hlo: str, n_dev: int = 8) -> dict[str, list[int]]:
 def test_collectives_and_volume_match_zero_paper(stage):
   params = big_params()
   psi = sum(x.size for x in jax.tree.leaves(params))
-  engine = jzo.ZeroEngine(make_loss(unroll=LAYERS), params, optax.adam(1e-3), stage=stage,
-                          mesh=mesh_of(8), layers="blocks" if stage == 3 else None)
+  engine = jzo.ZeroEngine(make_loss(unroll=LAYERS), params, optax.adam(1e-3),
+                          options=jzo.EngineOptions(stage=stage,
+                                                    layers="blocks" if stage == 3 else None),
+                          mesh=mesh_of(8))
   hlo = engine.lower(batches(1)[0]).as_text(dialect="hlo")
   ops = collectives(hlo)
   big = {name: [s for s in sizes if s > 64] for name, sizes in ops.items()}  # not scalars
@@ -232,8 +252,10 @@ def test_collectives_and_volume_match_zero_paper(stage):
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
   params, data = init_params(), batches(5)
   data[2] = dict(data[2], y=data[2]["y"].at[0, 0].set(jnp.inf))  # inf loss -> inf grads
-  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2), stage=2, mesh=mesh_of(8),
-                          compute_dtype=jnp.float16, loss_scale=jzo.LossScale(init_scale=2.0**10))
+  engine = jzo.ZeroEngine(loss_fn, params, optax.adam(1e-2),
+                          options=jzo.EngineOptions(stage=2, compute_dtype=jnp.float16,
+                                                    loss_scale=jzo.LossScale(init_scale=2.0**10)),
+                          mesh=mesh_of(8))
   history = []
   for b in data:
     before = engine.params
@@ -247,9 +269,10 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
 
 
 def test_loss_scale_grows_after_clean_steps():
-  engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-3), stage=1, mesh=mesh_of(2),
-                          compute_dtype=jnp.float16,
-                          loss_scale=jzo.LossScale(init_scale=8.0, growth_interval=2))
+  engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-3),
+                          options=jzo.EngineOptions(stage=1, compute_dtype=jnp.float16,
+                                                    loss_scale=jzo.LossScale(init_scale=8.0, growth_interval=2)),
+                          mesh=mesh_of(2))
   scales = [float(engine.step(b).loss_scale) for b in batches(5)]
   assert scales == [8.0, 8.0, 16.0, 16.0, 32.0]
 
@@ -257,25 +280,27 @@ def test_loss_scale_grows_after_clean_steps():
 def test_bad_input():
   params, tx, mesh = init_params(), optax.adam(1e-3), mesh_of(8)
   with pytest.raises(ValueError, match="stage must be"):
-    jzo.ZeroEngine(loss_fn, params, tx, stage=4)
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(stage=4))
   with pytest.raises(ValueError, match="no axis named 'data'"):
     jzo.ZeroEngine(loss_fn, params, tx, mesh=Mesh(np.array(jax.devices()), ("model",)))
   with pytest.raises(ValueError, match="grad_accum"):
-    jzo.ZeroEngine(loss_fn, params, tx, grad_accum=0)
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(grad_accum=0))
   with pytest.raises(ValueError, match="max_grad_norm"):
-    jzo.ZeroEngine(loss_fn, params, tx, max_grad_norm=-1.0)
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(max_grad_norm=-1.0))
   with pytest.raises(ValueError, match="compute_dtype"):
-    jzo.ZeroEngine(loss_fn, params, tx, compute_dtype=jnp.int8)
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(compute_dtype=jnp.int8))
   with pytest.raises(ValueError, match="only applies to stage 3"):
-    jzo.ZeroEngine(loss_fn, params, tx, stage=2, layers="blocks")
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(stage=2, layers="blocks"))
   with pytest.raises(ValueError, match="no 'layer' in the params"):
-    jzo.ZeroEngine(loss_fn, params, tx, stage=3, layers="layer")
+    jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(stage=3, layers="layer"))
   with pytest.raises(ValueError, match="does not mirror"):
-    jzo.ZeroEngine(loss_fn, params, optax.adafactor(1e-3), stage=2, mesh=mesh)
+    jzo.ZeroEngine(loss_fn, params, optax.adafactor(1e-3), options=jzo.EngineOptions(stage=2),
+                   mesh=mesh)
   with pytest.raises(TypeError, match="not floating point"):
     jzo.ZeroEngine(loss_fn, {"w": jnp.ones(3, jnp.int32)}, tx)
 
-  engine = jzo.ZeroEngine(loss_fn, params, tx, stage=2, mesh=mesh, grad_accum=2)
+  engine = jzo.ZeroEngine(loss_fn, params, tx, options=jzo.EngineOptions(stage=2, grad_accum=2),
+                          mesh=mesh)
   with pytest.raises(ValueError, match="does not split into 8 devices x 2 micro-batches"):
     engine.step(batches(1, size=24)[0])
   with pytest.raises(ValueError, match="same leading"):
@@ -300,7 +325,8 @@ def test_bad_input():
                         params["blocks"])
     return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
   with pytest.raises(ValueError, match="must call jzo.gather_layer"):
-    jzo.ZeroEngine(no_gather, params, tx, stage=3, layers="blocks", mesh=mesh).step(
+    jzo.ZeroEngine(no_gather, params, tx, options=jzo.EngineOptions(stage=3, layers="blocks"),
+                   mesh=mesh).step(
         batches(1)[0])
 
 
@@ -313,7 +339,7 @@ def test_training_leaves_the_callers_arrays_alone(offload):
   before = jax.tree.map(np.copy, params)
   tx = jzo.cpu_adamw(1e-2) if offload else optax.adam(1e-2)
   engine = jzo.ZeroEngine(lambda p, b: loss_fn(p, b) + jnp.sum(p["flat"] ** 2), params, tx,
-                          stage=1, mesh=mesh_of(1), offload=offload)
+                          options=jzo.EngineOptions(stage=1, offload=offload), mesh=mesh_of(1))
   for b in batches(3):
     engine.step(b)
   jax.tree.map(np.testing.assert_array_equal, params, before)

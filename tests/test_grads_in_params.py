@@ -11,7 +11,7 @@ import pytest
 
 import jzo
 from jzo.parallel import layer_scan
-from test_engine import DIN, DOUT, LAYERS, assert_close, batches, init_params, mesh_of
+from test_engine import make_engine, DIN, DOUT, LAYERS, assert_close, batches, init_params, mesh_of
 from test_offload import TX
 
 
@@ -31,7 +31,7 @@ def loss_fn(params, batch):
 
 def engine(mesh_size=1, **kw):
   kw = dict(dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size)), **kw)
-  return jzo.ZeroEngine(loss_fn, init_params(), TX(), **kw)
+  return make_engine(loss_fn, init_params(), TX(), **kw)
 
 
 def test_scan_layers_gradients_are_lax_scans():
@@ -139,8 +139,10 @@ def test_the_layers_gradients_take_no_memory_of_their_own():
   layer_bytes = 4 * (4 * 256 * 256 + 4 * 256)
   need = {}
   for inside in (False, True):
-    e = jzo.ZeroEngine(loss_fn, big, TX(), stage=3, layers="blocks", offload=True,
-                       mesh=mesh_of(1), compute_dtype=jnp.float32, grads_in_params=inside)
+    e = jzo.ZeroEngine(loss_fn, big, TX(),
+                       options=jzo.EngineOptions(stage=3, layers="blocks", offload=True,
+                                                 compute_dtype=jnp.float32, grads_in_params=inside),
+                       mesh=mesh_of(1))
     m = e.lower(batch).compile().memory_analysis()
     need[inside] = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
   assert need[True] <= need[False] - layer_bytes, need
@@ -255,8 +257,9 @@ def test_accumulation_keeps_no_gradient_of_the_layers_beside_the_sums():
   need = {}
   for kw in (dict(accumulation="device"), dict(grads_in_params=True, accumulation="device"),
              dict(offload_params=True, accumulation="device"), dict(offload_params=True)):
-    e = jzo.ZeroEngine(loss_fn, big, TX(), stage=3, layers="blocks", offload=True,
-                       grad_accum=4, mesh=mesh_of(1), compute_dtype=jnp.float32, **kw)
+    e = make_engine(loss_fn, big, TX(),
+                       stage=3, layers="blocks", offload=True, grad_accum=4, compute_dtype=jnp.float32,
+                       mesh=mesh_of(1), **kw)
     m = e.lower(batch).compile().memory_analysis()
     need[len(need)] = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
   assert need[0] >= sums + stack, need
@@ -357,13 +360,15 @@ def test_cpu_devices_do_not_overlap_the_update():
 def test_bad_options(kw, message):
   kw = dict(dict(stage=3, layers="blocks", offload=True, grads_in_params=True), **kw)
   with pytest.raises(ValueError, match=message):
-    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
+    make_engine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
 
 
 def test_a_model_without_scan_layers_is_named():
   from test_engine import loss_fn as lax_scan_loss
-  e = jzo.ZeroEngine(lax_scan_loss, init_params(), TX(), stage=3, layers="blocks",
-                     offload=True, grads_in_params=True, mesh=mesh_of(1))
+  e = jzo.ZeroEngine(lax_scan_loss, init_params(), TX(),
+                     options=jzo.EngineOptions(stage=3, layers="blocks", offload=True,
+                                               grads_in_params=True),
+                     mesh=mesh_of(1))
   with pytest.raises(ValueError, match="jzo.scan_layers"):
     e.step(batches(1)[0])
 
@@ -389,8 +394,10 @@ def test_the_layers_first_take_what_the_layers_close_over_per_micro_batch(mesh_s
   the device's sums, to float32 rounding."""
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size), grad_accum=2,
             compute_dtype=jnp.float32, max_grad_norm=1.0)
-  apart = jzo.ZeroEngine(masked_loss_fn, init_params(), TX(), accumulation="device", **kw)
-  first = jzo.ZeroEngine(masked_loss_fn, init_params(), TX(), grads_in_params=True, **kw)
+  apart = make_engine(masked_loss_fn, init_params(), TX(),
+                         accumulation="device", **kw)
+  first = make_engine(masked_loss_fn, init_params(), TX(),
+                         grads_in_params=True, **kw)
   assert first.plan.layers_first
   for b in batches(3):
     np.testing.assert_allclose(float(first.step(b).loss), float(apart.step(b).loss), rtol=1e-6)
@@ -405,8 +412,10 @@ def test_a_model_scanning_part_of_the_layers_is_refused(accumulation):
     h = jzo.scan_layers(lambda h, w: jnp.tanh(h @ jzo.gather_layer(w)) + h, h,
                         params["blocks"]["w"])
     return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
-  e = jzo.ZeroEngine(part_loss, init_params(), TX(), stage=3, layers="blocks", offload=True,
-                     grads_in_params=True, grad_accum=2, accumulation=accumulation,
+  e = jzo.ZeroEngine(part_loss, init_params(), TX(),
+                     options=jzo.EngineOptions(stage=3, layers="blocks", offload=True,
+                                               grads_in_params=True, grad_accum=2,
+                                               accumulation=accumulation),
                      mesh=mesh_of(1))
   with pytest.raises(ValueError, match="subtree whole"):
     e.step(batches(1)[0])

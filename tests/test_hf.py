@@ -142,10 +142,11 @@ def test_engine_trains_from_lazy_leaves(llama_folder, remat, stage):
     return jzo.HostLeaf(leaf.shape, leaf.dtype, load)
   leaves, treedef = jax.tree.flatten(sources)
   sources = jax.tree.unflatten(treedef, [counted(i, x) for i, x in enumerate(leaves)])
-  engine = jzo.ZeroEngine(lambda p, b: llama.loss_fn(config, p, b), sources,
-                          jzo.cpu_adamw(3e-3), mesh=Mesh(np.array(jax.devices()[:4]), ("data",)),
-                          stage=stage, layers=llama.LAYERS if stage == 3 else None,
-                          offload=True, compute_dtype=np.float32)
+  engine = jzo.ZeroEngine(lambda p, b: llama.loss_fn(config, p, b), sources, jzo.cpu_adamw(3e-3),
+                          options=jzo.EngineOptions(stage=stage,
+                                                    layers=llama.LAYERS if stage == 3 else None,
+                                                    offload=True, compute_dtype=np.float32),
+                          mesh=Mesh(np.array(jax.devices()[:4]), ("data",)))
   assert sorted(loads) == list(range(len(leaves)))  # each leaf read once
   jax.tree.map(np.testing.assert_array_equal, engine.params, params)
   rng = np.random.default_rng(1)

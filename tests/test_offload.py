@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jzo
-from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
 
 TX = lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1, mask={"embed": True, "blocks": False,
                                                           "head": True})
@@ -20,8 +20,8 @@ def test_offload_matches_on_device(stage, layers, compute_dtype):
   params, data = init_params(), batches(20)
   kw = dict(stage=stage, layers=layers, compute_dtype=compute_dtype, mesh=mesh_of(8),
             max_grad_norm=1.0)
-  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
-  offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
+  on_device = make_engine(loss_fn, params, TX(), **kw)
+  offloaded = make_engine(loss_fn, params, TX(), offload=True, **kw)
   for b in data:
     want, got = on_device.step(b), offloaded.step(b)
     assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6, abs=1e-7)
@@ -40,8 +40,8 @@ def test_offload_on_few_devices(n_dev):
   """One device uploads whole leaves (no gather), two gather the shards."""
   params, data = init_params(), batches(6)
   kw = dict(stage=2, compute_dtype=jnp.bfloat16, mesh=mesh_of(n_dev))
-  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
-  offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
+  on_device = make_engine(loss_fn, params, TX(), **kw)
+  offloaded = make_engine(loss_fn, params, TX(), offload=True, **kw)
   for b in data:
     on_device.step(b)
     offloaded.step(b)
@@ -53,8 +53,9 @@ def test_offload_on_few_devices(n_dev):
 def test_new_weights_are_written_into_the_params_in_place():
   """The host parts' new weights land in the params' own buffers (donated),
   so no second copy of a leaf waits on the device beside the old one."""
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=0.5, delayed_update=True,
-                          dpu_warmup=1, mesh=mesh_of(1))
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(offload=0.5, delayed_update=True, dpu_warmup=1),
+                          mesh=mesh_of(1))
   where = lambda: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(engine.state.params)]
   before = where()
   for b in batches(4):
@@ -78,7 +79,8 @@ def test_a_device_step_run_alone_lets_go_of_the_gradients_before_the_next(monkey
       return step(state, batch)
     return watched
   monkeypatch.setattr(jzo.step.step, "make_step", watched_make_step)
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(1))
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), options=jzo.EngineOptions(offload=True),
+                          mesh=mesh_of(1))
   b = batches(1)[0]
   engine.run_device_step(b)
   previous[:] = [weakref.ref(g) for g in jax.tree.leaves(engine.state.grads)]
@@ -90,8 +92,9 @@ def test_a_device_step_run_alone_lets_go_of_the_gradients_before_the_next(monkey
 
 def test_delayed_update_applies_each_update_one_step_late():
   params, data, warmup = init_params(), batches(12), 3
-  engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, offload=True,
-                          delayed_update=True, dpu_warmup=warmup, compute_dtype=jnp.float32,
+  engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2),
+                          options=jzo.EngineOptions(stage=2, offload=True, delayed_update=True,
+                                                    dpu_warmup=warmup, compute_dtype=jnp.float32),
                           mesh=mesh_of(8))
   for b in data:
     engine.step(b)
@@ -117,8 +120,9 @@ def test_delayed_update_applies_each_update_one_step_late():
 def test_accumulation_in_float32_equals_one_large_batch():
   params, data = init_params(), batches(5, size=64)
   kw = dict(stage=2, offload=True, compute_dtype=jnp.float32, mesh=mesh_of(4))
-  accumulated = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), grad_accum=4, **kw)
-  large = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
+  accumulated = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2),
+                               grad_accum=4, **kw)
+  large = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
   for b in data:
     accumulated.step(b)
     large.step(b)
@@ -130,8 +134,8 @@ def test_accumulated_bf16_gradients_travel_in_bf16():
   host: what arrives is the on-device optimizer's fp32 gradient in bf16."""
   params, batch = init_params(), batches(1, size=64)[0]
   kw = dict(stage=2, compute_dtype=jnp.bfloat16, mesh=mesh_of(4), grad_accum=4)
-  offloaded = jzo.ZeroEngine(loss_fn, params, TX(), offload=True, **kw)
-  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
+  offloaded = make_engine(loss_fn, params, TX(), offload=True, **kw)
+  on_device = make_engine(loss_fn, params, TX(), **kw)
   offloaded.run_device_step(batch)  # the host parts' gradients, before they go down
   on_device.step(batch)
   for got, want in zip(jax.tree.leaves(offloaded.state.grads),
@@ -144,8 +148,8 @@ def test_accumulated_bf16_gradients_travel_in_bf16():
 def test_non_finite_bf16_gradients_skip_the_step():
   params, data = init_params(), batches(4)
   data[1] = dict(data[1], x=data[1]["x"].at[3, 0].set(jnp.nan))
-  engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, offload=True,
-                          mesh=mesh_of(8))
+  engine = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2),
+                          options=jzo.EngineOptions(stage=2, offload=True), mesh=mesh_of(8))
   skipped = []
   for b in data:
     before = engine.params
@@ -160,24 +164,28 @@ def test_host_memory_is_checked_before_allocating():
   runtime = jzo.plan.HOST_RUNTIME_BYTES / 2**30  # a CPU device's runtime; the state is tiny
   with pytest.raises(MemoryError, match=rf"needs {runtime:.1f}\d GiB of host RAM .*runtime "
                      rf"{runtime:.2f}.* 0\.00 GiB available"):
-    jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-3), offload=True, host_memory=1000,
-                   mesh=mesh_of(8))
+    jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-3),
+                   options=jzo.EngineOptions(offload=True), host_memory=1000, mesh=mesh_of(8))
 
 
 def test_bad_offload_options():
   params, mesh = init_params(), mesh_of(8)
   with pytest.raises(ValueError, match="stage 1, 2 or 3"):
-    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), stage=0, offload=True, mesh=mesh)
+    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3),
+                   options=jzo.EngineOptions(stage=0, offload=True), mesh=mesh)
   with pytest.raises(TypeError, match="jzo.cpu_adam or jzo.cpu_adamw"):
-    jzo.ZeroEngine(loss_fn, params, optax.adamw(1e-3), offload=True, mesh=mesh)
+    jzo.ZeroEngine(loss_fn, params, optax.adamw(1e-3), options=jzo.EngineOptions(offload=True),
+                   mesh=mesh)
   with pytest.raises(ValueError, match="needs offload=True"):
-    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), delayed_update=True, mesh=mesh)
+    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3),
+                   options=jzo.EngineOptions(delayed_update=True), mesh=mesh)
   with pytest.raises(ValueError, match="only axis of size > 1"):
-    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), offload=True,
+    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), options=jzo.EngineOptions(offload=True),
                    mesh=jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model")))
   with pytest.raises(ValueError, match="dpu_warmup"):
-    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3), offload=True, delayed_update=True,
-                   dpu_warmup=-1, mesh=mesh)
+    jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3),
+                   options=jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=-1),
+                   mesh=mesh)
 
 
 def test_host_update_yields_leaves_largest_first_with_their_new_weights():
@@ -231,8 +239,10 @@ def test_a_fault_in_the_host_update_surfaces_and_stops_the_engine(delayed):
   import faulthandler
   import traceback
   faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the run, with the stacks
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
-                          delayed_update=delayed, dpu_warmup=0)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(offload=True, delayed_update=delayed,
+                                                    dpu_warmup=0),
+                          mesh=mesh_of(2))
   data = batches(4)
   engine.step(data[0])
   engine.host.update_leaves = _failing_after_one_leaf(engine.host.update_leaves)
@@ -253,8 +263,9 @@ def test_a_fault_in_the_host_update_surfaces_and_stops_the_engine(delayed):
 
 
 def test_close_twice_and_step_after_close():
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(1),
-                          delayed_update=True, dpu_warmup=0)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
+                          mesh=mesh_of(1))
   for b in batches(3):
     engine.step(b)
   assert engine.host_update.in_flight
@@ -271,8 +282,9 @@ def test_a_long_run_with_offload_and_the_delayed_update_does_not_grow():
   """2,000 steps: after warm-up neither host RSS (within a few MiB) nor the
   number of live arrays grows, so no buffer is kept per step."""
   import psutil
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
-                          delayed_update=True, dpu_warmup=0)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
+                          mesh=mesh_of(2))
   data, process = batches(8), psutil.Process()
   rss, arrays = [], []
   for step in range(2000):

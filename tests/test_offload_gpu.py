@@ -13,7 +13,7 @@ import pytest
 
 import jzo
 from jzo.host import transfer
-from test_engine import assert_close, batches, init_params, loss_fn
+from test_engine import make_engine, assert_close, batches, init_params, loss_fn
 
 try:
   GPUS = jax.devices("gpu")
@@ -30,8 +30,9 @@ def test_offload_on_gpu_matches_device_training(compute_dtype, tol):
   params, data = init_params(), batches(10)
   kw = dict(stage=2, mesh=mesh, compute_dtype=compute_dtype, max_grad_norm=1.0)
   with jax.default_device(GPUS[0]):
-    on_device = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
-    offloaded = jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), offload=True, **kw)
+    on_device = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
+    offloaded = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2),
+                               offload=True, **kw)
     for b in data:
       on_device.step(b)
       offloaded.step(b)
@@ -45,8 +46,10 @@ def test_landing_buffers_are_pinned_and_reused_across_steps():
   memory from XLA's pool: one set of buffers, at the same few addresses each
   step, where a fresh pinned allocation per step would map new pages."""
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
-  engine = jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-2), stage=2, mesh=mesh,
-                          offload=True, delayed_update=True, dpu_warmup=1)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-2),
+                          options=jzo.EngineOptions(stage=2, offload=True, delayed_update=True,
+                                                    dpu_warmup=1),
+                          mesh=mesh)
   addresses = []
   for b in batches(10):
     engine.step(b)
@@ -66,9 +69,10 @@ def test_the_portable_path_trains_as_the_pinned_one_on_a_gpu():
   bit, with the delayed update and a split leaf."""
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
   params, data = init_params(), batches(10)
-  engines = [jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2), stage=2, mesh=mesh,
-                            offload=0.5, delayed_update=True, dpu_warmup=2,
-                            host_transfer=path) for path in ("pinned", "portable")]
+  engines = [jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-2),
+                            options=jzo.EngineOptions(stage=2, offload=0.5, delayed_update=True,
+                                                      dpu_warmup=2, host_transfer=path),
+                            mesh=mesh) for path in ("pinned", "portable")]
   for b in data:
     for engine in engines:
       engine.step(b)
@@ -88,8 +92,10 @@ def test_a_streamed_update_on_a_gpu_equals_the_whole_one():
   up into the params at their offsets, overlapped: the weights equal the
   whole update's, bit for bit."""
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
-  make = lambda limit: jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-2), stage=2,
-                                      mesh=mesh, offload=True, landing_limit=limit)
+  make = lambda limit: jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(1e-2),
+                                      options=jzo.EngineOptions(stage=2, offload=True,
+                                                                landing_limit=limit),
+                                      mesh=mesh)
   whole, streamed = make(None), make(64)
   assert streamed.plan.streamed
   for b in batches(4):
@@ -111,9 +117,9 @@ def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0)
   with jax.default_device(GPUS[0]):
-    on_gpu = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+    on_gpu = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
                             grads_in_params=True, **kw)
-    on_host = jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+    on_host = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
                              offload_params=True, **kw)
     layers = sum(x.nbytes for x in jax.tree.leaves(on_host.state.params["blocks"]))
     assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host.state.params["blocks"])} \
@@ -143,7 +149,7 @@ def test_resident_layers_on_a_gpu_train_as_the_weights_on_it():
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0,
             activation_memory=2**20, compute_dtype=jnp.float32)
   with jax.default_device(GPUS[0]), jax.default_matmul_precision("highest"):
-    make = lambda **more: jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
+    make = lambda **more: make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
                                          **kw, **more)
     on_gpu, on_host = make(grads_in_params=True), make(offload_params=True)
     plan = dataclasses.replace(on_host.plan, resident_layers=1)
@@ -198,7 +204,7 @@ def scanned_engine(**kw):
   kw = dict(dict(stage=3, layers="blocks", offload=True, grads_in_params=True, mesh=mesh,
                  max_grad_norm=1.0), **kw)
   with jax.default_device(GPUS[0]):
-    return jzo.ZeroEngine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
+    return make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
 
 
 @pytest.mark.parametrize("offload, seconds, grad_accum", [

@@ -18,7 +18,7 @@ import jzo
 from jzo import step as step_lib
 from jzo.parallel.partition import is_layout
 from jzo.plan import DEVICE_HEADROOM
-from test_engine import LAYERS, assert_close, batches, init_params, mesh_of
+from test_engine import make_engine, LAYERS, assert_close, batches, init_params, mesh_of
 from test_grads_in_params import engine, loss_fn
 from test_offload import TX
 
@@ -169,7 +169,7 @@ def test_a_checkpoint_moves_between_weights_on_the_host_and_on_the_devices():
 def test_bad_options(kw, message):
   kw = dict(dict(stage=3, layers="blocks", offload=True, offload_params=True), **kw)
   with pytest.raises(ValueError, match=message):
-    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
+    make_engine(loss_fn, init_params(), TX(), mesh=mesh_of(1), **kw)
 
 
 def test_the_planner_estimates_it():

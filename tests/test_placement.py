@@ -19,7 +19,7 @@ from jzo import checkpoint
 from jzo.parallel import partition
 from jzo import plan as plan_lib
 from jzo.recipe import estimate as estimate_cli
-from test_engine import assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
 PLACEMENTS = [0.0, 0.4, True]
@@ -32,8 +32,8 @@ def test_placement_matches_on_device_training(offload, n_dev, stage, layers):
   params, data = init_params(), batches(12)
   kw = dict(stage=stage, layers=layers, compute_dtype=jnp.bfloat16, mesh=mesh_of(n_dev),
             max_grad_norm=1.0)
-  on_device = jzo.ZeroEngine(loss_fn, params, TX(), **kw)
-  placed = jzo.ZeroEngine(loss_fn, params, TX(), offload=offload, **kw)
+  on_device = make_engine(loss_fn, params, TX(), **kw)
+  placed = make_engine(loss_fn, params, TX(), offload=offload, **kw)
   fraction = placed.plan.offloaded_fraction
   # A padded leaf of stages 1-2 on several devices goes whole to one side.
   assert {0.0: fraction == 0, 0.4: 0.1 < fraction < 0.6, True: fraction == 1}[offload]
@@ -60,7 +60,8 @@ def test_a_fraction_of_a_shard_not_a_multiple_of_the_alignment_stays_inside_it(f
 
 
 def test_a_fraction_splits_every_large_leaf():
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=0.5, mesh=mesh_of(1))
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), options=jzo.EngineOptions(offload=0.5),
+                          mesh=mesh_of(1))
   for layout in engine.plan.leaves:
     assert 0 < layout.on_device < layout.shard_size or layout.shard_size < 32
   assert engine.plan.has_device_state and engine.plan.has_host_state
@@ -68,8 +69,10 @@ def test_a_fraction_splits_every_large_leaf():
 
 def test_host_bytes_planned_equal_what_the_engine_allocates():
   for offload, delayed in ((True, False), (0.4, True)):
-    engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=offload, mesh=mesh_of(8),
-                            delayed_update=delayed, dpu_warmup=0)
+    engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                            options=jzo.EngineOptions(offload=offload, delayed_update=delayed,
+                                                      dpu_warmup=0),
+                            mesh=mesh_of(8))
     planned = engine.plan.host_bytes()
     assert engine.host_bytes_in_use() == planned["master"] + planned["moments"]  # before a step
     for b in batches(3):
@@ -88,8 +91,10 @@ def test_partial_placement_with_delayed_update_trains():
   """The host part lands one step late, the device part at once: the loss
   still falls like plain training's, and nothing diverges."""
   params, data = init_params(), batches(30)
-  engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.5, delayed_update=True,
-                          dpu_warmup=2, mesh=mesh_of(8), compute_dtype=jnp.float32)
+  engine = jzo.ZeroEngine(loss_fn, params, TX(),
+                          options=jzo.EngineOptions(offload=0.5, delayed_update=True, dpu_warmup=2,
+                                                    compute_dtype=jnp.float32),
+                          mesh=mesh_of(8))
   losses = [float(engine.step(b).loss) for b in data]
   engine.close()
   assert np.isfinite(losses).all() and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
@@ -99,12 +104,12 @@ def test_auto_fills_the_device_and_offloads_the_rest():
   params = init_params()
   n = sum(x.size for x in jax.tree.leaves(params))
   kw = dict(offload="auto", mesh=mesh_of(1), activation_memory=1000)
-  roomy = jzo.ZeroEngine(loss_fn, params, TX(), device_memory=10**9, **kw)
+  roomy = make_engine(loss_fn, params, TX(), device_memory=10**9, **kw)
   assert roomy.plan.offloaded_fraction == 0.0
   # bf16 params and gradients (4 n bytes) fit, and about half the state:
   # whole leaves, largest first, as many as fit, then part of one more.
   budget = int((4 * n + 6 * n + 1000) / (1 - plan_lib.DEVICE_HEADROOM))
-  tight = jzo.ZeroEngine(loss_fn, params, TX(), device_memory=budget, **kw)
+  tight = make_engine(loss_fn, params, TX(), device_memory=budget, **kw)
   assert 0 < tight.plan.offloaded_fraction < 1
   assert len([l for l in tight.plan.leaves if 0 < l.on_device < l.shard_size]) <= 1
   # It fits (the step's peak, the exchange after it, the draw beside the
@@ -132,11 +137,14 @@ def test_what_does_not_fit_is_refused_before_drawing_weights():
       drawn.append(True)
     return tree
   with pytest.raises(MemoryError, match=r"needs .* GiB per device .* available"):
-    jzo.ZeroEngine(loss_fn, params, TX(), offload=0.0, device_memory=1000, mesh=mesh_of(1))
+    jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload=0.0),
+                   device_memory=1000, mesh=mesh_of(1))
   with pytest.raises(MemoryError, match="all on the host does not fit|needs"):
-    jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", device_memory=1000, mesh=mesh_of(1))
+    jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload="auto"),
+                   device_memory=1000, mesh=mesh_of(1))
   with pytest.raises(MemoryError, match="host RAM"):
-    jzo.ZeroEngine(loss_fn, params, TX(), offload=True, host_memory=1000, mesh=mesh_of(1))
+    jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload=True), host_memory=1000,
+                   mesh=mesh_of(1))
   assert not drawn  # shapes were traced, no weight was drawn
 
 
@@ -144,9 +152,10 @@ def test_bad_offload_values():
   params = init_params()
   for bad in (1.5, -0.1, "half"):
     with pytest.raises(ValueError, match="offload"):
-      jzo.ZeroEngine(loss_fn, params, TX(), offload=bad, mesh=mesh_of(1))
+      jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload=bad), mesh=mesh_of(1))
   with pytest.raises(ValueError, match="needs the device memory"):
-    jzo.ZeroEngine(loss_fn, params, TX(), offload="auto", mesh=mesh_of(1))
+    jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload="auto"),
+                   mesh=mesh_of(1))
 
 
 def test_draws_are_grouped_largest_first_within_the_largest_leafs_size_or_the_floor():
@@ -202,10 +211,12 @@ def test_the_build_writes_a_leafs_copies_into_their_buffers_without_a_copy_of_th
 
 def test_params_as_a_function_are_drawn_to_the_same_weights():
   make = lambda: init_params()
-  from_fn = jzo.ZeroEngine(loss_fn, make, TX(), offload=0.5, mesh=mesh_of(2))
+  from_fn = jzo.ZeroEngine(loss_fn, make, TX(), options=jzo.EngineOptions(offload=0.5),
+                           mesh=mesh_of(2))
   # Each leaf is the jitted function's leaf (eager code may round differently).
   jax.tree.map(np.testing.assert_array_equal, from_fn.params, jax.jit(make)())
-  from_tree = jzo.ZeroEngine(loss_fn, make(), TX(), offload=0.5, mesh=mesh_of(2))
+  from_tree = jzo.ZeroEngine(loss_fn, make(), TX(), options=jzo.EngineOptions(offload=0.5),
+                             mesh=mesh_of(2))
   for b in batches(3):
     from_tree.step(b)
     from_fn.step(b)
@@ -231,8 +242,9 @@ def offload_run():
   """6 steps with offload on 8 devices: (the state dict after 3, the (loss,
   grad norm) of each later step, the final params)."""
   data = batches(6)
-  engine = jzo.ZeroEngine(loss_fn, init_params(), jzo.cpu_adamw(**ADAMW), offload=True,
-                          stage=2, mesh=mesh_of(8), **RESHARD_OPTIONS)
+  engine = make_engine(loss_fn, init_params(), jzo.cpu_adamw(**ADAMW),
+                          offload=True, stage=2, mesh=mesh_of(8),
+                          **RESHARD_OPTIONS)
   for b in data[:3]:
     engine.step(b)
   saved = jax.tree.map(np.array, engine.state_dict())  # a snapshot: it holds live host arrays
@@ -247,7 +259,7 @@ def test_an_offload_state_dict_continues_in_another_layout(offload_run, target):
   saved, metrics, params = offload_run
   options = dict(RESHARDED[target])
   tx, n_dev = options.pop("tx"), options.pop("n_dev")
-  resumed = jzo.ZeroEngine(loss_fn, init_params(1), tx(), mesh=mesh_of(n_dev), **options,
+  resumed = make_engine(loss_fn, init_params(1), tx(), mesh=mesh_of(n_dev), **options,
                            **RESHARD_OPTIONS)
   with pytest.raises(AssertionError):  # so that the comparisons below can fail
     assert_close(resumed.params, params)
@@ -354,8 +366,9 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert saved.plan.pool_overhead() == need.plan.pool_overhead() > 0
   assert saved.plan.draw_floor == need.plan.draw_floor == 0
   with pytest.raises(jzo.PlacementError, match="checkpoint writes 2.50 GiB"):
-    jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(8),
-                   host_memory=total + 2**30, checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+    jzo.ZeroEngine(loss_fn, init_params, TX(), options=jzo.EngineOptions(offload=True),
+                   mesh=mesh_of(8), host_memory=total + 2**30,
+                   checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
   # Where the state alone does not fit either, the message does not blame the save.
   tight = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=2**30,
                        checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
@@ -372,7 +385,8 @@ def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
   held = {"rss": 0}
   monkeypatch.setattr(plan_lib.psutil, "Process", lambda: types.SimpleNamespace(
       memory_info=lambda: types.SimpleNamespace(rss=held["rss"])))
-  engine = lambda: jzo.ZeroEngine(loss_fn, init_params, TX(), offload=True, mesh=mesh_of(1))
+  engine = lambda: jzo.ZeroEngine(loss_fn, init_params, TX(),
+                                  options=jzo.EngineOptions(offload=True), mesh=mesh_of(1))
   # The tiny model's state is a few MiB beside the runtime.
   monkeypatch.setattr(plan_lib, "available_host_memory", lambda: runtime - gib)
   held["rss"] = gib // 2
@@ -392,7 +406,8 @@ def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
 def test_estimate_agrees_with_the_engine():
   params = init_params()
   est = jzo.estimate(params, devices=8, offload=0.4, device_memory=10**9, host_memory=1 << 40)
-  engine = jzo.ZeroEngine(loss_fn, params, TX(), offload=0.4, mesh=mesh_of(8))
+  engine = jzo.ZeroEngine(loss_fn, params, TX(), options=jzo.EngineOptions(offload=0.4),
+                          mesh=mesh_of(8))
   assert est.fits and est.plan.host_bytes() == engine.plan.host_bytes()
   assert est.plan.device_bytes() == engine.plan.device_bytes()
 
@@ -473,5 +488,6 @@ def test_landing_buffers_beyond_the_pinned_pool_cap_are_refused(monkeypatch):
   assert jzo.estimate(params, devices=4, offload=True, device_memory=80 * 2**30,
                       host_memory=100 * 2**30).fits
   with pytest.raises(MemoryError, match=plan_lib.PINNED_POOL_LIMIT_VAR):
-    jzo.ZeroEngine(lambda p, b: jnp.sum(p["w"]), params, jzo.cpu_adamw(1e-3), offload=True,
-                   device_memory=80 * 2**30, host_memory=100 * 2**30, mesh=mesh_of(1))
+    jzo.ZeroEngine(lambda p, b: jnp.sum(p["w"]), params, jzo.cpu_adamw(1e-3),
+                   options=jzo.EngineOptions(offload=True), device_memory=80 * 2**30,
+                   host_memory=100 * 2**30, mesh=mesh_of(1))

@@ -22,7 +22,7 @@ from jzo import native
 from jzo import kernels
 from jzo.kernels import quant8
 from jzo.kernels.cpu_adam import xla_update
-from test_engine import batches, init_params, loss_fn, mesh_of
+from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
 from test_kernels import HYPER, prefetching, simd
 
 INT8 = jnp.int8
@@ -390,8 +390,9 @@ def test_the_engine_trains_with_int8_moments_and_resumes_exactly():
   and both continue alike. Device state is refused."""
   tx = lambda moments: jzo.cpu_adamw(1e-2, weight_decay=0.1, mu_dtype=moments,
                                      nu_dtype=moments)
-  make = lambda moments, **kw: jzo.ZeroEngine(loss_fn, init_params(), tx(moments),
-                                              mesh=mesh_of(8), stage=2, **kw)
+  make = lambda moments, **kw: make_engine(loss_fn, init_params(), tx(moments),
+                                              stage=2, mesh=mesh_of(8),
+                                              **kw)
   int8, fp32 = make(INT8, offload="auto"), make(None, offload=True)
   assert isinstance(int8.host.mu["embed"], quant8.Int8Moment)
   data = batches(8)
@@ -416,9 +417,11 @@ def test_a_streamed_update_of_int8_moments_equals_the_whole_one():
   data = [{"x": jnp.asarray(rng.standard_normal((8, 64)), jnp.float32),
            "y": jnp.asarray(rng.standard_normal((8, 300)), jnp.float32)} for _ in range(3)]
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-  make = lambda limit: jzo.ZeroEngine(
-      loss, params, jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8), mesh=mesh_of(2),
-      stage=2, offload=True, landing_limit=limit)
+  make = lambda limit: jzo.ZeroEngine(loss, params,
+                                      jzo.cpu_adamw(1e-2, mu_dtype=INT8, nu_dtype=INT8),
+                                      options=jzo.EngineOptions(stage=2, offload=True,
+                                                                landing_limit=limit),
+                                      mesh=mesh_of(2))
   whole, streamed = make(None), make(1024)
   assert streamed.plan.streamed
   spans = streamed.host_update.transfer.spans(0, 256, quant8.QUANT_BLOCK)

@@ -399,8 +399,10 @@ def test_a_fault_in_a_transfer_surfaces_and_stops_the_engine(where, delayed):
   refuse (the params may hold some leaves' new weights only); close() stops
   the update thread without raising, twice."""
   faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the run, with the stacks
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), offload=True, mesh=mesh_of(2),
-                          delayed_update=delayed, dpu_warmup=0)
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(offload=True, delayed_update=delayed,
+                                                    dpu_warmup=0),
+                          mesh=mesh_of(2))
   data = batches(4)
   engine.step(data[0])
   transfer = engine.host_update.transfer

@@ -25,7 +25,7 @@ from jzo.kernels import quant8
 from jzo.checkpoint import state_dict
 from jzo.checkpoint import spans as state_spans
 from jzo.parallel.partition import LeafLayout
-from test_engine import batches, mesh_of
+from test_engine import make_engine, batches, mesh_of
 from test_grads_in_params import loss_fn
 
 LAYERS, HIDDEN = 3, 40  # a layer's row of w: 1,600 values, several int8 blocks of 256
@@ -59,8 +59,9 @@ SETUPS = {
 def make(setup, seed=0):
   options = dict(SETUPS[setup])
   devices, tx = options.pop("devices"), options.pop("tx")()
-  return jzo.ZeroEngine(loss_fn, init_params(seed), tx, mesh=mesh_of(devices),
-                        max_grad_norm=1.0, **options)
+  return make_engine(loss_fn, init_params(seed), tx,
+                        max_grad_norm=1.0, mesh=mesh_of(devices),
+                        **options)
 
 
 def assert_same(got, want):
@@ -407,9 +408,11 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
     checkpoint.restore(manager, same)
   assert_same(same.state_dict(), saver.state_dict())
   float_moments = make("host-fp32-1", seed=1)
-  other_int8 = jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(1e-2, mu_dtype="int8",
+  other_int8 = jzo.ZeroEngine(loss_fn, init_params(1),
+                              jzo.cpu_adamw(1e-2, mu_dtype="int8",
                                                                       nu_dtype="int8"),
-                              mesh=mesh_of(2), stage=2, offload=True, max_grad_norm=1.0)
+                              options=jzo.EngineOptions(stage=2, offload=True, max_grad_norm=1.0),
+                              mesh=mesh_of(2))
   on_devices = make("optax-8", seed=1)  # optax.adamw's float32 moments on 8 devices
   for engine in (float_moments, other_int8, on_devices):
     with checkpoint.open_manager(tmp_path) as manager:
@@ -445,9 +448,12 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
     for way in ("checkpoint", "state dict"):
       # (Their format keeps a row per layer: it loads where the rows are the same.)
       several = {"same": make("int8-8", seed=1), "float": make("host-fp32-1", seed=1),
-                 "other": jzo.ZeroEngine(loss_fn, init_params(1), jzo.cpu_adamw(
-                     1e-2, mu_dtype="int8", nu_dtype="int8"), mesh=mesh_of(2), stage=3,
-                     layers="blocks", offload=True, max_grad_norm=1.0)}
+                 "other": jzo.ZeroEngine(loss_fn, init_params(1),
+                                         jzo.cpu_adamw(
+                     1e-2, mu_dtype="int8", nu_dtype="int8"),
+                                         options=jzo.EngineOptions(stage=3, layers="blocks",
+                                                                   offload=True, max_grad_norm=1.0),
+                                         mesh=mesh_of(2))}
       for key, engine in several.items():
         with monkeypatch.context() as q, checkpoint.open_manager(tmp_path) as manager:
           if key == "same":

@@ -12,7 +12,7 @@ import jzo
 from jzo import plan as plan_lib
 from jzo.parallel.partition import LeafLayout
 from jzo.step.step import write_part
-from test_engine import batches, init_params, loss_fn, mesh_of
+from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 
 LIMIT = 1024  # bytes: spans of 256, 16 bf16 elements of each of 8 shards
@@ -20,8 +20,9 @@ LIMIT = 1024  # bytes: spans of 256, 16 bf16 elements of each of 8 shards
 
 def pair(n_dev=8, **kw):
   """The same engine twice: with one set of landing buffers and streamed."""
-  make = lambda limit: jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(n_dev),
-                                      max_grad_norm=1.0, landing_limit=limit, **kw)
+  make = lambda limit: make_engine(loss_fn, init_params(), TX(),
+                                      max_grad_norm=1.0, landing_limit=limit,
+                                      mesh=mesh_of(n_dev), **kw)
   return make(None), make(LIMIT)
 
 
@@ -79,10 +80,13 @@ def test_streaming_through_pageable_memory():
 def test_a_span_larger_than_the_limit_still_moves_alone():
   """A limit below one span (one layer of a per-layer shard) moves one span
   at a time."""
-  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8), stage=3,
-                          layers="blocks", offload=True, landing_limit=1)
-  whole, = [jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8), stage=3,
-                           layers="blocks", offload=True)]
+  engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                          options=jzo.EngineOptions(stage=3, layers="blocks", offload=True,
+                                                    landing_limit=1),
+                          mesh=mesh_of(8))
+  whole, = [jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                           options=jzo.EngineOptions(stage=3, layers="blocks", offload=True),
+                           mesh=mesh_of(8))]
   for b in batches(2):
     engine.step(b)
     whole.step(b)
@@ -115,14 +119,15 @@ def test_a_failing_span_stops_the_engine():
 @pytest.mark.parametrize("limit", [-1, 1.5, True, "2GiB"])
 def test_a_bad_landing_limit_is_refused(limit):
   with pytest.raises(ValueError, match="landing_limit must be a whole number of bytes"):
-    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8), offload=True,
-                   landing_limit=limit)
+    jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                   options=jzo.EngineOptions(offload=True, landing_limit=limit), mesh=mesh_of(8))
 
 
 def test_a_streamed_update_cannot_be_delayed():
   with pytest.raises(ValueError, match="cannot be delayed"):
-    jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8), offload=True,
-                   delayed_update=True, landing_limit=LIMIT)
+    jzo.ZeroEngine(loss_fn, init_params(), TX(),
+                   options=jzo.EngineOptions(offload=True, delayed_update=True, landing_limit=LIMIT),
+                   mesh=mesh_of(8))
 
 
 def plan_of(host_gib, **kw):
@@ -152,8 +157,8 @@ def test_the_plan_streams_an_update_of_more_than_its_landing_limit_unless_delaye
   whole = plan_of(61, delayed_update=False, landing_limit=0)
   assert not whole.streamed and whole.host_bytes()["landing"] == 8 * plan_lib.GiB
   # one step's host parts within the limit: one set (the small models of these tests)
-  assert not jzo.ZeroEngine(loss_fn, init_params(), TX(), mesh=mesh_of(8),
-                            offload=True).plan.streamed
+  assert not jzo.ZeroEngine(loss_fn, init_params(), TX(), options=jzo.EngineOptions(offload=True),
+                            mesh=mesh_of(8)).plan.streamed
 
 
 def test_write_part_takes_offsets_past_two_to_the_31_elements_in_64_bits():

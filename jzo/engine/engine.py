@@ -21,6 +21,7 @@ whose clip would see one shard only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -38,7 +39,8 @@ from jzo.state import build as state_lib
 from jzo.checkpoint import state_dict
 from jzo import step as step_lib
 from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
-from jzo.host.update import HostAdam, HostUpdate
+from jzo.host.adam import HostAdam
+from jzo.host.update import HostUpdate
 from jzo.options import EngineOptions
 from jzo.step import EngineState, StepMetrics
 from jzo.host.transfer import ShardTransfer, resolve_host_transfer
@@ -61,29 +63,12 @@ class ZeroEngine:
       that device and let go before the next. Every process must give the
       same values.
     tx: an elementwise optax transformation (e.g. optax.adamw, jzo.cpu_adamw).
+    options: what the engine does (jzo.EngineOptions: stage, offload,
+      accumulation, ...; each field's documentation is there); default
+      EngineOptions(). With int8 moments, offload "auto" is True.
     mesh: a Mesh with axis `axis`; default all devices (of all processes,
       each process's together) on one axis.
     axis: name of the data-parallel axis.
-    stage: ZeRO stage, 0 (plain data parallelism) to 3.
-    compute_dtype: dtype of the forward/backward: bfloat16, float16 or float32.
-    loss_scale: 'auto' (dynamic for float16, none otherwise), None, or LossScale.
-    grad_accum: micro-batches per step; the batch splits evenly into them.
-    max_grad_norm: clip the global gradient norm to this (None: no clipping).
-    layers: stage 3 only: dotted key path of the subtree that holds the stack
-      of layers (leading axis = layer), which the model's scan gathers one
-      layer at a time with `jzo.gather_layer`. Default: gather all at once.
-    offload: where the optimizer state (float32 masters and Adam moments) of
-      each device's shard lives (stages 1-3, tx jzo.cpu_adam or cpu_adamw;
-      with int8 moments the host, "auto" included):
-      False: device memory; True: host RAM (ZeRO-Offload), updated by the C++
-      kernel; a fraction f in [0, 1]: about f of every shard on the host, the
-      rest updated on the device inside the step; "auto": as much on the
-      device as fits (`device_memory`, `activation_memory`), the rest on the host.
-    delayed_update: with offload, the paper's one-step delayed parameter
-      update: the host part of step t's update overlaps the device's step
-      t + 1, whose gradients are computed on weights that lack it (the
-      device part is never delayed).
-    dpu_warmup: plain (not delayed) steps before delayed_update starts.
     host_memory: bytes of host RAM offload may use (default: what the OS
       reports available, plus the part of this process's runtime it already
       holds); the state is refused up front if it does not fit.
@@ -95,67 +80,6 @@ class ZeroEngine:
     activation_memory: bytes one device needs at the step's peak besides
       params, gradients and optimizer state (activations, temporaries), for
       offload="auto" and the fit check (`jzo.estimate` computes it for GPTs).
-    host_transfer: how offload moves gradients down and weights up: "auto"
-      (pinned host memory where the devices have it, else the portable
-      path, with a warning), "pinned", or "portable" (see jzo.host.transfer).
-    accumulation: with offload and grad_accum > 1, where the micro-batches'
-      gradients are summed (float32): "device" (one jitted call a step; a
-      float32 sum of every shard on the device), "host" (a call per
-      micro-batch; the host parts' gradients go down after each and are
-      summed on the host, the device parts' on the device: the device holds
-      one micro-batch's gradients), "layers" (grads_in_params: the layers
-      run first, see below), or "auto": with grads_in_params "layers",
-      else the device where it fits.
-    landing_limit: with offload, bytes of pinned host memory the landing
-      buffers (gradients going down, weights going up) may hold at once in
-      this process; 0: all of a step's host parts. Without host
-      accumulation a limit streams the update: spans of a quarter of it go
-      down, through the kernel and up, overlapped (not with delayed_update).
-      Default: 2 GiB streamed (jzo.plan.STREAM_LANDING_BYTES) where a step's
-      host parts are more, one set with delayed_update; under host
-      accumulation one micro-batch's set, or a ring of two leaves where the
-      host lacks room.
-    grads_in_params: stage 3 with layers= and offload (True, a fraction or
-      "auto"), no delayed update: the model's `jzo.scan_layers` writes each
-      layer's gradient over its weights in the backward pass, so the
-      layers' gradients take no device memory of their own; the step
-      writes the device parts' new weights over their gradients and the
-      host update writes the host parts' back (jzo.parallel.layer_scan). A device
-      part costs its masters and moments in device memory (12 B a
-      parameter with fp32 moments) and takes its update off the host.
-      With grad_accum > 1 (accumulation "auto" or "layers") the step runs
-      the layers' forward over every micro-batch first, a layer at a time,
-      then each layer's backward over every micro-batch, its gradient summed
-      in float32 and written over its weights: no float32 sums of the
-      layers, but every micro-batch's layer inputs are kept
-      (activation_memory must count them: e.g. jzo.models.gpt's
-      activation_bytes(..., accumulation=grad_accum)), and the forward may
-      overlap the host update as with one micro-batch. Accumulation
-      "device" instead adds the layers' gradients into float32 sums on the
-      device (4 B a parameter), the last micro-batch's written over the
-      weights. Not "host".
-    offload_params: grads_in_params (implied, with its conditions) with the
-      layers' low-precision weights in pinned host memory (ZeRO-3 offload
-      of parameters): each layer comes up to the device for its forward
-      and again for its backward, and its gradient goes down over its
-      weights, which the host kernel then updates where they are. The
-      devices hold one layer's weights and gradient at a time. True
-      offloads the stacked layers' weights; "auto" keeps them on the
-      devices where they fit (`device_memory`, `activation_memory`), else
-      offloads them and keeps as many of the first layers resident as
-      still fit: a copy of their weights stays in device memory, so the
-      step does not fetch them, and comes up again once after each host
-      update (the plan says how many). Needs devices with pinned host
-      memory (GPUs; the CPU backend runs it too).
-    resident_layers: with offload_params=True, how many of the first
-      layers stay resident (None: 0), in place of "auto"'s choice.
-    overlap_forward: with grads_in_params, one micro-batch or the layers
-      first, the layers' weights in device memory, no landing limit and pinned transfers
-      (`plan.overlaps_update`), on accelerators (not CPU devices): each
-      step's forward runs beside the last step's host update, a layer at a
-      time, each layer as soon as the host has its new weights
-      (jzo.parallel.layer_scan). The same arithmetic as without; False runs the
-      update before the next step instead.
 
   Attributes:
     plan: the layouts and placement (printable).
@@ -170,27 +94,17 @@ class ZeroEngine:
       or host memory; raised before any weight is drawn or state allocated.
   """
 
-  def __init__(self, loss_fn: Callable, params, tx: optax.GradientTransformation, *,
-               mesh: Mesh | None = None, axis: str = "data", stage: int = 2,
-               compute_dtype=jnp.bfloat16, loss_scale="auto", grad_accum: int = 1,
-               max_grad_norm: float | None = None, layers: str | None = None,
-               offload: bool | float | str = False, delayed_update: bool = False,
-               dpu_warmup: int = 10, host_memory: int | None = None,
+  def __init__(self, loss_fn: Callable, params, tx: optax.GradientTransformation,
+               options: EngineOptions | None = None, *, mesh: Mesh | None = None,
+               axis: str = "data", host_memory: int | None = None,
                device_memory: int | None = None, activation_memory: int = 0,
-               host_transfer: str = "auto", accumulation: str = "auto",
-               landing_limit: int | None = None, grads_in_params: bool = False,
-               offload_params: bool | str = False, resident_layers: int | None = None,
-               checkpoint_memory: int = 0, overlap_forward: bool = True):
+               checkpoint_memory: int = 0):
+    options = EngineOptions() if options is None else options
+    if not isinstance(options, EngineOptions):
+      raise TypeError(f"options must be a jzo.EngineOptions, got {type(options).__name__}")
     int8 = isinstance(tx, CpuAdamTransform) and quant8.is_int8(tx.hyperparams.mu_dtype)
-    if int8 and offload == "auto":
-      offload = True  # int8 moments live on the host (see below)
-    options = EngineOptions(
-        stage=stage, compute_dtype=compute_dtype, loss_scale=loss_scale, grad_accum=grad_accum,
-        max_grad_norm=max_grad_norm, layers=layers, offload=offload,
-        delayed_update=delayed_update, dpu_warmup=dpu_warmup, accumulation=accumulation,
-        landing_limit=landing_limit, host_transfer=host_transfer,
-        grads_in_params=grads_in_params, offload_params=offload_params,
-        resident_layers=resident_layers, overlap_forward=overlap_forward)
+    if int8 and options.offload == "auto":
+      options = dataclasses.replace(options, offload=True)  # int8 moments live on the host
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     hyper = tx.hyperparams if isinstance(tx, CpuAdamTransform) else None
@@ -226,7 +140,7 @@ class ZeroEngine:
       # moments are for host RAM, where the C++ kernel runs them.
       raise ValueError("int8 moments are kept in host memory by the C++ kernel: use "
                        "offload=True (or 'auto'); this plan keeps optimizer state on the "
-                       f"devices (offload={offload!r})")
+                       f"devices (offload={options.offload!r})")
     self.loss_fn, self.mesh, self.options = loss_fn, mesh, options
     self.tx = tx
     self.host_update: HostUpdate | None = None  # the host side, when the host holds state
@@ -240,11 +154,11 @@ class ZeroEngine:
       adam = HostAdam(self.plan, hyper, decay, self.positions)
     pinned = False  # host copies through pinned host memory (jzo.host.transfer)
     if self.plan.has_host_state:
-      pinned = resolve_host_transfer(host_transfer, device) == "pinned"
+      pinned = resolve_host_transfer(options.host_transfer, device) == "pinned"
       if self.plan.offload_params and not pinned:
         raise ValueError(f"offload_params keeps the layers' weights in pinned host memory: "
                          f"{device.platform} devices have none here (host_transfer="
-                         f"{host_transfer!r})")
+                         f"{options.host_transfer!r})")
       transfer = ShardTransfer(mesh, axis, self.plan.layouts, self.plan.grad_dtype,
                                pinned=pinned)
       transfer.reserve(self.plan.pinned_bytes())  # before the build pins its chunks

@@ -186,18 +186,17 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
   offload_params = weights_placement(cfg, devices)
 
   def engine(accumulation: str, activations: int) -> jzo.ZeroEngine:
-    return jzo.ZeroEngine(
-        model.loss_fn, params, tx,
-        mesh=Mesh(np.array(devices), ("data",)), stage=cfg.stage,
-        compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
-        grad_accum=accum, max_grad_norm=cfg.max_grad_norm,
-        offload=placement(cfg, devices), delayed_update=cfg.delayed_update,
-        grads_in_params=cfg.grads_in_params, offload_params=offload_params,
-        resident_layers=resident_count(cfg),
+    options = jzo.EngineOptions(
+        stage=cfg.stage, compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
+        grad_accum=accum, max_grad_norm=cfg.max_grad_norm, offload=placement(cfg, devices),
+        delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
+        offload_params=offload_params, resident_layers=resident_count(cfg),
         layers=model.family.layers if cfg.stage == 3 else None,
-        overlap_forward=cfg.overlap_forward, accumulation=accumulation,
-        activation_memory=activations, device_memory=int(cfg.device_memory_gb * 2**30) or None,
-        checkpoint_memory=checkpoint_memory(cfg))
+        overlap_forward=cfg.overlap_forward, accumulation=accumulation)
+    return jzo.ZeroEngine(model.loss_fn, params, tx, options,
+                          mesh=Mesh(np.array(devices), ("data",)), activation_memory=activations,
+                          device_memory=int(cfg.device_memory_gb * 2**30) or None,
+                          checkpoint_memory=checkpoint_memory(cfg))
   single = model.activation_bytes(micro, cfg.seq_len)
   if accum == 1 or not (cfg.grads_in_params or offload_params):
     return engine("auto", single)

@@ -28,7 +28,7 @@ from jzo.parallel import partition
 from jzo import step as step_lib
 from jzo.host import transfer
 from jzo.parallel.distributed import local_positions
-from jzo.host.update import HostAdam
+from jzo.host.adam import HostAdam
 from jzo.parallel.partition import is_layout
 from jzo.plan import Plan
 from jzo.precision import init_loss_scale
