@@ -40,7 +40,11 @@ from jzo.checkpoint import state_dict
 from jzo import step as step_lib
 from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
 from jzo.host.adam import HostAdam
+from jzo.host.accumulated import AccumulatedUpdate
+from jzo.host.overlapped import OverlappedUpdate
+from jzo.host.streamed import StreamedUpdate
 from jzo.host.update import HostUpdate
+from jzo.host.whole import WholeUpdate
 from jzo.options import EngineOptions
 from jzo.step import EngineState, StepMetrics
 from jzo.host.transfer import ShardTransfer, resolve_host_transfer
@@ -168,9 +172,9 @@ class ZeroEngine:
     # buffers. Not on CPU devices: there XLA's runtime was seen to read them
     # before the step's callback allowed (tests/test_grads_in_params.py), and
     # the devices run on the cores the host update needs anyway.
-    self._overlap = self.plan.overlaps_update and pinned and device.platform != "cpu"
+    overlap = self.plan.overlaps_update and pinned and device.platform != "cpu"
     if self.plan.has_host_state:
-      self.host_update = HostUpdate(self.trained, transfer, overlap=self._overlap)
+      self.host_update = _host_update_for(self.plan, overlap)(self.trained, transfer)
     self._step_fns: dict = {}
     self._eval_fns: dict = {}
     self._full_params = None  # compute_params' gather, made at its first call
@@ -186,7 +190,7 @@ class ZeroEngine:
     """Each step's forward runs beside the last host update (see
     `overlap_forward`): `plan.overlaps_update`, with pinned transfers, on
     accelerators."""
-    return self._overlap
+    return isinstance(self.host_update, OverlappedUpdate)
 
   @property
   def host(self) -> HostAdam | None:
@@ -213,7 +217,7 @@ class ZeroEngine:
     if self.host_update is not None:
       grads = jax.tree.leaves(self.state.grads)
       self._set_device(grads=None)  # each freed once it is down
-      self.host_update.exchange(grads, metrics.skipped, grad_scale, delayed=delayed)
+      self.host_update.after_step(grads, metrics.skipped, grad_scale, delayed=delayed)
     return metrics
 
   def _accumulated_step(self, batch) -> StepMetrics:
@@ -223,7 +227,7 @@ class ZeroEngine:
     the host update (see jzo.step.step and jzo.host.update)."""
     delayed = self._delayed()
     metrics, grad_scale = self._micro_calls(batch, self.host_update)
-    self.host_update.exchange_accumulated(metrics.skipped, grad_scale, delayed=delayed)
+    self.host_update.after_step(metrics.skipped, grad_scale, delayed=delayed)
     return metrics
 
   def _delayed(self) -> bool:
@@ -237,7 +241,8 @@ class ZeroEngine:
     """Replaces parts of the device state."""
     self.trained.device = self.trained.device._replace(**parts)
 
-  def _micro_calls(self, batch, host: HostUpdate | None) -> tuple[StepMetrics, jax.Array]:
+  def _micro_calls(self, batch, host: AccumulatedUpdate | None
+                   ) -> tuple[StepMetrics, jax.Array]:
     """The device calls of a host-accumulated step; host None drops the host
     parts' gradients (the device alone, as if they summed to zero)."""
     if self._closed:
@@ -301,10 +306,12 @@ class ZeroEngine:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
       self._set_device(grads=None)
-    if self._overlap:  # the last update's stacked leaves come up in the step
-      # (The state is read once the update's other leaves are installed.)
-      self.trained.device, metrics, grad_scale = self.host_update.overlapped_step(
-          lambda landing: fn(self.state, batch, landing))
+    if self.overlaps_update:  # the last update's stacked leaves come up in the step
+      with self.host_update.guard():  # the step's error may be the update's
+        landing = self.host_update.landing_for_step()
+        # (The state is read once the update's other leaves are installed.)
+        self.trained.device, metrics, grad_scale, landed = fn(self.state, batch, landing)
+        self.host_update.step_returned(landed)
     else:
       self.trained.device, metrics, grad_scale = fn(self.state, batch)
     if self.plan.grads_in_params:  # the layers' params are in their gradients' memory
@@ -325,7 +332,7 @@ class ZeroEngine:
     if self.plan.host_accumulation:
       micro = self._micro_batches(batch)[0]
       return self._step_fn(batch)[0].lower(state, self._global_batch(micro))
-    if self._overlap:
+    if self.overlaps_update:
       transfer = self.host_update.transfer
       landing = [transfer.landing_struct(i) for i in self.plan.overlapped_leaves()]
       return self._step_fn(batch).lower(state, self._global_batch(batch), landing)
@@ -358,7 +365,7 @@ class ZeroEngine:
       self._step_fns[key] = (make(True), make(False),
                              step_lib.make_finish(self.plan, self.mesh, self.trained.tx))
     else:
-      wait = self.host_update.wait_for_layer if self._overlap else None
+      wait = self.host_update.wait_for_layer if self.overlaps_update else None
       self._step_fns[key] = step_lib.make_step(self.plan, self.mesh, self.loss_fn,
                                                self.trained.tx, batch, wait)
     return self._step_fns[key]
@@ -499,6 +506,17 @@ class ZeroEngine:
     weights = sum(s.data.nbytes for x in jax.tree.leaves(self.state.params)
                   if x.sharding.memory_kind == "pinned_host" for s in x.addressable_shards)
     return sum(x.nbytes for x in self.host.arrays()) + landing + weights
+
+
+def _host_update_for(plan: plan_lib.Plan, overlap: bool) -> type[HostUpdate]:
+  """The mode of the host update this engine runs (see jzo.host.update):
+  chosen once, from the plan and whether the next step's forward may
+  overlap the update (pinned transfers, accelerators)."""
+  if plan.host_accumulation:
+    return AccumulatedUpdate
+  if plan.streamed:
+    return StreamedUpdate
+  return OverlappedUpdate if overlap else WholeUpdate
 
 
 def _leaf_sources(params, device):
