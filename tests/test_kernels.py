@@ -87,21 +87,30 @@ def test_fused_step_matches_cpu_adamw_bitwise(optimized_xla):
   np.testing.assert_array_equal(v, np.asarray(state.nu))
 
 
-def test_step_scalars_are_the_bits_cpu_adamw_computes():
+def test_step_at_any_count_matches_cpu_adamw_bitwise():
   """adam_step_ takes its bias corrections a block of counts at a time from
-  one XLA call: each count's scalars equal adam_scalars jitted for that
-  count alone (cpu_adamw's), at block edges, past float32's exact integers
-  and at the last count."""
-  one = jax.jit(lambda lr, count, scale, b1, b2: kernels.adam_scalars(
-      lr=lr, b1=b1, b2=b2, eps=1e-8, eps_root=1e-12, weight_decay=0.05, count=count,
-      grad_scale=scale), static_argnames=("b1", "b2"))
-  block = kernels._COUNTS_PER_CALL
-  counts = [1, 2, 3, block - 1, block, block + 1, 5 * block + 7, 2**24 + 1, 2**31 - 1]
-  for (b1, b2), count in itertools.product([(0.9, 0.999), (0.8, 0.95), (0.5, 0.9999)], counts):
-    want = one(np.float32(3e-4), np.int32(count), np.float32(1 / 3), b1=b1, b2=b2)
-    got = kernels._host_scalars(3e-4, b1, b2, 1e-8, 1e-12, 0.05, count, 1 / 3)
-    np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want).view(np.uint32),
-                                  err_msg=f"b1 {b1}, b2 {b2}, count {count}")
+  one XLA call: its step equals cpu_adamw's at the same count, bit for bit,
+  at the first counts, on either side of the powers of two a block could end
+  at, past float32's exact integers and at the last count. bfloat16 moments
+  keep cpu_adamw's update in the kernel too (float32 ones would have XLA form
+  it), so only the scalars could differ; the weights start near zero with a
+  learning rate of 1, so that a bias correction one ulp off shows in the new
+  weights' bits."""
+  n = 4099
+  counts = [1, 2, 3, 1023, 1024, 1025, 4095, 4096, 4097, 5 * 1024 + 7, 2**24 + 1, 2**31 - 1]
+  hyper = dict(eps=1e-8, eps_root=1e-12, weight_decay=0.05, nesterov=True)
+  for b1, b2 in [(0.9, 0.999), (0.8, 0.95), (0.5, 0.9999)]:
+    tx = jzo.cpu_adamw(1.0, b1=b1, b2=b2, mu_dtype=BF16, nu_dtype=BF16, **hyper)
+    update = jax.jit(tx.update)
+    for count in counts:
+      p, g, m, v = host_state(n, moment_dtype=BF16, seed=count)
+      p *= np.float32(1e-6)
+      state = jzo.CpuAdamState(jnp.int32(count - 1), to_jax(m), to_jax(v))
+      u, _ = update(jnp.asarray(g), state, to_jax(p))
+      kernels.adam_step_(p_k := p.copy(), g, m, v, learning_rate=1.0, b1=b1, b2=b2,
+                         count=count, **hyper)
+      np.testing.assert_array_equal(p_k, np.asarray(optax.apply_updates(jnp.asarray(p), u)),
+                                    err_msg=f"b1 {b1}, b2 {b2}, count {count}")
 
 
 def test_grad_scale_is_applied_first():
