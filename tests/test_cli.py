@@ -227,15 +227,21 @@ def test_estimate_plans_the_share_of_the_gpu_the_recipe_claims(monkeypatch, caps
   """jzo.estimate reads the GPU's limit under the share of its memory that
   jzo.train claims (JAX's default, 75%, would plan for 20 GB less of an
   H100 than training has), and leaves the environment as it was."""
-  from jzo import plan as planner
+  import jax
   from jzo.recipe import loop
   var = "XLA_PYTHON_CLIENT_MEM_FRACTION"
   monkeypatch.delenv(var, raising=False)
   loop.claim_gpu_memory()
   claimed = os.environ.pop(var)
   seen = []
-  monkeypatch.setattr(planner, "local_device_memory",
-                      lambda: seen.append(os.environ.get(var)) or 80 * 2**30)
+
+  class Gpu:  # the machine's first device, as JAX shows it: its allocator's limit
+    platform = "gpu"
+
+    def memory_stats(self):
+      seen.append(os.environ.get(var))
+      return {"bytes_limit": 80 * 2**30}
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [Gpu()])
   assert estimate_cli.main(["--model", "gpt2-124m"]) == 0, capsys.readouterr()
   assert seen == [claimed] and var not in os.environ
 

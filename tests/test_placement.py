@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import psutil
 import pytest
 
 import jzo
@@ -375,32 +376,43 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert not tight.fits and "it fits without" not in tight.error
 
 
-def test_the_runtime_this_process_holds_is_not_counted_twice(monkeypatch):
+def test_the_runtime_this_process_holds_is_not_counted_twice():
   """Once JAX has run anything on a GPU, the process holds most of its
   runtime: the available memory no longer includes it, and the plan counts
   it as a need. The engine and jzo.estimate add back what the process holds,
   up to the runtime the plan counts, so they answer as a fresh process would."""
   runtime = plan_lib.host_runtime_bytes(1, "cpu")
   gib = plan_lib.GiB
-  held = {"rss": 0}
-  monkeypatch.setattr(plan_lib.psutil, "Process", lambda: types.SimpleNamespace(
-      memory_info=lambda: types.SimpleNamespace(rss=held["rss"])))
-  engine = lambda: jzo.ZeroEngine(loss_fn, init_params, TX(),
-                                  options=jzo.EngineOptions(offload=True), mesh=mesh_of(1))
+  engine = lambda host_memory: jzo.ZeroEngine(
+      loss_fn, init_params, TX(), options=jzo.EngineOptions(offload=True), mesh=mesh_of(1),
+      host_memory=host_memory)
   # The tiny model's state is a few MiB beside the runtime.
-  monkeypatch.setattr(plan_lib, "available_host_memory", lambda: runtime - gib)
-  held["rss"] = gib // 2
+  host_memory = plan_lib.host_memory_for(runtime, available=runtime - gib, held=gib // 2)
+  assert host_memory == runtime - gib // 2
   with pytest.raises(jzo.PlacementError, match=rf"{(runtime - gib // 2) / gib:.2f} GiB available"):
-    engine()
-  held["rss"] = 2 * gib
-  assert engine().plan.offloaded_fraction == 1
-  assert jzo.estimate(init_params(), devices=1, offload=True,
-                      device_memory=10**9).host_memory == runtime + gib
+    engine(host_memory)
+  host_memory = plan_lib.host_memory_for(runtime, available=runtime - gib, held=2 * gib)
+  assert host_memory == runtime + gib and engine(host_memory).plan.offloaded_fraction == 1
   # What the process holds beyond the runtime is not the runtime's: not added back.
-  monkeypatch.setattr(plan_lib, "available_host_memory", lambda: 0)
-  held["rss"] = 10 * runtime
-  with pytest.raises(jzo.PlacementError, match=rf"{runtime / gib:.2f} GiB available"):
-    engine()
+  assert plan_lib.host_memory_for(runtime, available=0, held=10 * runtime) == runtime
+
+  def between(read, get) -> bool:
+    """get() lies between two read()s around it (within 64 MiB: other
+    processes' memory moves meanwhile, so a few tries)."""
+    for _ in range(3):
+      before, got, after = read(), get(), read()
+      if min(before, after) - 2**26 <= got <= max(before, after) + 2**26:
+        return True
+    return False
+
+  # By default: what is available now, and this process's resident set.
+  rss = lambda: psutil.Process().memory_info().rss
+  assert rss() > 2**27  # (jax's own: enough to tell added from not)
+  assert between(lambda: min(rss(), runtime), lambda: plan_lib.host_memory_for(runtime, 0))
+  assert between(plan_lib.available_host_memory,
+                 lambda: plan_lib.host_memory_for(runtime, held=0))
+  assert between(lambda: plan_lib.host_memory_for(runtime), lambda: jzo.estimate(
+      init_params(), devices=1, offload=True, device_memory=10**9).host_memory)
 
 
 def test_estimate_agrees_with_the_engine():

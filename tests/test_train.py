@@ -1,5 +1,6 @@
 """`python -m jzo.train`: a few steps end to end, and what bad input gets."""
 
+import functools
 import json
 import re
 import time
@@ -186,8 +187,11 @@ def test_a_run_that_saves_checkpoints_counts_their_host_memory(tmp_path, monkeyp
   state but not for that is refused before any weight is drawn, naming it;
   --checkpoint-every 0 (a checkpoint only on a signal) and --sample are not."""
   runtime = jzo.plan.HOST_RUNTIME_BYTES  # the tiny model's state is a few MiB beside it
-  monkeypatch.setattr(jzo.plan, "host_memory_for",
-                      lambda runtime_bytes: runtime + checkpoint.SAVE_HOST_BYTES // 2)
+  # The recipe's engine, told the host memory (ZeroEngine's host_memory=).
+  engine = jzo.ZeroEngine
+  host_memory = lambda b: monkeypatch.setattr(jzo, "ZeroEngine",
+                                              functools.partial(engine, host_memory=b))
+  host_memory(runtime + checkpoint.SAVE_HOST_BYTES // 2)
   args = FAST + ["--steps", "2", "--sample-tokens", "0", "--checkpoint-every", "2"]
   out = tmp_path / "saving"
   assert train.main(args + ["--out", str(out)]) == 2
@@ -198,12 +202,11 @@ def test_a_run_that_saves_checkpoints_counts_their_host_memory(tmp_path, monkeyp
   out = tmp_path / "signal-only"
   assert train.main(args[:-1] + ["0", "--out", str(out)]) == 0
   assert "checkpoint writes" not in capsys.readouterr().out
-  monkeypatch.setattr(jzo.plan, "host_memory_for", lambda runtime_bytes: 1 << 40)
+  host_memory(1 << 40)
   out = tmp_path / "sampled"
   assert train.main(args + ["--out", str(out)]) == 0
   assert re.search(r"checkpoint writes +2\.50\n", capsys.readouterr().out)  # the plan's table
-  monkeypatch.setattr(jzo.plan, "host_memory_for",
-                      lambda runtime_bytes: runtime + checkpoint.SAVE_HOST_BYTES // 2)
+  host_memory(runtime + checkpoint.SAVE_HOST_BYTES // 2)
   assert train.main(args + ["--out", str(out), "--sample"]) == 0
   assert "--- sample" in capsys.readouterr().out
 

@@ -34,10 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo.parallel.distributed import local_positions
 from jzo.parallel.partition import LeafLayout, is_layout
-
-# Bytes a leaf moves to the host at once while the engine is being built:
-# the pinned bounce of a chunk is all the host holds beside the masters.
-BUILD_CHUNK_BYTES = 256 * 2**20
+from jzo.plan import BUILD_CHUNK_BYTES
 
 # Compiler options of the programs that copy, slice or convert a leaf while
 # the engine is built: no autotuning. XLA's autotuner profiles even a loop

@@ -2,21 +2,25 @@
 device and host), what it costs in bytes, whether it fits, and what the
 machine offers (host RAM, the allocator's limit, pinned pools).
 
-plan: the Plan and its search; estimate: the planner users call from shapes
-alone (`jzo.estimate`, `jzo.pick_micro_batch`)."""
+plan: the Plan, its bytes and its table; placement: the search for where
+each leaf's state lives and the check that it fits; machine: what the machine
+offers (host RAM, device limits, GPUs, pinned pools); fit: the planner users
+call from shapes alone (`jzo.estimate`, `jzo.pick_micro_batch`)."""
 
-from jzo.plan.plan import (DEVICE_HEADROOM, DRAW_GROUP_FLOOR, HOST_RUNTIME_BYTES,
-                           HOST_RUNTIME_BYTES_PER_DEVICE, PINNED_POOL_LIMIT_VAR, STREAM_LANDING_BYTES,
-                           STREAM_SPANS, GiB, Plan, PlacementError, available_host_memory,
-                           device_memory_limit, draw_groups, format_plan, host_memory_for,
-                           host_runtime_bytes, limit_pinned_pool, make_plan, pinned_pool_bytes,
-                           pinned_pool_limit, pool_share, visible_gpus)
+from jzo.plan.machine import (BUILD_CHUNK_BYTES, HOST_RUNTIME_BYTES,
+                              HOST_RUNTIME_BYTES_PER_DEVICE, MIN_POOL_HEADROOM,
+                              PINNED_POOL_LIMIT_VAR, available_host_memory, device_memory_limit,
+                              host_memory_for, host_runtime_bytes, limit_pinned_pool,
+                              pinned_pool_bytes, pinned_pool_limit, pool_share, visible_gpus)
+from jzo.plan.placement import DEVICE_HEADROOM, PlacementError, make_plan
+from jzo.plan.plan import (DRAW_GROUP_FLOOR, STREAM_LANDING_BYTES, STREAM_SPANS, GiB, Plan,
+                           draw_groups, format_plan)
 from jzo.plan.fit import Estimate, MicroBatch, estimate, estimate_micro_batch, pick_micro_batch
 
-__all__ = ["DEVICE_HEADROOM", "DRAW_GROUP_FLOOR", "HOST_RUNTIME_BYTES",
-           "HOST_RUNTIME_BYTES_PER_DEVICE", "PINNED_POOL_LIMIT_VAR", "STREAM_LANDING_BYTES",
-           "STREAM_SPANS", "Estimate", "GiB", "MicroBatch", "Plan", "PlacementError",
-           "available_host_memory", "device_memory_limit", "draw_groups", "estimate",
-           "estimate_micro_batch", "format_plan", "host_memory_for", "host_runtime_bytes",
-           "limit_pinned_pool", "make_plan", "pick_micro_batch", "pinned_pool_bytes",
-           "pinned_pool_limit", "pool_share", "visible_gpus"]
+__all__ = ["BUILD_CHUNK_BYTES", "DEVICE_HEADROOM", "DRAW_GROUP_FLOOR", "HOST_RUNTIME_BYTES",
+           "HOST_RUNTIME_BYTES_PER_DEVICE", "MIN_POOL_HEADROOM", "PINNED_POOL_LIMIT_VAR",
+           "STREAM_LANDING_BYTES", "STREAM_SPANS", "Estimate", "GiB", "MicroBatch", "Plan",
+           "PlacementError", "available_host_memory", "device_memory_limit", "draw_groups",
+           "estimate", "estimate_micro_batch", "format_plan", "host_memory_for",
+           "host_runtime_bytes", "limit_pinned_pool", "make_plan", "pick_micro_batch",
+           "pinned_pool_bytes", "pinned_pool_limit", "pool_share", "visible_gpus"]

@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzo.plan import plan as plan_lib
 from jzo.kernels.cpu_adam import MOMENT_DTYPES
-from jzo.plan.plan import GiB, Plan, PlacementError
 from jzo.options import EngineOptions
+from jzo.plan.machine import device_memory_limit, host_memory_for, host_runtime_bytes
+from jzo.plan.placement import PlacementError, make_plan
+from jzo.plan.plan import GiB, Plan, format_plan
 
 # Device memory assumed when the estimate runs where there is no accelerator.
 DEFAULT_DEVICE_GIB = 80.0
@@ -49,8 +50,7 @@ class Estimate:
   def __str__(self) -> str:
     if self.plan is None:
       return f"does not fit: {self.error}"
-    table = plan_lib.format_plan(self.plan, self.activations, self.device_memory,
-                                 self.host_memory)
+    table = format_plan(self.plan, self.activations, self.device_memory, self.host_memory)
     return table + ("\nfits" if self.fits else f"\ndoes not fit: {self.error}")
 
 
@@ -83,7 +83,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     device_memory: bytes of one device (default: this machine's accelerator,
       else DEFAULT_DEVICE_GIB).
     host_memory: bytes of host RAM (default: what this machine has available,
-      with the part of the planned runtime this process holds: `plan.host_memory_for`).
+      with the part of the planned runtime this process holds: `jzo.plan.host_memory_for`).
     checkpoint_memory: as for `ZeroEngine`: host RAM a checkpoint's save
       takes beside the state (`jzo.checkpoint.SAVE_HOST_BYTES`), or 0.
     The host's runtime is counted for one process over `devices` GPUs (one
@@ -114,15 +114,15 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
                           resident_layers=resident_layers, overlap_forward=overlap_forward)
   if device_memory is None:
     device_memory = local_device_memory() or int(DEFAULT_DEVICE_GIB * GiB)
-  runtime = plan_lib.host_runtime_bytes(devices, _planned_platform(), device_memory)
+  runtime = host_runtime_bytes(devices, _planned_platform(), device_memory)
   if host_memory is None:
-    host_memory = plan_lib.host_memory_for(runtime)
+    host_memory = host_memory_for(runtime)
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
   kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory,
             runtime_bytes=runtime)
   try:
-    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, options,
-                              device_memory=device_memory, host_memory=host_memory, **kw)
+    plan = make_plan(shapes, 2 * moment_dtype.itemsize, options,
+                     device_memory=device_memory, host_memory=host_memory, **kw)
     error = None
   except PlacementError as e:
     error = str(e)
@@ -130,9 +130,8 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     unchecked = dataclasses.replace(
         options, offload=1.0 if offload == "auto" else offload,
         offload_params=True if offload_params == "auto" else offload_params)
-    plan = plan_lib.make_plan(shapes, 2 * moment_dtype.itemsize, unchecked,
-                              device_memory=device_memory, host_memory=host_memory,
-                              checked=False, **kw)
+    plan = make_plan(shapes, 2 * moment_dtype.itemsize, unchecked,
+                     device_memory=device_memory, host_memory=host_memory, checked=False, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
 
 
@@ -147,7 +146,7 @@ def _planned_platform() -> str:
 def local_device_memory() -> int | None:
   """Bytes of this machine's first accelerator, or None where there is none."""
   device = jax.devices()[0]
-  return None if device.platform == "cpu" else plan_lib.device_memory_limit(device)
+  return None if device.platform == "cpu" else device_memory_limit(device)
 
 
 @dataclasses.dataclass(frozen=True)

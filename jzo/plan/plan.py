@@ -7,13 +7,6 @@ split at an element c, [0, c) in device memory, [c, k) in host memory). The
 step, the host side, checkpoints and the memory report all read it; nothing
 else decides placement.
 
-`make_plan` places the state: `offload=False` keeps it on the devices,
-`True` puts all of it on the host, a fraction f in [0, 1] puts about f of
-every leaf on the host, and "auto" keeps as many whole leaves on the devices
-as fit in their memory, then part of one more (a device update costs milliseconds where the host
-kernel needs about 28 bytes of host memory traffic per parameter, so the
-host then has the least work possible) and offloads the rest.
-
 Memory is counted in bytes. Per device: low-precision params, the gradient
 buffer the step keeps, float32 masters and moments of the device part, and
 the larger of two moments: the step's peak (the backward pass's gradients,
@@ -58,50 +51,28 @@ device, and the first layers that still fit keep a copy of their weights
 in device memory as well (`layers_resident`; 2 B a parameter of them): the
 step fetches only the other layers' weights, and the resident layers' new
 weights come up once after the host update.
+
+The placement search is jzo.plan.placement (`make_plan`); what the machine
+offers, jzo.plan.machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import jax
 import numpy as np
-import psutil
 
 from jzo.parallel import partition
-from jzo.options import EngineOptions
 from jzo.parallel.partition import LeafLayout, is_layout
+from jzo.plan.machine import HOST_RUNTIME_BYTES, pinned_pool_bytes
 from jzo.precision import LossScale
-from jzo.host.transfer import BUILD_CHUNK_BYTES
 
 # Host kernel speed assumed for the printed balance: AdamW on the 16-core
 # host of the GPU machines, parameters per second (docs/results.md).
 HOST_UPDATE_PARAMS_PER_S = 4.5e9
-# Share of the device memory the planner leaves free for what it does not
-# model (XLA's fragmentation, cuDNN and cuBLAS workspaces).
-DEVICE_HEADROOM = 0.06
-# Host RAM of a process besides its state, its pinned pools and its GPUs'
-# allocator tables (below): Python, jax, XLA's compiler, CUDA (measured with
-# the resident set after start-up on H200s: 1.5 GiB on one GPU and 1.9 on
-# two of a 32-core host, 1.9 on one and 2.6 on four of a 64-core host).
-HOST_RUNTIME_BYTES = 2 * 2**30
-# ... and for each more GPU the process drives.
-HOST_RUNTIME_BYTES_PER_DEVICE = 2**28
-# XLA's allocators (tsl's BFC) keep, in host RAM, an 8-byte handle for each
-# 256 bytes they manage. A GPU's memory: made when the device first runs
-# something, 4.19 GiB for 95% of an H200 (measured: one anonymous mapping of
-# 4,288 MiB a GPU), 2.36 for an H100. A pinned host pool: made with each of
-# its regions (measured: 0.74 GiB beside 24 GiB of pools).
-BYTES_PER_TABLE_BYTE = 32
-
-
-# XLA's pinned host pools on GPUs, one per device: the cap in GiB of each is
-# read from this variable when JAX starts its GPU backend (XLA's default: 64).
-PINNED_POOL_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-_XLA_PINNED_POOL_LIMIT_GIB = 64
 # Layers' weights (compute dtype, one device's shard) that a step overlapping
 # the host update holds beyond one that does not (Plan.overlaps_update), as
 # its forward copies each layer's fetched host part in: measured, not
@@ -117,104 +88,6 @@ STREAM_SPANS = 4
 # The landing limit of an update that is not delayed, where one step's host
 # parts are more: spans of 512 MiB.
 STREAM_LANDING_BYTES = 2 * 2**30
-# Pinned memory of a process besides the landing buffers: staging of the
-# batches and checkpoint reads; each device's pool keeps its share of it, but
-# at least MIN_POOL_HEADROOM (a chunk of the build, and room for the pool's
-# fragments).
-PINNED_POOL_HEADROOM = 2 * 2**30
-MIN_POOL_HEADROOM = 2**30
-
-
-def pinned_pool_limit() -> int:
-  """Bytes each device's pinned host pool may hold (see PINNED_POOL_LIMIT_VAR)."""
-  value = os.environ.get(PINNED_POOL_LIMIT_VAR, "")
-  try:
-    return int(value) * 2**30 if value else _XLA_PINNED_POOL_LIMIT_GIB * 2**30
-  except ValueError:
-    raise ValueError(f"{PINNED_POOL_LIMIT_VAR} must be a whole number of GiB, "
-                     f"got {value!r}") from None
-
-
-def pool_share(nbytes: int, devices: int) -> int:
-  """Bytes of each device's pinned pool for `nbytes` of landing buffers
-  spread evenly over `devices` (rounded up)."""
-  return -(-nbytes // devices)
-
-
-def pool_headroom(devices: int) -> int:
-  """Bytes of each of `devices` pinned pools beyond its share of the landing
-  buffers (PINNED_POOL_HEADROOM)."""
-  return max(PINNED_POOL_HEADROOM // devices, MIN_POOL_HEADROOM)
-
-
-def pinned_pool_bytes(landing: int, devices: int = 1) -> int:
-  """Host bytes XLA's pinned pools take for `landing` bytes of landing
-  buffers of a process spread evenly over its `devices`, each device's
-  share reserved in one piece in its own pool (`ShardTransfer.reserve`).
-  Pinned pages are resident, and a pool never shrinks: its first region is
-  the share rounded up to a power of two, up to what its cap leaves
-  (gpt2-13b's 21.6 GiB of landing buffers took a 32 GiB region under the
-  default 64 GiB cap), and what else is pinned beside the landing buffers
-  grows it by its headroom (measured: 4.1 GiB for a streamed update's 2 GiB
-  of spans, on one GPU and on two). Each pool's allocator keeps a table of
-  1/32 of it (BYTES_PER_TABLE_BYTE)."""
-  if not landing:
-    return 0
-  share = pool_share(landing, devices)
-  region = max(1 << (share - 1).bit_length(), share + pool_headroom(devices))
-  pool = min(region, pinned_pool_limit())
-  return devices * (pool + pool // BYTES_PER_TABLE_BYTE)
-
-
-def limit_pinned_pool(landing: int, devices: int = 1) -> int:
-  """Caps each device's pinned pool at its share of `landing` bytes (the
-  most landing buffers a process can hold, e.g. every parameter's gradient
-  in the compute dtype, spread over at least `devices` devices) plus its
-  headroom, so that the pool does not round its share up to a power of two
-  (it would be resident: 32 GiB for 21.6 GiB at gpt2-13b). Takes effect
-  only before JAX starts its GPU backend, and leaves a cap the user set
-  alone. `devices` must not be more than the devices the run spreads the
-  landing buffers over (a cap too small fails allocations). Returns the cap
-  in bytes."""
-  if PINNED_POOL_LIMIT_VAR not in os.environ:
-    share = pool_share(landing, devices) + pool_headroom(devices)
-    os.environ[PINNED_POOL_LIMIT_VAR] = str(math.ceil(share / 2**30))
-  return pinned_pool_limit()
-
-
-def visible_gpus() -> int:
-  """GPUs this process can see, counted without starting JAX's GPU backend
-  (where the pinned pools' cap must be set): CUDA_VISIBLE_DEVICES's up to
-  its first invalid entry (where CUDA stops), else the NVIDIA driver's; at
-  least 1."""
-  listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if listed is None:
-    try:
-      return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
-    except OSError:
-      return 1
-  count = 0
-  for entry in listed.split(","):
-    if not entry.strip() or entry.strip().startswith("-"):
-      break
-    count += 1
-  return max(1, count)
-
-
-def host_runtime_bytes(devices: int, platform: str = "gpu", device_memory: int = 0) -> int:
-  """Host RAM of a process that drives `devices` devices of `platform`, each
-  with an allocator of `device_memory` bytes, besides its state and pinned
-  pools (CUDA, XLA, Python): more for each more accelerator, and a GPU's
-  allocator's table; CPU devices add none."""
-  if platform == "cpu":
-    return HOST_RUNTIME_BYTES
-  table = device_memory // BYTES_PER_TABLE_BYTE if platform == "gpu" else 0
-  return HOST_RUNTIME_BYTES + HOST_RUNTIME_BYTES_PER_DEVICE * (devices - 1) + devices * table
-
-
-# Host part of a large split leaf: a multiple of this many elements (a cache
-# line of float32), so that the split falls on a cache-line boundary.
-_ALIGN = 16
 GiB = 2**30
 
 # Where the devices report no memory limit (a CPU's are host RAM), draws may
@@ -355,7 +228,7 @@ class Plan:
   def host_params_bytes(self) -> int:
     """Bytes of pinned host memory the offloaded weights take in one process."""
     lowp = np.dtype(self.compute_dtype).itemsize
-    return lowp * sum(l.shards * _rows(l) * l.shard_size for l in self.leaves
+    return lowp * sum(l.shards * shard_rows(l) * l.shard_size for l in self.leaves
                       if self.params_on_host(l)) // self.processes
 
   def pinned_bytes(self) -> int:
@@ -384,12 +257,12 @@ class Plan:
   @property
   def host_elements(self) -> int:
     """Parameters (padding included, all shards) whose state is on the host."""
-    return sum(l.shards * _rows(l) * l.on_host for l in self.leaves) if self.cpu_adam else 0
+    return sum(l.shards * shard_rows(l) * l.on_host for l in self.leaves) if self.cpu_adam else 0
 
   @property
   def device_elements(self) -> int:
     """Parameters (padding included) of one device's shard whose state is on the device."""
-    return sum(_rows(l) * l.on_device for l in self.leaves)
+    return sum(shard_rows(l) * l.on_device for l in self.leaves)
 
   @property
   def has_host_state(self) -> bool:
@@ -406,7 +279,7 @@ class Plan:
   @property
   def offloaded_fraction(self) -> float:
     """Share of the (padded) parameters whose optimizer state is on the host."""
-    total = sum(l.shards * _rows(l) * l.shard_size for l in self.leaves)
+    total = sum(l.shards * shard_rows(l) * l.shard_size for l in self.leaves)
     return self.host_elements / total
 
   # --------------------------------------------------------------- memory
@@ -414,8 +287,8 @@ class Plan:
     """Bytes one device holds between steps: params, gradient buffer, masters, moments."""
     lowp = np.dtype(self.compute_dtype).itemsize
     full = self.n_params
-    local = sum(_rows(l) * l.shard_size for l in self.leaves)  # one shard, padded
-    on_host = sum((_rows(l) - self.resident_layers) * l.shard_size
+    local = sum(shard_rows(l) * l.shard_size for l in self.leaves)  # one shard, padded
+    on_host = sum((shard_rows(l) - self.resident_layers) * l.shard_size
                   for l in self.leaves if self.params_on_host(l))
     params = lowp * ((local - on_host) if self.sharded_lowp else full)
     if self.cpu_adam:
@@ -438,13 +311,13 @@ class Plan:
     accumulator, and the activations, which XLA's temporaries of the
     compiled step match) and the exchange after it (see the module docstring)."""
     lowp = np.dtype(self.compute_dtype).itemsize
-    local = sum(_rows(l) * l.shard_size for l in self.leaves)
+    local = sum(shard_rows(l) * l.shard_size for l in self.leaves)
     # Stages 0-2 differentiate full params; stage 3's per-layer gathers
     # reduce-scatter each layer's gradients inside the scan.
     grads = lowp * (local if self.stage == 3 and self.layers else self.n_params)
     # The layers' gradients in their weights' memory, but the one being
     # written; with the weights on the host, that layer's fetched weights too.
-    grads -= lowp * sum((_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
+    grads -= lowp * sum((shard_rows(l) - 1 - self.params_on_host(l)) * l.shard_size
                         for l in self.leaves if self.grads_over_weights(l))
     step = {"backward grads": grads, "activations": activations}
     if self.overlaps_update and not self.layers_first:  # the layers' new weights it fetches
@@ -454,7 +327,7 @@ class Plan:
       step["float32 sums"] = 4 * self.device_elements
     elif self.layers_first:  # of the other leaves, and of the layer in its backward
       stacked = [l for l in self.leaves if self.grads_over_weights(l)]
-      step["float32 sums"] = 4 * (local - sum(_rows(l) * l.shard_size for l in stacked)
+      step["float32 sums"] = 4 * (local - sum(shard_rows(l) * l.shard_size for l in stacked)
                                   + sum(l.shard_size for l in stacked))
     elif self.grad_accum > 1:
       step["float32 sums"] = 4 * (self.n_params if self.stage < 2 else local)
@@ -463,13 +336,14 @@ class Plan:
     itemsize = self.grad_dtype.itemsize
     # Offloaded weights are updated where they are: nothing moves for them.
     host_leaves = [l for l in self.leaves if l.on_host and not self.params_on_host(l)]
-    kept = itemsize * sum(_rows(l) * l.shard_size for l in host_leaves
+    kept = itemsize * sum(shard_rows(l) * l.shard_size for l in host_leaves
                           if not self.grads_over_weights(l))
     # Leaf by leaf, its new weights come up (then go into the params in
     # place) and its next gradient goes down: a whole leaf's gradient goes
     # as it is, the split leaf's host part is first sliced into a copy.
-    upload = lambda l: lowp * _rows(l) * l.on_host * (1 if self.sharded_lowp else self.n_devices)
-    sliced = lambda l: itemsize * _rows(l) * l.on_host if l.on_device else 0
+    upload = lambda l: (lowp * shard_rows(l) * l.on_host
+                        * (1 if self.sharded_lowp else self.n_devices))
+    sliced = lambda l: itemsize * shard_rows(l) * l.on_host if l.on_device else 0
     moving = max(map(upload, host_leaves), default=0) + max(map(sliced, host_leaves), default=0)
     if self.streamed:  # a span of a leaf at a time, sliced out and back
       elements = self.landing_limit // STREAM_SPANS // (self.n_devices // self.processes)
@@ -505,7 +379,7 @@ class Plan:
     """Bytes of leaf i's landing buffer in one process: its devices' host
     parts of the leaf, in the gradient dtype (0 for a leaf without one)."""
     l = self.leaves[i]
-    return self.grad_dtype.itemsize * l.shards * _rows(l) * l.on_host // self.processes
+    return self.grad_dtype.itemsize * l.shards * shard_rows(l) * l.on_host // self.processes
 
   def landing_ring(self) -> int:
     """Bytes of the smallest landing ring of host accumulation: the two
@@ -530,7 +404,7 @@ class Plan:
       if n == 1:
         return 0
       lowp = 0 if self.params_on_host(l) else 2 * math.prod(l.shape)
-      master = 4 * l.shards * _rows(l) * l.on_device if self.has_device_state else 0
+      master = 4 * l.shards * shard_rows(l) * l.on_device if self.has_device_state else 0
       return max(lowp // n if self.sharded_lowp else lowp, master // n)
 
     return max(sum(4 * math.prod(self.leaves[i].shape) for i in group)
@@ -550,13 +424,13 @@ def _weights_on_host(plan: Plan) -> str:
   host, and how many layers' stay on the device as well."""
   if not plan.offload_params:
     return ""
-  layers = max(map(_rows, plan.leaves))
+  layers = max(map(shard_rows, plan.leaves))
   return (", layers' weights on the host"
           + (f" ({plan.resident_layers} of {layers} layers resident on the device)"
              if plan.resident_layers else ""))
 
 
-def _rows(layout: LeafLayout) -> int:
+def shard_rows(layout: LeafLayout) -> int:
   """Rows of a shard: L for per-layer shards, else 1."""
   return layout.shape[0] if layout.per_layer else 1
 
@@ -597,356 +471,3 @@ def format_plan(plan: Plan, activations: int | None = None,
     rows.append(f"  host update about {seconds:.2f} s a step at "
                 f"{HOST_UPDATE_PARAMS_PER_S / 1e9:.1f} Gparam/s")
   return "\n".join(rows)
-
-
-# ------------------------------------------------------------------ memory
-def available_host_memory() -> int:
-  """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit."""
-  available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          available = int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  try:
-    with open("/sys/fs/cgroup/memory.max") as f:
-      limit = f.read().strip()
-    with open("/sys/fs/cgroup/memory.current") as f:
-      used = int(f.read())
-    if limit != "max":
-      available = min(available, int(limit) - used)
-  except (OSError, ValueError):
-    pass
-  return available
-
-
-def host_memory_for(runtime_bytes: int) -> int:
-  """Host bytes a plan that counts `runtime_bytes` for this process's runtime
-  may use: what is available, plus what this process already holds up to
-  that runtime. Once JAX has run anything on a GPU, the process holds most
-  of its runtime (4.2 GiB for each H200, mostly its allocator's table),
-  which the available memory no longer includes; without this the plan
-  would count it twice, and a plan made in another process (jzo.estimate)
-  would fit what the run refuses."""
-  return available_host_memory() + min(psutil.Process().memory_info().rss, runtime_bytes)
-
-
-def device_memory_limit(device) -> int | None:
-  """Bytes the allocator of `device` may hand out (None where it reports none, as on CPU)."""
-  return (device.memory_stats() or {}).get("bytes_limit")
-
-
-class PlacementError(MemoryError):
-  """A configuration does not fit the memory there is; the message has the numbers."""
-
-
-# -------------------------------------------------------------- placement
-def place(layouts, offload, *, stage: int, n_devices: int):
-  """Layouts with every leaf's state placed: offload is False, True or a
-  fraction f of each leaf's shard to put on the host.
-
-  Stages 1-2 on several devices gather the new weights of a split leaf into
-  full replicated params in place, which needs a leaf without padding; a
-  padded leaf goes whole to the side that holds most of it.
-  """
-  if offload is False:
-    return jax.tree.map(lambda l: l.place(None), layouts, is_leaf=is_layout)
-  f = 1.0 if offload is True else float(offload)
-
-  def one(l: LeafLayout) -> LeafLayout:
-    k = l.shard_size
-    host = round(f * k)
-    if k >= 64 * _ALIGN:  # large shards: keep the host part's start aligned
-      host = min(k, _ALIGN * round(f * k / _ALIGN))
-    whole_only = stage in (1, 2) and n_devices > 1 and l.padded
-    if whole_only and 0 < host < k:
-      host = k if f >= 0.5 else 0
-    return l.place(k - host)
-  return jax.tree.map(one, layouts, is_leaf=is_layout)
-
-
-def _fits(plan: Plan, device_memory: int, activations: int) -> bool:
-  """The plan's step and its build fit in `device_memory` less the headroom."""
-  budget = device_memory * (1 - DEVICE_HEADROOM)
-  return (sum(plan.device_peak(activations).values()) <= budget
-          and sum(plan.device_bytes().values()) + plan.build_bytes() <= budget)
-
-
-def _without_overlap_if_needed(plan: Plan, device_memory: int | None, activations: int) -> Plan:
-  """The plan, without the forward overlapping the host update where only
-  that keeps it from fitting (its fetched layers; see OVERLAP_FETCH_LAYERS):
-  the weights on the device are worth more than the overlap."""
-  if (device_memory is None or not plan.overlaps_update
-      or _fits(plan, device_memory, activations)):
-    return plan
-  without = dataclasses.replace(plan, overlap_forward=False)
-  return without if _fits(without, device_memory, activations) else plan
-
-
-def layers_resident(plan_of, layouts, device_memory: int, activations: int):
-  """(layouts, r) for offload_params="auto": the layouts as they are and
-  r = 0 where the stacked layers' weights fit on the device (nothing is
-  offloaded); else every stacked leaf's weights in host memory and the
-  most layers r whose weights also stay in device memory that still fits
-  (0 if none does: the plan's check then says by how much). Each resident
-  layer's weights are not fetched in the step (twice: forward and
-  backward), only once after the host update. `plan_of(layouts, r)`
-  builds the plan."""
-  if _fits(_without_overlap_if_needed(plan_of(layouts, 0), device_memory, activations),
-           device_memory, activations):
-    return layouts, 0
-  layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
-                         layouts, is_leaf=is_layout)
-  fits = lambda r: _fits(plan_of(layouts, r), device_memory, activations)
-  lo, hi = 0, max(map(_rows, jax.tree.leaves(layouts, is_leaf=is_layout)))
-  while lo < hi:  # the plan's device bytes grow with r
-    mid = (lo + hi + 1) // 2
-    if fits(mid):
-      lo = mid
-    else:
-      hi = mid - 1
-  return layouts, lo
-
-
-def auto_layouts(plan_of, base, device_memory: int, activations: int):
-  """Layouts that keep as much state on the device as fits in
-  `device_memory` (less the headroom): whole leaves first, largest first,
-  then the largest part of one more leaf that still fits; the rest on the
-  host. `plan_of(layouts)` builds the plan."""
-
-  def fits(leaves) -> bool:
-    return _fits(plan_of(jax.tree.unflatten(treedef, leaves)), device_memory, activations)
-  leaves, treedef = jax.tree.flatten(base, is_leaf=is_layout)
-  on_device = [l.place(None) for l in leaves]
-  if fits(on_device):
-    return jax.tree.unflatten(treedef, on_device)
-  placed = [l.place(0) for l in leaves]
-  by_size = sorted(range(len(leaves)), key=lambda i: -leaves[i].shard_size * _rows(leaves[i]))
-  for i in by_size:
-    trial = placed[:i] + [leaves[i].place(None)] + placed[i + 1:]
-    if fits(trial):
-      placed = trial
-  plan = plan_of(jax.tree.unflatten(treedef, placed))
-  for i in by_size:  # the first host leaf that can be split: as much of it as fits
-    l = placed[i]
-    if l.on_device or (plan.stage in (1, 2) and plan.n_devices > 1 and l.padded):
-      continue
-    lo, hi = 0, l.shard_size // _ALIGN  # units of _ALIGN elements on the device
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      if fits(placed[:i] + [l.place(mid * _ALIGN)] + placed[i + 1:]):
-        lo = mid
-      else:
-        hi = mid - 1
-    if lo:
-      placed[i] = l.place(lo * _ALIGN)
-      break
-  return jax.tree.unflatten(treedef, placed)
-
-
-def _total_and_parts(parts: dict[str, int]) -> tuple[int, str]:
-  """Bytes in all, and the non-zero parts in GiB for a message."""
-  return sum(parts.values()), ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items() if v)
-
-
-def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
-               host_memory: int | None) -> None:
-  """Raises PlacementError with the numbers when the plan does not fit."""
-  if device_memory is not None:
-    need, parts = _total_and_parts(plan.device_peak(activations))
-    if need > device_memory:
-      raise PlacementError(
-          f"does not fit a device: needs {need / GiB:.2f} GiB per device ({parts} GiB), "
-          f"{device_memory / GiB:.2f} GiB available"
-          + ("; offload more of the optimizer state (offload=... or 'auto')"
-             if plan.cpu_adam and plan.offloaded_fraction < 1 else ""))
-    state = sum(plan.device_bytes().values())
-    if state + plan.build_bytes() > device_memory:
-      raise PlacementError(
-          f"cannot draw the weights on a device beside the state: needs "
-          f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the leaves "
-          f"drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
-  if plan.cpu_adam and host_memory is not None:
-    # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
-    building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
-    host, pinned = plan.host_bytes(), plan.pinned_bytes()
-    what = "the landing buffers and offloaded weights" if plan.offload_params else \
-        "the landing buffers"
-    share = pool_share(pinned, plan.local_devices)
-    if device_memory is not None and share + BUILD_CHUNK_BYTES > pinned_pool_limit():
-      per_device = f" ({share / GiB:.2f} a device)" if plan.local_devices > 1 else ""
-      raise PlacementError(
-          f"{what} need {pinned / GiB:.2f} GiB of pinned host memory{per_device} "
-          f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool "
-          f"of a device is capped at {pinned_pool_limit() / GiB:.0f} GiB: set "
-          f"{PINNED_POOL_LIMIT_VAR} higher before JAX starts (jzo.plan.limit_pinned_pool)")
-    need, parts = _total_and_parts({**host, "building": building,
-                                    "pinned pool overhead": plan.pool_overhead(),
-                                    "runtime": plan.runtime_bytes,
-                                    "checkpoint writes": plan.checkpoint_bytes})
-    if need > host_memory:
-      without = ""
-      if need - plan.checkpoint_bytes <= host_memory:
-        without = (f"; it fits without the {plan.checkpoint_bytes / GiB:.2f} GiB a checkpoint's "
-                   "save takes while it writes: save none (jzo.train: --checkpoint-every 0), "
-                   "or keep more of the state on the devices")
-      raise PlacementError(
-          f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "
-          f"({plan.host_elements:,} parameters incl. padding: {parts} GiB), "
-          f"{host_memory / GiB:.2f} GiB available{without}")
-
-
-def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
-              axis: str = "data", device_memory: int | None = None,
-              host_memory: int | None = None, activations: int = 0,
-              processes: int = 1, checkpoint_memory: int = 0,
-              runtime_bytes: int = HOST_RUNTIME_BYTES, checked: bool = True) -> Plan:
-  """The plan of an engine with `options` over params of `shapes` (a tree
-  of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
-  `tx_state_bytes` of optimizer state per parameter besides the masters.
-  `processes`: how many share the data axis, each with its own host memory
-  (`host_memory` is one process's). `device_memory` None: the devices are
-  CPUs (no pinned pools; the weights are drawn in host RAM). Checks that
-  the plan fits the memory given (None: not checked; `checked=False`:
-  neither, to show where a refused plan's memory would go) before anything
-  is allocated, on the host with `checkpoint_memory` bytes for a
-  checkpoint's save beside the state (see `Plan.checkpoint_bytes`) and
-  `runtime_bytes` for the process's runtime (`host_runtime_bytes`);
-  offload="auto" needs `device_memory`.
-
-  `options.accumulation` (grad_accum > 1 with offload): "device" sums the
-  micro-batches' gradients in float32 on the device, "host" sums the host
-  parts' on the host (one micro-batch's gradients on the device; landing
-  buffers for one micro-batch if the host has room, else a ring), "auto"
-  the device where its plan fits, else the host; with grads_in_params the
-  layers run first ("layers", and "auto": `Plan.layers_first`) or sum in
-  their backward pass ("device"). `options.landing_limit`:
-  bytes of landing buffers one process holds at once (`Plan.landing_limit`);
-  None: a streamed update through STREAM_LANDING_BYTES where one step's host
-  parts are more (unless the step overlaps the update and the host has room
-  for them: `Plan.overlaps_update`); under host accumulation one set where the host has room,
-  else a ring of two leaves; the delayed update needs one set.
-
-  Raises:
-    ValueError: offload="auto" without device_memory, a landing limit with
-      the delayed update, layers that name no subtree.
-    PlacementError: the plan does not fit.
-  """
-  kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
-            host_memory=host_memory, activations=activations, processes=processes,
-            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes, checked=checked)
-  if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
-      or options.grads_in_params):  # the layers first, or their sums in the backward
-    return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
-  if options.accumulation == "auto":
-    try:  # the device's sums need no host pass and no download per micro-batch
-      return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
-    except PlacementError:
-      pass
-  return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=True, **kw)
-
-
-def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
-                       host_accumulation: bool, device_memory: int | None,
-                       host_memory: int | None, activations: int, checked: bool,
-                       **kw) -> Plan:
-  """make_plan with the accumulation decided and the landing limit given
-  or chosen (see make_plan)."""
-  kw.update(device_memory=device_memory, activations=activations,
-            host_accumulation=host_accumulation, checked=checked)
-  landing_limit = options.landing_limit
-  if not host_accumulation and landing_limit and options.delayed_update:
-    raise ValueError("landing_limit streams the host update in spans, which cannot be "
-                     "delayed: the delayed update keeps a whole step's gradients on the host "
-                     "(set delayed_update=False, or no landing_limit)")
-  if landing_limit is not None:
-    return _make_plan(shapes, tx_state_bytes, options, landing_limit=landing_limit,
-                      host_memory=host_memory, **kw)
-  # Checked below, once the landing buffers are chosen: a whole set's exchange
-  # may not fit the device where the streamed update's spans do.
-  plan = _make_plan(shapes, tx_state_bytes, options, landing_limit=0, host_memory=None,
-                    **{**kw, "checked": False})
-
-  def check(plan: Plan) -> None:
-    if checked:
-      check_fits(plan, activations=activations, device_memory=device_memory,
-                 host_memory=host_memory)
-
-  if not host_accumulation:
-    if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
-      if plan.overlaps_update:
-        try:  # one set where the host has room: the next step's forward can then
-          check(plan)  # overlap the update (jzo.step.step), which a streamed one cannot
-          return plan
-        except PlacementError:
-          pass
-      # Streamed, the update overlaps its transfers with the kernel: as fast
-      # or faster, in 2 B a parameter less host memory (docs/performance.md).
-      plan = dataclasses.replace(plan, landing_limit=STREAM_LANDING_BYTES)
-    check(plan)
-    return plan
-  if not plan.has_host_state:  # nothing on the host: the device alone is checked
-    plan = dataclasses.replace(plan, host_accumulation=False)
-    if checked:
-      check_fits(plan, activations=activations, device_memory=device_memory, host_memory=None)
-    return plan
-  try:  # one micro-batch's landing buffers, so the device never waits for the host's sums
-    check(plan)
-    return plan
-  except PlacementError:
-    plan = dataclasses.replace(plan, landing_limit=plan.landing_ring())
-  check(plan)
-  return plan
-
-
-def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
-               axis: str, device_memory: int | None, host_memory: int | None,
-               activations: int, processes: int, host_accumulation: bool,
-               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0,
-               checked: bool = True) -> Plan:
-  """make_plan with the accumulation decided."""
-  stage, layers, offload = options.stage, options.layers, options.offload
-  auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
-  if auto and device_memory is None:
-    raise ValueError("offload='auto' needs the device memory: pass device_memory= (bytes); "
-                     "this device reports no limit")
-  shards = 1 if stage == 0 else n_devices
-  base = partition.make_layouts(shapes, shards, layers)
-  if layers is not None:
-    partition.subtree(base, layers)  # names a subtree of the params, or raises
-
-  def plan_of(layouts, resident_layers: int = 0) -> Plan:
-    return Plan(
-        layouts=layouts, stage=stage, n_devices=n_devices, axis=axis,
-        compute_dtype=options.compute_dtype, grad_dtype=options.grad_dtype,
-        loss_scale=options.loss_scale, grad_accum=options.grad_accum,
-        max_grad_norm=options.max_grad_norm, layers=layers, cpu_adam=options.offloading,
-        delayed_update=options.delayed_update, dpu_warmup=options.dpu_warmup,
-        moment_bytes=tx_state_bytes, processes=processes,
-        host_accumulation=host_accumulation, landing_limit=landing_limit,
-        grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
-        runtime_bytes=runtime_bytes, resident_layers=resident_layers,
-        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
-        pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward,
-        layers_first=options.layers_first)
-  if auto:
-    layouts = auto_layouts(plan_of, base, device_memory, activations)
-  else:
-    layouts = place(base, offload, stage=stage, n_devices=n_devices)
-  if options.offload_params == "auto":
-    if device_memory is None:
-      raise ValueError("offload_params='auto' needs the device memory: pass device_memory= "
-                       "(bytes); this device reports no limit")
-    layouts, resident = layers_resident(plan_of, layouts, device_memory, activations)
-  else:
-    resident = options.resident_layers or 0
-    if options.offload_params:
-      layouts = jax.tree.map(lambda l: dataclasses.replace(l, weights_on_host=l.per_layer),
-                             layouts, is_leaf=is_layout)
-  plan = _without_overlap_if_needed(plan_of(layouts, resident), device_memory, activations)
-  if checked:
-    check_fits(plan, activations=activations, device_memory=device_memory,
-               host_memory=host_memory)
-  return plan
