@@ -189,7 +189,7 @@ def slow_layers(e, seconds: float) -> dict:
 
   def timed_wait(layer):
     out = wait(layer)
-    times["waited"].setdefault((e.host_update._step_update.count, int(layer)),
+    times["waited"].setdefault((e.host_update.running_update_count, int(layer)),
                                time.perf_counter())
     return out
   e.host.update_part, e.host_update.wait_for_layer = slow_part, timed_wait

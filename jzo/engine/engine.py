@@ -1,7 +1,8 @@
-"""`ZeroEngine`: the object users hold. It makes the plan, builds the state
-leaf by leaf (jzo.state.build), and each step calls the jitted device step
-(jzo.step.step) and the host side (jzo.host.update); the state lives in
-`engine.trained` (device part `engine.state`, host part `engine.host`).
+"""`ZeroEngine`: the object users hold. It makes the plan (jzo.plan), builds
+the state leaf by leaf (jzo.state), picks the host update's mode once
+(jzo.host.update), and drives each step: the jitted device step (jzo.step),
+then the host update; the state lives in `engine.trained` (device part
+`engine.state`, host part `engine.host`).
 
 Memory per device for Psi params with Adam (ZeRO paper, K = 12): stage 0
 16 Psi; stage 1 4 Psi + 12 Psi / Nd; stage 2 2 Psi + 14 Psi / Nd; stage 3
@@ -11,10 +12,10 @@ as the plan says (`engine.plan`, printable).
 
 Under JAX's multi-process runtime the mesh spans every process's devices;
 each process runs this same object over its own devices' shards (host
-state, batches, checkpoint shards: see jzo.distributed).
+state, batches, checkpoint shards: see jzo.parallel.distributed).
 
-The optimizer sees each leaf as a flat shard (see jzo.parallel.partition), so it must
-be elementwise (adam, adamw, jzo.cpu_adamw, sgd, ...), and global-norm
+The optimizer sees each leaf as a flat shard (see jzo.parallel.partition), so
+it must be elementwise (adam, adamw, jzo.cpu_adamw, sgd, ...), and global-norm
 clipping belongs to the engine (`max_grad_norm`), not to the optax chain,
 whose clip would see one shard only.
 """
@@ -22,33 +23,30 @@ whose clip would see one shard only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jzo.parallel import distributed
-from jzo import plan as plan_lib
-from jzo.kernels import quant8
-from jzo.state import build as state_lib
+from jzo import plan as plan_lib, step as step_lib
 from jzo.checkpoint import state_dict
-from jzo import step as step_lib
-from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
-from jzo.host.adam import HostAdam
+from jzo.engine.sources import leaf_sources, state_bytes_per_param
 from jzo.host.accumulated import AccumulatedUpdate
+from jzo.host.adam import HostAdam
 from jzo.host.overlapped import OverlappedUpdate
 from jzo.host.streamed import StreamedUpdate
+from jzo.host.transfer import ShardTransfer, resolve_host_transfer
 from jzo.host.update import HostUpdate
 from jzo.host.whole import WholeUpdate
+from jzo.kernels import quant8
+from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
 from jzo.options import EngineOptions
+from jzo.parallel import distributed
+from jzo.state import build as state_lib
 from jzo.step import EngineState, StepMetrics
-from jzo.host.transfer import ShardTransfer, resolve_host_transfer
-
 
 class ZeroEngine:
   """Trains `loss_fn(params, batch) -> scalar` with ZeRO over a data axis.
@@ -126,11 +124,11 @@ class ZeroEngine:
     # This process's devices: their shards' host state, batch rows and draws.
     self.positions = distributed.local_positions(mesh)
     device = mesh.devices.flat[self.positions[0]]
-    shapes, draw_leaves = _leaf_sources(params, device)
+    shapes, draw_leaves = leaf_sources(params, device)
     if offloading:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
-      state_bytes = _state_bytes_per_param(tx)
+      state_bytes = state_bytes_per_param(tx)
     limit = plan_lib.device_memory_limit(device)  # the allocator's, whatever the plan may use
     runtime = plan_lib.host_runtime_bytes(len(self.positions), device.platform, limit or 0)
     self.plan = plan_lib.make_plan(
@@ -517,73 +515,3 @@ def _host_update_for(plan: plan_lib.Plan, overlap: bool) -> type[HostUpdate]:
   if plan.streamed:
     return StreamedUpdate
   return OverlappedUpdate if overlap else WholeUpdate
-
-
-def _leaf_sources(params, device):
-  """(shapes, draw) for params given as a tree of arrays or of HostLeafs, or
-  as a function returning a tree: draw([(i, layout), ...]) is a list of
-  those leaves as float32, each flattened by its `layout.flatten` and
-  computed on `device`, so each is the only copy made. A function is traced
-  once, then the leaves asked for are computed together by replaying the
-  trace in one program (XLA drops the rest of the function), so no whole
-  float32 copy is ever held; a HostLeaf is loaded only when drawn, and its
-  host array is let go as soon as it is on the device."""
-  from jzo.host.leaf import HostLeaf
-  if callable(params):
-    # Replaying the trace is cheaper than tracing the model's initializer
-    # again for each leaf (those traces were half of a small model's build),
-    # and one program for several leaves than one for each (each program
-    # costs its lowering and compile or cache lookup).
-    traced, shapes = jax.make_jaxpr(params, return_shape=True)()
-    replay = jaxpr_as_fun(traced)
-
-    def draw(leaves):
-      def program():
-        values = replay()
-        return [layout.flatten(values[i].astype(jnp.float32)) for i, layout in leaves]
-      with jax.default_device(device):
-        return jax.jit(program)()
-  else:
-    leaves = jax.tree.leaves(params)
-    lazy = lambda x: isinstance(x, HostLeaf)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if lazy(x) else x,
-                          params)
-
-    def draw_one(i, layout):
-      x = leaves[i]
-      if lazy(x):
-        host = x.load()
-        if host.shape != x.shape or host.dtype != x.dtype:
-          raise ValueError(f"params leaf {i} loaded as {host.dtype}{list(host.shape)}, "
-                           f"declared {x.dtype}{list(x.shape)}")
-        x = jax.device_put(host, device)
-        del host  # the device copy (or the transfer in flight) keeps what it needs
-      else:
-        x = jax.device_put(x, device)
-      # A new buffer (jit does not hand back its input): the state is donated
-      # each step and must not alias the caller's arrays.
-      return _flat_float32(x, layout)
-
-    def draw(leaves):
-      return [draw_one(i, layout) for i, layout in leaves]
-  if not jax.tree.leaves(shapes):
-    raise ValueError("params has no leaves")
-  for path, x in jax.tree_util.tree_leaves_with_path(shapes):
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      raise TypeError(f"params leaf {jax.tree_util.keystr(path)} is {jnp.result_type(x)}, "
-                      "not floating point")
-  return shapes, draw
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _flat_float32(x: jax.Array, layout) -> jax.Array:
-  """x as float32, flattened by `layout` (static: one program per layout,
-  shared by every engine)."""
-  return layout.flatten(x.astype(jnp.float32))
-
-
-def _state_bytes_per_param(tx: optax.GradientTransformation) -> int:
-  """Bytes of tx's state per parameter (e.g. 8 for Adam's float32 moments)."""
-  n = 1024
-  state = jax.eval_shape(tx.init, {"x": jax.ShapeDtypeStruct((n,), jnp.float32)})
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim) // n
