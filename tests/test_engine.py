@@ -351,7 +351,7 @@ def test_shard_map_without_empty_maps_the_rest_and_returns_empty_arrays_of_their
   them): f sees them with their local shapes, they come out with their
   global shapes, and the rest is mapped as jax.shard_map maps it."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from jzo.step.step import shard_map_without_empty
+  from jzo.step import shard_map_without_empty
   mesh = mesh_of(8)
   seen = {}
 

@@ -98,14 +98,16 @@ def test_only_a_step_with_weights_on_the_host_runs_without_command_buffers(monke
   in host memory, and other platforms, keep XLA's default. The step is
   compiled with the options chosen: a bad one reaches XLA. (XLA:GPU forms
   command buffers from its thunks, after the HLO that a compiled step
-  shows, so a GPU cannot check more.)"""
+  shows, so a GPU cannot check more.) The step's programs take their
+  options from jzo.step.programs.compiler_options, its one hook for them."""
+  from jzo.step import programs
   off = {"xla_gpu_enable_command_buffer": ""}
   on_host, on_devices = engine(1, offload_params=True).plan, engine(1, grads_in_params=True).plan
   assert step_lib.compiler_options(on_host, "gpu") == off
   assert step_lib.compiler_options(on_devices, "gpu") is None
   assert step_lib.compiler_options(with_weights_on_host(on_devices, [W]), "gpu") == off
   assert step_lib.compiler_options(on_host, "tpu") is None  # an XLA:GPU option
-  monkeypatch.setattr(step_lib, "compiler_options",
+  monkeypatch.setattr(programs, "compiler_options",
                       lambda plan, platform: {"xla_no_such_option": ""})
   with pytest.raises(Exception, match="xla_no_such_option"):
     engine(1, offload_params=True).lower(batches(1)[0]).compile()

@@ -191,22 +191,22 @@ def test_the_build_writes_a_leafs_copies_into_their_buffers_without_a_copy_of_th
   piece of the device part is made without the part whole. (The bf16
   piece's convert fuses into its slice on the GPU, not on the CPU, as
   measured on an H200.)"""
-  from jzo.state import build as state_lib
+  from jzo.state import fill
   compiled = lambda fn, *args: fn.lower(*args).compile().memory_analysis()
   for per_layer in (False, True):
     layout = partition.LeafLayout((8, 64, 256), 4, per_layer).place(1024)
     flat = jnp.zeros(layout.flat_shape, jnp.float32)
-    for fn in (state_lib._LowpFromMaster(jnp.bfloat16, False, layout),
-               state_lib._LowpFromMaster(jnp.bfloat16, True, layout),
+    for fn in (fill.LowpFromMaster(jnp.bfloat16, False, layout),
+               fill.LowpFromMaster(jnp.bfloat16, True, layout),
                partition.SplitPart(layout, 0)):
       out = jax.eval_shape(fn, flat)
-      write = compiled(state_lib._write_into, jnp.zeros(out.shape, out.dtype), flat, fn)
+      write = compiled(fill.write_into, jnp.zeros(out.shape, out.dtype), flat, fn)
       assert write.temp_size_in_bytes == 0
       assert write.alias_size_in_bytes == write.output_size_in_bytes  # into the buffer
     device_part = partition.SplitPart(layout, 0)
     part = jax.eval_shape(device_part, flat).shape
     piece = part[:-1] + (part[-1] // 4,)
-    made = compiled(state_lib._piece_of, flat, device_part, piece, (0,) * len(piece))
+    made = compiled(fill.piece_of, flat, device_part, piece, (0,) * len(piece))
     assert made.temp_size_in_bytes == 0 and made.output_size_in_bytes == 4 * math.prod(piece)
 
 

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jzo
 from jzo import plan as plan_lib
 from jzo.parallel.partition import LeafLayout
-from jzo.step.step import write_part
+from jzo.step import write_part
 from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
 from test_offload import TX
 

@@ -10,13 +10,12 @@ device state (`EngineState`, donated to every step) and the host state
 `empty_device_state` is the device state's first value, zeros: a plain
 function of the plan, so `jax.eval_shape` gives its shapes and dtypes
 without allocating (the step can be lowered and compiled on them alone).
-`build_state` allocates it, then fills it a leaf at a time.
+`build_state` allocates it, then fills it a leaf at a time (jzo.state.fill).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -34,6 +33,7 @@ from jzo.plan import Plan
 from jzo.precision import init_loss_scale
 from jzo.step import EngineState
 from jzo.host.transfer import copy_to_host, host_pieces
+from jzo.state.fill import LowpFromMaster, fill
 
 
 @dataclasses.dataclass
@@ -160,10 +160,10 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
       c, k = layout.on_device, layout.shard_size
       flat = drawn.pop(0)  # the only float32 copy of the leaf
       if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
-        lowp[i] = _fill(lowp[i], flat,
-                        _LowpFromMaster(plan.compute_dtype, plan.sharded_lowp, layout))
+        lowp[i] = fill(lowp[i], flat,
+                       LowpFromMaster(plan.compute_dtype, plan.sharded_lowp, layout))
       if master is not None and c:
-        master[i] = _fill(master[i], flat, partition.SplitPart(layout, 0))
+        master[i] = fill(master[i], flat, partition.SplitPart(layout, 0))
       if host is not None and c < k:
         mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
         copy_to_host(flat, host_masters[i], mine, pinned=pinned)
@@ -176,77 +176,3 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   built = ZeroState(plan, mesh, tx, state, host)
   built.refresh_resident()
   return built
-
-
-# The programs below take hashable static arguments (layouts, dtypes,
-# partition.SplitPart), never lambdas: one program then serves every leaf
-# and engine alike (a new one costs what transfer.full's comment says).
-# None is autotuned (transfer.UNTUNED): they run beside a leaf drawn in float32.
-
-
-@dataclasses.dataclass(frozen=True)
-class _LowpFromMaster:
-  """flat float32 master -> the params' leaf (`step.lowp_from_master`), as a
-  hashable function."""
-  compute_dtype: jnp.dtype
-  sharded: bool
-  layout: partition.LeafLayout
-
-  def __call__(self, flat):
-    return step_lib.lowp_from_master(flat, self.compute_dtype, self.sharded, self.layout)
-
-
-def _fill(buffer: jax.Array, x: jax.Array, fn) -> jax.Array:
-  """`buffer` (donated) holding fn(x): x a value every process holds whole on
-  its first device, fn a hashable function. On one device a program computes
-  fn(x) straight into the buffer; on several, each device's piece is made on
-  x's device and moved (`_placed`)."""
-  if len(buffer.sharding.device_set) == 1:
-    return _write_into(buffer, x, fn)
-  return _write_into(buffer, _placed(x, fn, buffer.sharding))
-
-
-def _placed(x: jax.Array, fn, sharding: NamedSharding) -> jax.Array:
-  """fn(x) placed by `sharding` (which may span other processes' devices:
-  each process makes only its own devices' pieces), a piece at a time: each
-  piece is computed on x's device and moved before the next is made, the
-  piece of x's own device last. So that device holds one piece beside x.
-  (`jax.device_put` of the whole fn(x) slices every device's piece there at
-  once: gpt2-20b's shape at 101 layers over 4 H200s ran out of memory with the
-  MLP kernel in float32, in bf16 and two of its four 7.1 GiB pieces on GPU 0.)"""
-  shape = jax.eval_shape(fn, x).shape
-  home = list(x.devices())[0]
-  index_of = sharding.addressable_devices_indices_map(shape)
-  pieces = {}
-  for device in sorted(index_of, key=lambda d: d == home):
-    starts, sizes = zip(*(_bounds(s, n) for s, n in zip(index_of[device], shape)))
-    piece = _piece_of(x, fn, sizes, starts)
-    to = jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
-    pieces[device] = jax.block_until_ready(jax.device_put(piece, to))
-    del piece  # freed on x's device before the next piece is made
-  return jax.make_array_from_single_device_arrays(shape, sharding,
-                                                  [pieces[d] for d in index_of])
-
-
-def _bounds(index: slice, size: int) -> tuple[int, int]:
-  """(start, length) of an index of a dimension of `size`."""
-  start, stop, _ = index.indices(size)
-  return start, stop - start
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=transfer.UNTUNED)
-def _piece_of(x: jax.Array, fn, sizes: tuple[int, ...], starts) -> jax.Array:
-  """The block of fn(x) at `starts` (traced: one program serves every
-  device's piece) of `sizes`, fn a hashable function (computed in the same
-  program: only the block is made)."""
-  return jax.lax.dynamic_slice(fn(x), starts, sizes)
-
-
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=2,
-                   compiler_options=transfer.UNTUNED)
-def _write_into(buffer: jax.Array, values: jax.Array, of=None) -> jax.Array:
-  """of(values) (default: values) written into `buffer` (donated: the
-  result is buffer's memory; `of`, a hashable function such as a SplitPart,
-  is computed in the same program, not apart)."""
-  values = values if of is None else of(values)
-  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
