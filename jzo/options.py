@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzo.precision import resolve_precision
-from jzo.host.transfer import HOST_TRANSFERS
 
 ACCUMULATIONS = ("auto", "device", "host", "layers")
+# How offload moves gradients down and weights up (jzo.host.transfer).
+HOST_TRANSFERS = ("auto", "pinned", "portable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +193,7 @@ class EngineOptions:
   def grad_dtype(self) -> np.dtype:
     """The gradients the step keeps or ships: several micro-batches are
     summed in float32 on the device when the device's optimizer keeps the
-    sum; offload ships the compute dtype (jzo.step.step)."""
+    sum; offload ships the compute dtype (jzo.step)."""
     if self.grad_accum > 1 and not self.offloading:
       return np.dtype(np.float32)
     return self.compute_dtype

@@ -180,7 +180,7 @@ class ZeroEngine:
 
   @property
   def state(self) -> EngineState:
-    """The device state (global arrays; see jzo.step.step.EngineState)."""
+    """The device state (global arrays; see jzo.step.EngineState)."""
     return self.trained.device
 
   @property
@@ -222,7 +222,7 @@ class ZeroEngine:
     """A step under host accumulation: a device call per micro-batch, each
     followed by its host parts' trip down and their sums on the host; then
     the end of the step on the devices with the host's sums of squares; then
-    the host update (see jzo.step.step and jzo.host.update)."""
+    the host update (see jzo.step.accumulated and jzo.host.accumulated)."""
     delayed = self._delayed()
     metrics, grad_scale = self._micro_calls(batch, self.host_update)
     self.host_update.after_step(metrics.skipped, grad_scale, delayed=delayed)
@@ -476,7 +476,7 @@ class ZeroEngine:
 
   @property
   def host_timings(self) -> dict[str, float]:
-    """Seconds of the last host update (see jzo.host.update.HostUpdate.timings)."""
+    """Seconds of the last host update (see the timings of jzo.host.update.HostUpdate)."""
     if self.host_update is None:
       return {"wait_grads": 0.0, "update": 0.0, "upload": 0.0}
     return dict(self.host_update.timings)

@@ -43,8 +43,6 @@ from jzo.plan import BUILD_CHUNK_BYTES
 # float32) asked for another 56.8 GiB beside it. A copy has nothing to tune.
 UNTUNED = {"xla_gpu_autotune_level": 0}
 
-HOST_TRANSFERS = ("auto", "pinned", "portable")
-
 
 def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> jax.Array:
   """A new array of zeros placed by `sharding` (its memory kind included),
@@ -85,7 +83,7 @@ def resolve_host_transfer(choice: str, device) -> str:
   """'pinned' or 'portable' for the engine's `host_transfer` option: "auto"
   takes pinned host memory where `device` has it and otherwise the portable
   path, with a warning that names its cost (once per engine). `choice` is
-  one of HOST_TRANSFERS (the engine checks its options first).
+  one of jzo.options.HOST_TRANSFERS (the engine checks its options first).
 
   Raises:
     ValueError: 'pinned' on a device without it.

@@ -272,7 +272,7 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
     if not plan.delayed_update and plan.host_bytes()["landing"] > STREAM_LANDING_BYTES:
       if plan.overlaps_update:
         try:  # one set where the host has room: the next step's forward can then
-          check(plan)  # overlap the update (jzo.step.step), which a streamed one cannot
+          check(plan)  # overlap the update (jzo.step.plain), which a streamed one cannot
           return plan
         except PlacementError:
           pass

@@ -162,7 +162,7 @@ class Plan:
   # grads_in_params with grad_accum > 1: the layers run over every micro-
   # batch at once, a layer at a time, keeping every micro-batch's layer
   # inputs (counted in the activations) and no float32 sums of the layers
-  # (jzo.step.step._layers_first); else the layers' backward adds into such sums.
+  # (jzo.step.layers_first); else the layers' backward adds into such sums.
   layers_first: bool = False
 
   def __post_init__(self):
@@ -196,7 +196,7 @@ class Plan:
   @property
   def overlaps_update(self) -> bool:
     """Each step's forward runs beside the last step's host update, taking
-    each layer's new weights as the host finishes them (jzo.step.step.make_step's
+    each layer's new weights as the host finishes them (jzo.step.plain.make_step's
     `wait`): asked for (`overlap_forward`), with grads_in_params, one
     micro-batch or the layers first, the stacked layers' weights in device
     memory and one set of landing buffers (not streamed), where some of them
@@ -393,7 +393,7 @@ class Plan:
     float32 values and, on several devices, one device's piece of a leaf's
     low-precision weights (offloaded weights are made on the host) or of
     its device part's float32 master, made there and moved before the next
-    (jzo.state.build._placed). On one device each is written straight into its
+    (jzo.state.fill.placed). On one device each is written straight into its
     buffer. (Before, the whole low-precision copy and every device's piece
     of it were made at once: gpt2-20b's shape at 104 layers over 4 H200s
     peaked at the state 35.54 + the MLP kernel drawn 58.50 + in bf16 29.25
