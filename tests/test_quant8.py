@@ -87,7 +87,7 @@ def test_numpy_codes_by_index_equal_a_binary_search(signed):
   kernel's quant8_exact); the jax path searches the midpoints. The same
   codes on every midpoint and its 3 neighbours each way, random
   magnitudes across the decades, 0 and 1."""
-  mids = quant8._map(signed)[1]
+  mids = quant8.code_map(signed)[1]
   near, below, above = [mids], mids, mids
   for _ in range(3):
     below, above = np.nextafter(below, np.float32(0)), np.nextafter(above, np.float32(2))
@@ -97,7 +97,7 @@ def test_numpy_codes_by_index_equal_a_binary_search(signed):
                              (10.0 ** rng.uniform(-9, 0, 2**16)).astype(np.float32),
                              np.float32([0, 1e-30, 2**-27, 1])])
   m = np.clip(m, 0, 1).astype(np.float32)
-  np.testing.assert_array_equal(quant8._codes(m, signed),
+  np.testing.assert_array_equal(quant8.nearest_codes(m, signed),
                                 np.searchsorted(mids, m, side="left"))
 
 

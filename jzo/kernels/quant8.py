@@ -70,7 +70,10 @@ def nbytes(shape: tuple[int, ...]) -> int:
 
 
 @functools.cache
-def _map(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+def code_map(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+  """The kernel's map (float32): the 256 values the codes stand for, in
+  order, and the 255 midpoints between neighbours (a magnitude at or below
+  midpoint j takes a code <= j)."""
   codes, mids = native.quant8_map(signed)
   return np.asarray(codes, np.float32), np.asarray(mids, np.float32)
 
@@ -81,7 +84,7 @@ def _index(signed: bool) -> tuple[np.ndarray, np.ndarray]:
   magnitude in [0, 1] (patterns 0 .. 0x3F80): the midpoints below the
   pattern's range, and the low 16 bits of the one midpoint inside it
   (0x10000: none)."""
-  mids = _map(signed)[1]
+  mids = code_map(signed)[1]
   tops = np.arange(0x3F81, dtype=np.uint32)
   below = np.searchsorted(mids, (tops << 16).view(np.float32), side="left").astype(np.int16)
   bits = mids.view(np.uint32)
@@ -92,7 +95,7 @@ def _index(signed: bool) -> tuple[np.ndarray, np.ndarray]:
   return below, low
 
 
-def _codes(magnitude: np.ndarray, signed: bool) -> np.ndarray:
+def nearest_codes(magnitude: np.ndarray, signed: bool) -> np.ndarray:
   """The midpoints below each magnitude (float32 in [0, 1], flat): the
   nearest code, a tie to the lower, as a binary search finds it but looked
   up as the kernel does (about ten times faster in numpy)."""
@@ -116,7 +119,7 @@ def _blocked(x, xp):
 
 def code_values(signed: bool) -> np.ndarray:
   """The value of each of the 256 codes before its block's scale (float32)."""
-  return _map(signed)[0]
+  return code_map(signed)[0]
 
 
 def dequantize(q: Int8Moment, *, signed: bool):
@@ -146,9 +149,9 @@ def quantize(x, *, signed: bool) -> Int8Moment:
   magnitude = xp.minimum(xp.abs(y), xp.float32(1))
   magnitude = xp.where(xp.isnan(magnitude), xp.float32(1), magnitude)  # the kernel clamps NaN bits
   if xp is np:
-    k = _codes(magnitude.reshape(-1), signed)
+    k = nearest_codes(magnitude.reshape(-1), signed)
   else:
-    k = xp.searchsorted(xp.asarray(_map(signed)[1]), magnitude.reshape(-1), side="left")
+    k = xp.searchsorted(xp.asarray(code_map(signed)[1]), magnitude.reshape(-1), side="left")
   k = k.reshape(magnitude.shape).astype(xp.uint8)
   if signed:
     k = k | (xp.signbit(y).astype(xp.uint8) << 7)
