@@ -19,16 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jzo
-from jzo.models import cross_entropy, sampling
-
-
-# jax.checkpoint policy of each GPTConfig.remat value ("none": no checkpoint).
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "none": None,
-}
+from jzo.models import common, cross_entropy, sampling
+from jzo.models.common import REMAT_POLICIES, attention_implementation, layers_first_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +89,6 @@ def activation_bytes(config: GPTConfig, batch: int, seq_len: int | None = None,
   return layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
 
 
-def layers_first_bytes(saved: int, layer_io: int, accumulation: int) -> int:
-  """What a step keeps of its micro-batches' layers: `saved` bytes (one
-  micro-batch's saved activations, layer_io its layers' input) for one, or,
-  running the layers first over `accumulation` micro-batches, that many
-  times saved plus their inputs, outputs and the outputs' gradients."""
-  if accumulation == 1:
-    return saved
-  return accumulation * (saved + 3 * layer_io)
-
-
 PRESETS = {
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, d_model=128),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, d_model=768),
@@ -117,18 +99,6 @@ PRESETS = {
     "gpt2-13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
     "gpt2-20b": GPTConfig(n_layer=44, n_head=48, d_model=6144),  # GPT-NeoX-20B's width and depth
 }
-
-
-def attention_implementation(choice: str, head_dim: int, dtype) -> str:
-  """The `jax.nn.dot_product_attention` implementation a model's `attention`
-  setting (`choice`: "auto", "cudnn" or "xla") gives for heads of `head_dim`
-  and activations of `dtype`: "auto" is cuDNN's flash attention where it
-  runs (a GPU, 16-bit activations, heads a multiple of 8 up to 128), else XLA."""
-  if choice != "auto":
-    return choice
-  cudnn_ok = (jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-              and head_dim % 8 == 0 and head_dim <= 128)
-  return "cudnn" if cudnn_ok else "xla"
 
 
 class LayerNorm(nnx.Module):
@@ -186,12 +156,8 @@ class GPT(nnx.Module):
     normal = lambda std, *shape: nnx.Param(nnx.initializers.normal(std)(rngs.params(), shape))
     self.wte = normal(0.02, config.vocab_size, config.d_model)  # (V, D), tied with the output
     self.wpe = normal(0.01, config.seq_len, config.d_model)  # (S, D)
-
-    @nnx.split_rngs(splits=config.n_layer)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked_blocks(rngs):
-      return Block(config, rngs=rngs)
-    self.blocks = stacked_blocks(rngs)
+    self.blocks = common.stacked_layers(lambda rngs: Block(config, rngs=rngs), config.n_layer,
+                                        rngs)
     self.lnf = LayerNorm(config.d_model)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -206,40 +172,24 @@ class GPT(nnx.Module):
     if T > config.seq_len:
       raise ValueError(f"sequence of {T} tokens is longer than the model's {config.seq_len}")
     x = self.wte[...][tokens] + self.wpe[:T]  # (B, T, D)
-    block, layers = nnx.split(self.blocks)
-
-    def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
-      return nnx.merge(block, jzo.gather_layer(layer))(x)
-    if config.remat != "none":
-      # prevent_cse=False: inside a scan CSE cannot merge the recomputation
-      # away, and the barriers it would add keep XLA from fusing across them.
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-    x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
-    return self.lnf(x)
+    return self.lnf(common.scan_layers(self.blocks, x, config.remat))
 
 
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
   """A new GPT's parameters as a nested dict of arrays: what the ZeRO engine
   partitions and trains, and `forward` turns back into the module."""
-  model = GPT(config, rngs=nnx.Rngs(key))
-  return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-@functools.lru_cache(maxsize=None)
-def _graphdef(config: GPTConfig) -> nnx.GraphDef:
-  """The GPT module's structure, without materialising any parameter."""
-  return nnx.split(nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0))))[0]
+  return common.init_params(GPT, config, key, dtype)
 
 
 def forward(config: GPTConfig, params: dict, tokens: jax.Array) -> jax.Array:
   """Logits (B, T, V) for int tokens (B, T), in the params' dtype."""
-  return nnx.merge(_graphdef(config), params)(tokens)
+  return common.bind(GPT, config, params)(tokens)
 
 
 def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
   """Mean next-token cross-entropy; batch["tokens"]: int (B, T + 1)."""
   tokens = batch["tokens"]
-  model = nnx.merge(_graphdef(config), params)
+  model = common.bind(GPT, config, params)
   return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.wte[...], tokens[:, 1:])
 
 

@@ -2,7 +2,7 @@
 
 `Llama` is the module; `init_params`, `forward` and `loss_fn` are the same
 model as functions of a nested dict of arrays, which is what the ZeRO engine
-partitions and trains (the functional view of jzo.models.gpt). Pre-RMSNorm
+partitions and trains (jzo.models.common's functional view). Pre-RMSNorm
 blocks with rotary position embeddings, grouped-query causal attention
 through jax.nn.dot_product_attention (cuDNN flash attention on GPU) and a
 SwiGLU MLP; tied or untied output embeddings; Qwen2's q/k/v biases and
@@ -27,9 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jzo
-from jzo.models import cross_entropy, gpt, sampling
-from jzo.models.gpt import REMAT_POLICIES, attention_implementation
+from jzo.models import common, cross_entropy, sampling
+from jzo.models.common import REMAT_POLICIES, attention_implementation
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
 LAYERS = "layers"
@@ -269,7 +268,7 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   saved = config.n_layer * tokens * saved_per_layer * itemsize
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
   layer = tokens * (everything + 2 * F) * itemsize
-  return gpt.layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
+  return common.layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
 
 
 _LLAMA3_ROPE = dict(rope_theta=500000.0, rope_type="llama3", rope_low_freq_factor=1.0,
@@ -395,12 +394,8 @@ class Llama(nnx.Module):
     # the params' dtype; the engine hands the model bf16 or fp16 params.
     normal = lambda *shape: nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape))
     self.embed = normal(config.vocab_size, config.d_model)  # (V, D)
-
-    @nnx.split_rngs(splits=config.n_layer)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked_blocks(rngs):
-      return Block(config, rngs=rngs)
-    self.layers = stacked_blocks(rngs)
+    self.layers = common.stacked_layers(lambda rngs: Block(config, rngs=rngs), config.n_layer,
+                                        rngs)
     self.norm = RMSNorm(config.d_model, config.norm_eps)
     if not config.tie_embeddings:
       self.lm_head = normal(config.vocab_size, config.d_model)  # (V, D)
@@ -426,29 +421,13 @@ class Llama(nnx.Module):
     angles = jnp.arange(T, dtype=jnp.float32)[:, None] * _inv_freq(config)  # (T, hd / 2)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x = self.embed[...][tokens]  # (B, T, D)
-    block, layers = nnx.split(self.layers)
-
-    def step(x, layer):  # layer: one block's params as a dict (ZeRO-3 shards them)
-      return nnx.merge(block, jzo.gather_layer(layer))(x, cos, sin)
-    if config.remat != "none":
-      # prevent_cse=False: inside a scan CSE cannot merge the recomputation
-      # away, and the barriers it would add keep XLA from fusing across them.
-      step = jax.checkpoint(step, policy=REMAT_POLICIES[config.remat], prevent_cse=False)
-    x = jzo.scan_layers(step, x, nnx.to_pure_dict(layers))
-    return self.norm(x)
+    return self.norm(common.scan_layers(self.layers, x, config.remat, cos, sin))
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
   """A new model's parameters as a nested dict of arrays: what the ZeRO
   engine partitions and trains, and `forward` turns back into the module."""
-  model = Llama(config, rngs=nnx.Rngs(key))
-  return jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-@functools.lru_cache(maxsize=None)
-def _graphdef(config: LlamaConfig) -> nnx.GraphDef:
-  """The module's structure, without materialising any parameter."""
-  return nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))[0]
+  return common.init_params(Llama, config, key, dtype)
 
 
 def forward(config: LlamaConfig, params: dict, tokens: jax.Array) -> jax.Array:
@@ -457,7 +436,7 @@ def forward(config: LlamaConfig, params: dict, tokens: jax.Array) -> jax.Array:
   Raises:
     ValueError: T is longer than config.seq_len or the sliding window.
   """
-  return nnx.merge(_graphdef(config), params)(tokens)
+  return common.bind(Llama, config, params)(tokens)
 
 
 def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
@@ -471,7 +450,7 @@ def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
       tokens, normalised across devices and micro-batches).
   """
   tokens = batch["tokens"]
-  model = nnx.merge(_graphdef(config), params)
+  model = common.bind(Llama, config, params)
   return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.head(), tokens[:, 1:],
                                      batch.get("loss_weight"))
 
