@@ -45,14 +45,14 @@ def checksum(engine) -> dict[str, int]:
   span from the live state (as a save reads it)."""
   import jax
   import numpy as np
-  from jzo.checkpoint import spans as state_spans
+  from jzo.checkpoint import spans
   saved = engine.state_dict(streamed=True)
   sums = {}
   for name in SAVED:
     if name in saved:
       total = 0
       for leaf in jax.tree.leaves(saved[name]):
-        for _, row, x0, x1 in state_spans.rectangles(leaf.pieces.layout, leaf.dtype.itemsize):
+        for _, row, x0, x1 in spans.rectangles(leaf.pieces.layout, leaf.dtype.itemsize):
           values = leaf.pieces.read(row, x0, x1, leaf.dtype)
           total += int(values.view(f"u{values.dtype.itemsize}").sum(dtype=np.uint64))
       sums[name] = total

@@ -28,8 +28,7 @@ from jax.experimental import multihost_utils
 import jzo
 from jzo import checkpoint
 from jzo.parallel import distributed
-from jzo.checkpoint import state_dict
-from jzo.checkpoint import spans as state_spans
+from jzo.checkpoint import engine_parts, saved_leaf
 from jzo.parallel.partition import is_layout
 from jzo.recipe.quick_exit import quick_exit
 from test_engine import batches, init_params, loss_fn, make_engine
@@ -99,11 +98,11 @@ def load(stage: int, where: pathlib.Path, mesh=None, variant: str = "") -> dict:
     x = np.asarray(whole(x), np.float32)
     return x if x.shape == layout.shape else np.asarray(layout.unflatten(x))
   for name in ("mu", "nu"):
-    if state_dict.codes_entry(name) in saved:  # int8: their values, in the codes' shapes
+    if engine_parts.codes_entry(name) in saved:  # int8: their values, in the codes' shapes
       saved[name] = jax.tree.map(
-          lambda c, s: state_spans.Int8Blocks(whole(s), c.shape, signed=name == "mu").values(
+          lambda c, s: saved_leaf.Int8Blocks(whole(s), c.shape, signed=name == "mu").values(
               whole(c), 0).reshape(c.shape),
-          saved[state_dict.codes_entry(name)], saved[state_dict.scales_entry(name)])
+          saved[engine_parts.codes_entry(name)], saved[engine_parts.scales_entry(name)])
   state = {name: np.concatenate([full(l, x).ravel() for l, x in
                                  zip(layouts, jax.tree.leaves(saved[name]))])
            for name in ("master", "mu", "nu")}

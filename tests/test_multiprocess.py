@@ -27,8 +27,8 @@ import pytest
 import multiprocess_run as run
 from jzo import checkpoint
 from jzo.kernels import quant8
-from jzo.checkpoint import state_dict
-from jzo.checkpoint import spans as state_spans
+from jzo.checkpoint import saved_leaf
+from jzo.checkpoint.outline import outline
 from jzo.parallel.partition import LeafLayout
 from test_engine import HIDDEN, LAYERS, mesh_of
 
@@ -196,8 +196,8 @@ def test_an_int8_pairs_checkpoint_keeps_codes_and_resumes_bit_for_bit(int8_out):
   devices) and each shard's scales, not float32 values; a new pair resumes
   from them exactly."""
   with checkpoint.open_manager(int8_out / run.folder(3, "int8")) as manager:
-    saved = state_dict.outline(manager.item_metadata(run.STEPS).tree)
-    lazy = ocp.RestoreArgs(restore_type=state_spans.SavedLeaf)
+    saved = outline(manager.item_metadata(run.STEPS).tree)
+    lazy = ocp.RestoreArgs(restore_type=saved_leaf.SavedLeaf)
     codes = manager.restore(run.STEPS, args=ocp.args.PyTreeRestore(
         {"mu_codes": saved["mu_codes"]}, restore_args={"mu_codes": jax.tree.map(
             lambda _: lazy, saved["mu_codes"])}, partial_restore=True))["mu_codes"]

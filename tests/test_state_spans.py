@@ -1,7 +1,8 @@
-"""jzo.checkpoint.spans: checkpoints written and read a span at a time. Spans
-cut small here cross the shards' edges, the device and host parts' and
-int8 blocks'; what is restored is the state as it was, bit for bit, and
-saving or restoring holds no second copy of the state on the host."""
+"""jzo.checkpoint.spans, saved_leaf and handler: checkpoints written and
+read a span at a time. Spans cut small here cross the shards' edges, the
+device and host parts' and int8 blocks'; what is restored is the state as
+it was, bit for bit, and saving or restoring holds no second copy of the
+state on the host."""
 
 import asyncio
 import dataclasses
@@ -22,8 +23,8 @@ import tensorstore as ts
 import jzo
 from jzo import checkpoint
 from jzo.kernels import quant8
-from jzo.checkpoint import state_dict
-from jzo.checkpoint import spans as state_spans
+from jzo.checkpoint import engine_parts, handler, saved_leaf, spans, state_dict
+from jzo.checkpoint.outline import outline
 from jzo.parallel.partition import LeafLayout
 from test_engine import make_engine, batches, mesh_of
 from test_grads_in_params import loss_fn
@@ -72,41 +73,41 @@ def assert_same(got, want):
 @pytest.fixture
 def small_spans(monkeypatch):
   """Spans of 1 KiB: 256 float32 values, so that every leaf has several."""
-  monkeypatch.setattr(state_spans, "SPAN_BYTES", 1024)
+  monkeypatch.setattr(spans, "SPAN_BYTES", 1024)
 
 
 def test_rectangles_cover_each_row_in_order():
   layout = LeafLayout((3, 40, 40), shards=8, per_layer=True)
-  spans = state_spans.rectangles(layout, 4)
+  rects = spans.rectangles(layout, 4)
   for row in range(3):
-    mine = [(x0, x1) for _, r, x0, x1 in spans if r == row]
+    mine = [(x0, x1) for _, r, x0, x1 in rects if r == row]
     assert mine[0][0] == 0 and mine[-1][1] == 1600
     assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
-  index, row, x0, x1 = spans[1]
-  assert state_spans.span_shape(layout, index) == (1, (x1 - x0) // 40, 40)
+  index, row, x0, x1 = rects[1]
+  assert spans.span_shape(layout, index) == (1, (x1 - x0) // 40, 40)
 
 
 @pytest.fixture
 def whole_reads(monkeypatch):
   """The saved leaves read whole (SavedLeaf.held), counted."""
   count = {"n": 0}
-  real = state_spans.SavedLeaf.held
+  real = saved_leaf.SavedLeaf.held
 
   def held(self):
     count["n"] += 1
     return real(self)
-  monkeypatch.setattr(state_spans.SavedLeaf, "held", held)
+  monkeypatch.setattr(saved_leaf.SavedLeaf, "held", held)
   return count
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["mu", "nu"])
 def test_quantizing_in_parts_over_threads_gives_the_same_moment(monkeypatch, signed):
-  monkeypatch.setattr(state_spans, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
+  monkeypatch.setattr(saved_leaf, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
   values = np.random.default_rng(0).standard_normal(9 * quant8.QUANT_BLOCK + 100,
                                                     np.float32) * 1e-3
   values = np.abs(values) if not signed else values
   values[5 * quant8.QUANT_BLOCK + 7] = np.nan  # a block of its own: scale NaN
-  got, want = state_spans._quantize(values, signed), quant8.quantize(values, signed=signed)
+  got, want = saved_leaf.quantize_in_parts(values, signed), quant8.quantize(values, signed=signed)
   np.testing.assert_array_equal(got.codes, want.codes)
   np.testing.assert_array_equal(got.scales, want.scales)
 
@@ -166,7 +167,7 @@ def test_a_span_that_does_not_read_leaves_a_whole_engine(tmp_path, small_spans, 
     engine.step(steps[1])
     checkpoint.save(manager, engine, 2)
   reads = {"n": 0}
-  real = state_spans.SavedLeaf.fetch
+  real = saved_leaf.SavedLeaf.fetch
 
   def failing(self, *args):  # checkpoint 2's fifth span, and every one after it
     if f"{tmp_path}/2/" in json.dumps(self.store.spec().to_json()):
@@ -174,7 +175,7 @@ def test_a_span_that_does_not_read_leaves_a_whole_engine(tmp_path, small_spans, 
       if reads["n"] >= 5:
         raise OSError("disk went away")
     return real(self, *args)
-  monkeypatch.setattr(state_spans.SavedLeaf, "fetch", failing)
+  monkeypatch.setattr(saved_leaf.SavedLeaf, "fetch", failing)
   with checkpoint.open_manager(tmp_path) as manager:
     with pytest.raises(checkpoint.UnreadableCheckpointError, match="disk went away") as e:
       checkpoint.restore(manager, engine, 2)
@@ -191,9 +192,9 @@ SCRIPT = textwrap.dedent("""
     import jzo
     from jzo import checkpoint
     from jzo.kernels import quant8
-    from jzo.checkpoint import spans as state_spans
+    from jzo.checkpoint import spans
 
-    state_spans.SPAN_BYTES = 2**20  # at most 8 MiB in flight
+    spans.SPAN_BYTES = 2**20  # at most 8 MiB in flight
 
     def loss(p, b):
       return jnp.mean((b @ p["w"]).astype(jnp.float32) ** 2)
@@ -216,7 +217,8 @@ SCRIPT = textwrap.dedent("""
       return before, max(seen + [process.memory_info().rss])
 
     params = {"w": jnp.zeros((4096, 8192), jnp.float32)}  # 32M parameters
-    engine = jzo.ZeroEngine(loss, params, jzo.cpu_adamw(1e-3), offload=True, stage=2)
+    engine = jzo.ZeroEngine(loss, params, jzo.cpu_adamw(1e-3),
+                            jzo.EngineOptions(offload=True, stage=2))
     engine.step(jnp.ones((8, 4096)))
     with checkpoint.open_manager(sys.argv[1]) as manager:
       checkpoint.save(manager, engine, 1)  # compiles what a save and a restore run
@@ -227,7 +229,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def spans_of(shards: state_spans.StreamedShards) -> list:
+def spans_of(shards: spans.StreamedShards) -> list:
   """What StreamedShards gives a checkpoint's write: (index, values) pairs."""
   async def collect():
     async def nothing(nbytes):
@@ -243,8 +245,8 @@ def test_each_process_writes_the_chunks_of_its_own_shards(small_spans, setup):
   (device and host parts alike; int8 codes), and nothing of the others'."""
   engine = make(setup)
   engine.step(batches(1)[0])
-  for name, (pieces, dtype) in state_dict._saved_pieces(engine.trained).items():
-    if isinstance(pieces[0], state_spans.HeldPieces):  # int8 scales: global arrays
+  for name, (pieces, dtype) in state_dict.saved_pieces(engine.trained).items():
+    if isinstance(pieces[0], spans.HeldPieces):  # int8 scales: global arrays
       continue
     for p in pieces:
       layout = p.layout
@@ -256,11 +258,11 @@ def test_each_process_writes_the_chunks_of_its_own_shards(small_spans, setup):
         held = lambda x: x[positions.start:positions.stop]
         host = (None if p.host is None else quant8.Int8Moment(held(p.host.codes),
                 held(p.host.scales)) if isinstance(p.host, quant8.Int8Moment) else held(p.host))
-        shards = state_spans.StreamedShards(dataclasses.replace(p, host=host), np.dtype(dtype),
-                                            positions)
+        shards = spans.StreamedShards(dataclasses.replace(p, host=host), np.dtype(dtype),
+                                      positions)
         got, written = np.zeros(layout.flat_shape, dtype), np.zeros(layout.flat_shape, int)
         for index, values in spans_of(shards):
-          assert values.shape == shards.chunk_shape and values.nbytes <= state_spans.SPAN_BYTES
+          assert values.shape == shards.chunk_shape and values.nbytes <= spans.SPAN_BYTES
           got[index] = values
           written[index] += 1
         mine = np.zeros(layout.flat_shape, int)
@@ -275,22 +277,22 @@ def test_a_shards_chunks_divide_its_rows_and_are_written_a_few_at_a_time(monkeyp
   SPAN_BYTES, or the whole row where only small parts would divide it;
   chunks larger than SPAN_BYTES hold more of the writes in flight, and two
   leaves written at once both finish."""
-  monkeypatch.setattr(state_spans, "SPAN_BYTES", 1024)  # 256 float32 values
+  monkeypatch.setattr(spans, "SPAN_BYTES", 1024)  # 256 float32 values
   def chunk(k, shards=2):
     layout = LeafLayout((3, shards * k), shards=shards, per_layer=True, device_size=0)
     host = np.arange(np.prod(layout.host_shape), dtype=np.float32).reshape(layout.host_shape)
-    return state_spans.StreamedShards(state_spans.Pieces(layout, None, host), np.dtype(np.float32),
-                                      range(shards))
+    return spans.StreamedShards(spans.Pieces(layout, None, host), np.dtype(np.float32),
+                                range(shards))
   assert chunk(1000).chunk_shape == (1, 250)  # 1000 = 4 x 250
   assert chunk(257).chunk_shape == (1, 257)  # a prime: the whole row
   assert chunk(3 * 521).chunk_shape == (1, 3 * 521)  # 3 x 521: too small a part
-  handler = state_spans.SpanHandler()
+  span_handler = handler.SpanHandler()
 
   async def write(value):
     spec = {"driver": "zarr", "kvstore": {"driver": "memory"}, "dtype": "float32",
             "metadata": {"shape": list(value.shape), "chunks": list(value.chunk_shape)}}
     store = await ts.open(spec, create=True)
-    await handler._write_spans(store, value)
+    await span_handler.write_spans(store, value)
     return await store.read()
 
   async def both(values):
@@ -308,19 +310,19 @@ def test_a_process_reads_only_the_spans_of_its_own_shards(small_spans):
   values = np.arange(LAYERS * HIDDEN * HIDDEN, dtype=np.float32).reshape(layout.shape)
   fetched = []
 
-  class Counting(state_spans._HeldLeaf):
+  class Counting(saved_leaf.HeldLeaf):
     def fetch(self, layout, index, x0, x1):
       fetched.append((x0, x1))
       return super().fetch(layout, index, x0, x1)
   positions, k = range(2, 5), layout.shard_size
   host = np.zeros((len(positions), LAYERS, k), np.float32)
-  state_spans.load_leaf(Counting(values), [state_spans.Target(layout, [], [], 0, host=host)],
-                        positions)
+  saved_leaf.load_leaf(Counting(values), [saved_leaf.Target(layout, [], [], 0, host=host)],
+                       positions)
   flat = values.reshape(LAYERS, -1)
   for j, d in enumerate(positions):
     np.testing.assert_array_equal(host[j], flat[:, d * k:(d + 1) * k])
   assert all(x0 < positions.stop * k and positions.start * k < x1 for x0, x1 in fetched)
-  assert len(fetched) < len(state_spans.rectangles(layout, 4))
+  assert len(fetched) < len(spans.rectangles(layout, 4))
 
 
 def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
@@ -341,7 +343,7 @@ def test_saving_and_restoring_hold_no_copy_of_the_state(tmp_path):
 
 def test_a_checkpoint_chunked_by_orbax_loads_a_leaf_at_a_time(tmp_path, small_spans,
                                                              whole_reads):
-  """A checkpoint of numpy arrays (as jzo wrote them before state_spans,
+  """A checkpoint of numpy arrays (as jzo wrote them before spans,
   in orbax's chunks, which a span would decode again and again) is read a
   leaf at a time, into the same state."""
   trained = make("half-bf16-8")
@@ -365,8 +367,8 @@ def test_a_checkpoint_chunked_by_orbax_loads_a_leaf_at_a_time(tmp_path, small_sp
 def moment_values(engine, name):
   """Moment `name` of an offloading engine in the params' full shapes,
   float32 (int8 moments dequantized), read from where it lives."""
-  pieces, _ = state_dict._adam_pieces(engine.trained)[name]
-  return [state_dict._read_whole(p, np.float32) for p in pieces]
+  pieces, _ = engine_parts.adam_pieces(engine.trained)[name]
+  return [spans.read_whole(p, np.float32) for p in pieces]
 
 
 def requantized(values, layout, signed):
@@ -386,7 +388,7 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   checkpoint of the float32 format of before loads into int8 engines."""
   # Values made from codes and quantized in parts of 512 over the threads:
   # across the shards' parts (200 values of a layer's row of w, 5 of b)
-  monkeypatch.setattr(state_spans, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
+  monkeypatch.setattr(saved_leaf, "QUANTIZE_PART", 2 * quant8.QUANT_BLOCK)
   saver = make("int8-8")
   for b in batches(2):
     saver.step(b)
@@ -398,13 +400,13 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   values = {name: moment_values(saver, name) for name in ("mu", "nu")}
   with checkpoint.open_manager(tmp_path) as manager:
     checkpoint.save(manager, saver, 2)
-    saved = state_dict.outline(manager.item_metadata(2).tree)
+    saved = outline(manager.item_metadata(2).tree)
   assert "mu" not in saved and saved["mu_codes"]["blocks"]["w"] == "uint8[3, 40, 40]"
   assert saved["nu_scales"]["blocks"]["w"] == "float32[8, 3, 1]"  # 8 shards' 200 of 1,600
   # The same placement takes the codes and scales as they are: nothing is quantized.
   same = make("int8-8", seed=1)
   with monkeypatch.context() as m, checkpoint.open_manager(tmp_path) as manager:
-    m.setattr(state_spans, "_quantize", lambda *a: pytest.fail("quantized again"))
+    m.setattr(quant8, "quantize", lambda *a, **k: pytest.fail("quantized again"))
     checkpoint.restore(manager, same)
   assert_same(same.state_dict(), saver.state_dict())
   float_moments = make("host-fp32-1", seed=1)
@@ -442,7 +444,7 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
   # a span at a time, or from their format's global arrays (a state dict).
   # The same blocks take codes and scales as they are, others the values.
   with monkeypatch.context() as m:
-    m.setattr(state_dict, "_several_processes", lambda: True)
+    m.setattr(engine_parts, "several_processes", lambda: True)
     flat = saver.state_dict()  # several processes' format: flat codes, global arrays
     assert flat["mu_codes"]["blocks"]["w"].shape == (LAYERS, HIDDEN * HIDDEN)
     for way in ("checkpoint", "state dict"):
@@ -462,7 +464,7 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
             checkpoint.restore(manager, engine)
           else:
             engine.load_state_dict(flat)
-      m.setattr(state_dict, "_several_processes", lambda: False)  # to read them back
+      m.setattr(engine_parts, "several_processes", lambda: False)  # to read them back
       assert_same(several["same"].state_dict(), saver.state_dict())
       for name in ("mu", "nu"):
         for got, want in zip(moment_values(several["float"], name), values[name]):
@@ -471,7 +473,7 @@ def test_int8_moments_are_saved_as_codes_and_scales(tmp_path, small_spans, monke
                                      several["other"].plan.leaves):
           np.testing.assert_array_equal(got, requantized(want, layout, signed=name == "mu"),
                                         err_msg=way)
-      m.setattr(state_dict, "_several_processes", lambda: True)
+      m.setattr(engine_parts, "several_processes", lambda: True)
       for engine in several.values():
         engine.close()
 

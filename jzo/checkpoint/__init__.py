@@ -1,6 +1,10 @@
-"""Checkpoints: the engine's state as a dict of host arrays (state_dict),
-streamed a span at a time between the live state and the files (spans),
-and orbax folders on disk (files: save, restore, read the masters).
+"""Checkpoints: the engine's state as a dict of host arrays (state_dict:
+the formats and the saving side; load: a saved dict into an engine;
+expected and outline: what a checkpoint must look like to load, and how
+one differs; engine_parts: where the engine keeps what is saved), streamed
+a span at a time between the live state and the files (spans: reading the
+live state; saved_leaf: a saved leaf into the engine; handler: orbax's type
+handler), and orbax folders on disk (files: save, restore, read the masters).
 
 `jzo.checkpoint.open_manager`, `save`, `restore` and the rest of files'
 public names are this package's."""

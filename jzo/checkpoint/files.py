@@ -13,9 +13,9 @@ and an unfinished one is never restored.
 
 The engine is used through `state_dict(streamed=True)` and
 `load_state_dict(saved)`, and `restore` reads the shapes of what it loads
-from its state (`state_dict.expected`). Adam's masters and moments go to
-disk and back a span at a time (jzo.checkpoint.spans): the host holds a few
-spans beside the state, never a copy of it.
+from its state (jzo.checkpoint.expected). Adam's masters and moments go to
+disk and back a span at a time (jzo.checkpoint.spans, handler and
+saved_leaf): the host holds a few spans beside the state, never a copy of it.
 Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
 fit the engine is refused before any array is read, naming the first
@@ -41,15 +41,18 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jzo.checkpoint import state_dict
-from jzo.checkpoint import spans as state_spans
+from jzo.checkpoint import handler
+from jzo.checkpoint.expected import expected, streamed_entries
+from jzo.checkpoint.load import StateChanged
+from jzo.checkpoint.outline import misfit, outline
+from jzo.checkpoint.saved_leaf import SavedLeaf
 from jzo.parallel.partition import LeafLayout
 
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
 _MAX_DETAIL = 300
 
 # Host RAM a save takes beside the state while it writes: the spans in flight
-# (state_spans: 8 of 64 MiB), their compressed copies, tensorstore's buffers
+# (jzo.checkpoint.spans: 8 of 64 MiB), their compressed copies, tensorstore's buffers
 # and orbax's cache, and what glibc keeps of them until `release_freed_memory`.
 # Measured on an H100 machine with a 125 GiB host:
 # host RSS rose 2.38-2.50 GiB in five saves of gpt2-4b's 47 GiB of fp32
@@ -105,13 +108,13 @@ def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.Che
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep),
       # Declared up front so that a fresh manager can read a checkpoint's
       # metadata (the tree of shapes) before anything was restored through it.
-      item_handlers=ocp.PyTreeCheckpointHandler(type_handler_registry=state_spans.registry()))
+      item_handlers=ocp.PyTreeCheckpointHandler(type_handler_registry=handler.registry()))
 
 
 def saved_bytes(engine) -> int:
   """Bytes of the arrays a checkpoint of `engine` writes, before
   compression (zstd saves about 8% of float32 Adam state); reads nothing."""
-  target, _ = state_dict.expected(engine.trained, {})
+  target, _ = expected(engine.trained, {})
   return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(target))
 
 
@@ -163,28 +166,28 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
   folder = folder_of(manager)
   step = _complete_step(manager, step)
   try:
-    saved = state_dict.outline(manager.item_metadata(step).tree)
+    saved = outline(manager.item_metadata(step).tree)
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
     raise _unreadable(e, folder, step) from e
   # The target is what the engine loads, as shapes: orbax reads numpy arrays
   # into its tree types (optax's named tuples) and refuses other dtypes.
   try:
-    target, accepted = state_dict.expected(engine.trained, saved)
+    target, accepted = expected(engine.trained, saved)
   except ValueError as e:  # a format this engine cannot read
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {e}",
                           folder, step) from e
-  misfit = state_dict.misfit(saved, accepted)
-  if misfit:  # before any array is read
-    raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {misfit}",
-                          folder, step)
+  differences = misfit(saved, accepted)
+  if differences:  # before any array is read
+    raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: "
+                          f"{differences}", folder, step)
   args = ocp.checkpoint_utils.construct_restore_args(target)
-  if state_dict.outline(target) != saved:
+  if outline(target) != saved:
     # Not strict where a flat leaf's padding is another device count's: orbax
     # cuts or pads it (every other entry has the saved shape, checked above).
     args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False)
                         if hasattr(a, "strict") else a, args)
-  for name in state_dict.streamed_entries(engine.trained, target):
-    args[name] = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=state_spans.SavedLeaf),
+  for name in streamed_entries(engine.trained, target):
+    args[name] = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=SavedLeaf),
                               args[name])
   try:
     restored = manager.restore(step, args=ocp.args.PyTreeRestore(target, restore_args=args))
@@ -192,7 +195,7 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
     raise _unreadable(e, folder, step) from e
   try:
     engine.load_state_dict(restored)
-  except state_dict.StateChanged as e:  # a span that did not read
+  except StateChanged as e:  # a span that did not read
     raise _unreadable(e.__cause__, folder, step, engine_changed=True) from e
   except ValueError as e:  # refused before any value was written (int8 scales of other codes)
     raise CheckpointError(f"checkpoint {step} in {folder} does not fit this engine: {e}",
