@@ -23,7 +23,7 @@ from jzo.plan import GiB
 from jzo.plan.fit import Estimate, estimate_micro_batch
 from jzo.recipe import models
 from jzo.recipe.loop import cap_pinned_pool, claim_gpu_memory
-from jzo.recipe.options import (ALL_WEIGHTS_FIT, UserError, check_resident_layers,
+from jzo.recipe.options import (ALL_WEIGHTS_FIT, UserError, check_resident_layers, in_flags,
                                 resident_count)
 
 Preset = Literal[tuple(models.PRESETS)]
@@ -116,7 +116,8 @@ class EstimateConfig:
 
 def check_estimate_options(cfg: EstimateConfig) -> None:
   """Raises ValueError (UserError for --resident-layers, as jzo.train's)
-  naming an option out of range."""
+  naming an option out of range; the engine's options are jzo.EngineOptions'
+  to check, in `main`."""
   for name in ("devices", "batch_size", "seq_len", "grad_accum"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -124,9 +125,6 @@ def check_estimate_options(cfg: EstimateConfig) -> None:
     if getattr(cfg, name) is not None and not getattr(cfg, name) > 0:
       raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
   check_resident_layers(cfg)
-  if cfg.delayed_update and parse_offload(cfg.offload) is False:
-    raise ValueError("--delayed-update delays the host's update: it needs --offload other than "
-                     "false")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,25 +133,29 @@ def main(argv: list[str] | None = None) -> int:
   gib = lambda x: None if x is None else int(x * GiB)
   try:
     check_estimate_options(cfg)
+    offload = parse_offload(cfg.offload)
     # The GPU's share and XLA's pinned pool as the recipe sets them while the
     # plan is made and printed (the pool's overhead is part of the host's
     # bytes); the environment is left as it was.
     with mock.patch.dict(os.environ):
       claim_gpu_memory()
       cap_pinned_pool(models.PRESETS[cfg.model], cfg.devices)
-      result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                              remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
-                              offload=parse_offload(cfg.offload), moments=cfg.moments,
-                              precision=cfg.precision, grad_accum=cfg.grad_accum,
-                              delayed_update=cfg.delayed_update,
-                              grads_in_params=cfg.grads_in_params,
-                              offload_params=(("auto" if resident_count(cfg) is None else True)
-                                              if cfg.offload_params else False),
-                              resident_layers=resident_count(cfg),
-                              overlap_forward=cfg.overlap_forward,
-                              device_memory=gib(cfg.device_gb),
-                              host_memory=gib(cfg.host_gb),
-                              checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)
+      try:
+        result = estimate_model(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                remat=cfg.remat, devices=cfg.devices, stage=cfg.stage,
+                                offload=offload, moments=cfg.moments, precision=cfg.precision,
+                                grad_accum=cfg.grad_accum, delayed_update=cfg.delayed_update,
+                                grads_in_params=cfg.grads_in_params,
+                                offload_params=(("auto" if resident_count(cfg) is None else True)
+                                                if cfg.offload_params else False),
+                                resident_layers=resident_count(cfg),
+                                overlap_forward=cfg.overlap_forward,
+                                device_memory=gib(cfg.device_gb),
+                                host_memory=gib(cfg.host_gb),
+                                checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)
+      except ValueError as e:  # jzo.EngineOptions' and the plan's, told in this command's flags
+        raise UserError(in_flags(str(e), fraction="--offload",
+                                 no_offload="--offload false")) from e
       table = str(result)
   except (ValueError, UserError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,6 @@ import re
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 from jax.sharding import Mesh
@@ -26,7 +25,8 @@ from jzo.kernels.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
-                                check_for_model, lr_schedule, resident_count)
+                                check_for_model, engine_options, lr_schedule,
+                                offload_placement, resident_count, weights_placement)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
                              check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
                              remove_partial_checkpoints, restore_run, start_log)
@@ -44,32 +44,11 @@ def pick_devices(cfg: TrainConfig) -> list:
 
 
 
-def placement(cfg: TrainConfig, devices) -> bool | float | str:
-  """The engine's offload= from --offload and --offload-fraction: "auto"
-  where the devices report their memory or --device-memory-gb gives it,
-  all on the host where neither does (CPUs share the host's memory)."""
-  if not cfg.offload:
-    return False
-  if cfg.offload_params and cfg.offload_fraction == "auto":
-    return True  # the host kernel updates the weights in host memory where they are
-  if cfg.offload_fraction == "auto":
-    known = cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices))
-    return "auto" if known else True
-  return float(cfg.offload_fraction)
-
-
-def weights_placement(cfg: TrainConfig, devices) -> bool | str:
-  """The engine's offload_params= from --offload-params: "auto" (the
-  layers' weights in host memory where the devices need it, the first
-  layers that fit resident on them) where the devices report their memory
-  or --device-memory-gb gives it, True where neither does (CPUs share the
-  host's memory) or --resident-layers sets the count."""
-  if not cfg.offload_params:
-    return False
-  if resident_count(cfg) is None and (
-      cfg.device_memory_gb or jzo.plan.device_memory_limit(distributed.own_device(devices))):
-    return "auto"
-  return True
+def memory_known(cfg: TrainConfig, devices) -> bool:
+  """Whether the placement knows the devices' memory: --device-memory-gb,
+  or what they report (CPUs report none)."""
+  return bool(cfg.device_memory_gb
+              or jzo.plan.device_memory_limit(distributed.own_device(devices)))
 
 
 def source_model(cfg: TrainConfig) -> tuple[models.Model, object | None]:
@@ -156,13 +135,13 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
     return micro, (f"micro-batch {micro} a device x {per_device // micro} accumulation x "
                    f"{len(devices)} device(s) = global batch {cfg.batch_size} ({why})")
   shapes = jax.eval_shape(functools.partial(model.init_params, jax.random.PRNGKey(0)))
-  try:
+  try:  # the devices' memory is known here: the placements' default
     picked = jzo.pick_micro_batch(
         shapes, functools.partial(model.activation_bytes, seq_len=cfg.seq_len),
         devices=len(devices), global_batch=cfg.batch_size, stage=cfg.stage,
-        offload=placement(cfg, devices), moments=cfg.moments, precision=cfg.precision,
+        offload=offload_placement(cfg), moments=cfg.moments, precision=cfg.precision,
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
-        offload_params=weights_placement(cfg, devices), resident_layers=resident_count(cfg),
+        offload_params=weights_placement(cfg), resident_layers=resident_count(cfg),
         overlap_forward=cfg.overlap_forward, layers=model.family.layers if cfg.stage == 3 else None,
         device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg))
   except (jzo.PlacementError, ValueError) as e:  # ValueError: an option the plan refuses
@@ -183,22 +162,17 @@ def make_engine(cfg: TrainConfig, model: models.Model, params, devices,
   tx = jzo.cpu_adamw(lr_schedule(cfg, model), b2=0.95, weight_decay=cfg.weight_decay,
                      mask=model.decay_mask, mu_dtype=moments, nu_dtype=moments)
   accum = cfg.batch_size // len(devices) // micro
-  offload_params = weights_placement(cfg, devices)
+  known = memory_known(cfg, devices)
 
   def engine(accumulation: str, activations: int) -> jzo.ZeroEngine:
-    options = jzo.EngineOptions(
-        stage=cfg.stage, compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
-        grad_accum=accum, max_grad_norm=cfg.max_grad_norm, offload=placement(cfg, devices),
-        delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
-        offload_params=offload_params, resident_layers=resident_count(cfg),
-        layers=model.family.layers if cfg.stage == 3 else None,
-        overlap_forward=cfg.overlap_forward, accumulation=accumulation)
+    options = engine_options(cfg, model.family.layers, memory_known=known, grad_accum=accum,
+                             accumulation=accumulation)
     return jzo.ZeroEngine(model.loss_fn, params, tx, options,
                           mesh=Mesh(np.array(devices), ("data",)), activation_memory=activations,
                           device_memory=int(cfg.device_memory_gb * 2**30) or None,
                           checkpoint_memory=checkpoint_memory(cfg))
   single = model.activation_bytes(micro, cfg.seq_len)
-  if accum == 1 or not (cfg.grads_in_params or offload_params):
+  if accum == 1 or not (cfg.grads_in_params or cfg.offload_params):
     return engine("auto", single)
   try:  # the layers first (no float32 sums of the layers) where they fit, else their sums
     return engine("layers", model.activation_bytes(micro, cfg.seq_len, accumulation=accum))

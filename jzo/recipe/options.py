@@ -1,15 +1,19 @@
-"""The recipe's options (`python -m jzo.train --help`), their checks, and
-the learning-rate schedule they give."""
+"""The recipe's options (`python -m jzo.train --help`), their checks, the
+engine options they give (checked by jzo.EngineOptions, whose errors are told
+in flags), and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import pathlib
+import re
 from typing import Literal
 
+import jax.numpy as jnp
 import optax
 
+import jzo
 from jzo.models import gpt
 from jzo.recipe import models
 
@@ -113,7 +117,7 @@ class UserError(Exception):
 
 def check(cfg: TrainConfig) -> None:
   """Refuses option values out of range (types and choices: the parser's;
-  what depends on the model: `check_for_model`)."""
+  what depends on the model, the engine's options included: `check_for_model`)."""
   for name in ("seq_len", "batch_size", "steps", "log_every", "eval_every", "eval_batches",
                "keep_checkpoints"):
     if getattr(cfg, name) < 1:
@@ -121,22 +125,18 @@ def check(cfg: TrainConfig) -> None:
   for name in ("checkpoint_every", "devices", "vocab_size", "sample_tokens", "seed"):
     if getattr(cfg, name) < 0:
       raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
-  for name in ("lr", "max_grad_norm"):
-    value = getattr(cfg, name)
-    if value is not None and not (math.isfinite(value) and value > 0):
-      raise UserError(f"--{name.replace('_', '-')} must be a number > 0, got {value}")
+  if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):
+    raise UserError(f"--lr must be a number > 0, got {cfg.lr}")
   for name in ("weight_decay", "device_memory_gb", "peak_tflops"):
     if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
       raise UserError(f"--{name.replace('_', '-')} must be a number >= 0, got "
                       f"{getattr(cfg, name)}")
   if cfg.offload_fraction != "auto":
     try:
-      fraction = float(cfg.offload_fraction)
+      float(cfg.offload_fraction)  # its range: jzo.EngineOptions'
     except ValueError:
-      fraction = -1.0
-    if not 0.0 <= fraction <= 1.0:
       raise UserError(f"--offload-fraction must be auto or a number in [0, 1], got "
-                      f"{cfg.offload_fraction!r}")
+                      f"{cfg.offload_fraction!r}") from None
   if cfg.micro_batch != "auto" and not (cfg.micro_batch.isdigit() and int(cfg.micro_batch) > 0):
     raise UserError(f"--micro-batch must be auto or a whole number >= 1, got "
                     f"{cfg.micro_batch!r}")
@@ -148,30 +148,20 @@ def check(cfg: TrainConfig) -> None:
   out = pathlib.Path(cfg.out)
   if out.exists() and not out.is_dir():
     raise UserError(f"--out {out} is a file, not a folder")
-  if cfg.offload and cfg.stage == 0:
-    raise UserError("--offload needs --stage 1, 2 or 3 (stage 0 replicates the optimizer "
-                    "state; or add --no-offload)")
-  if cfg.delayed_update and not cfg.offload:
-    raise UserError("--delayed-update delays the host's update: it needs --offload")
   if cfg.moments == "int8" and not (cfg.offload and cfg.offload_fraction in ("auto", "1", "1.0")):
     raise UserError("--moments int8 keeps the moments in host memory: it needs --offload with "
                     f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
-  if cfg.grads_in_params or cfg.offload_params:
-    _check_grads_in_params(cfg, "--offload-params" if cfg.offload_params else "--grads-in-params")
   check_resident_layers(cfg)
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 
 
 def check_resident_layers(cfg) -> None:
-  """--resident-layers: -1, or a count with --offload-params (jzo.train's
-  and jzo.estimate's options)."""
+  """--resident-layers: -1 or a count (jzo.train's and jzo.estimate's
+  options; the rest, as jzo.EngineOptions' resident_layers)."""
   if cfg.resident_layers < -1:
     raise UserError(f"--resident-layers must be -1 (the planner's choice) or a count >= 0, "
                     f"got {cfg.resident_layers}")
-  if cfg.resident_layers >= 0 and not cfg.offload_params:
-    raise UserError("--resident-layers keeps layers of the weights in host memory on the GPU "
-                    "as well: it needs --offload-params")
 
 
 def resident_count(cfg) -> int | None:
@@ -179,26 +169,104 @@ def resident_count(cfg) -> int | None:
   return cfg.resident_layers if cfg.resident_layers >= 0 else None
 
 
-def _check_grads_in_params(cfg: TrainConfig, flag: str) -> None:
-  if cfg.stage != 3:
-    raise UserError(f"{flag} needs --stage 3 (the layers gathered one at a time), "
-                    f"got --stage {cfg.stage}")
-  if not cfg.offload:
-    raise UserError(f"{flag} needs --offload (jzo's Adam, whose masters remake the weights "
-                    "the gradients overwrote)")
-  if cfg.offload_params and cfg.offload_fraction not in ("auto", "1", "1.0"):
-    raise UserError(f"{flag} needs --offload-fraction auto or 1 (the host kernel updates the "
-                    f"weights in host memory where they are), got {cfg.offload_fraction}")
-  if cfg.delayed_update:
-    raise UserError(f"{flag} cannot take --delayed-update: the next step needs the "
-                    "weights the update writes back")
-
-
 def check_for_model(cfg: TrainConfig, model: models.Model) -> None:
-  """Refuses options the model cannot take."""
+  """Refuses options the model cannot take, and engine options that
+  jzo.EngineOptions refuses (`engine_options`)."""
   if cfg.seq_len > model.max_seq_len:
     raise UserError(f"--seq-len {cfg.seq_len} is beyond {model.name}'s context of "
                     f"{model.max_seq_len} tokens")
+  engine_options(cfg, model.family.layers)
+
+
+def offload_placement(cfg: TrainConfig, memory_known: bool = True) -> bool | float | str:
+  """The engine's offload= from --offload and --offload-fraction: "auto"
+  where the devices' memory is known (they report it, or --device-memory-gb
+  gives it), all on the host where not (CPUs share the host's memory)."""
+  if not cfg.offload:
+    return False
+  if cfg.offload_params and cfg.offload_fraction == "auto":
+    return True  # the host kernel updates the weights in host memory where they are
+  if cfg.offload_fraction == "auto":
+    return "auto" if memory_known else True
+  return float(cfg.offload_fraction)
+
+
+def weights_placement(cfg: TrainConfig, memory_known: bool = True) -> bool | str:
+  """The engine's offload_params= from --offload-params: "auto" (the
+  layers' weights in host memory where the devices need it, the first
+  layers that fit resident on them) where the devices' memory is known,
+  True where not (CPUs share the host's memory) or --resident-layers sets
+  the count."""
+  if not cfg.offload_params:
+    return False
+  return "auto" if resident_count(cfg) is None and memory_known else True
+
+
+def engine_options(cfg: TrainConfig, layers: str, *, memory_known: bool = True,
+                   grad_accum: int = 1, accumulation: str = "auto") -> jzo.EngineOptions:
+  """The run's jzo.EngineOptions, checked by it.
+
+  Args:
+    layers: the model family's stacked layers (ZeroEngine's layers=, at --stage 3).
+    memory_known: whether the devices' memory is known (`offload_placement`);
+      either way the same options pass.
+    grad_accum, accumulation: as jzo.EngineOptions'.
+
+  Raises:
+    UserError: an option EngineOptions refuses, its error told in flags
+      (`in_flags`).
+  """
+  try:
+    return jzo.EngineOptions(
+        stage=cfg.stage, compute_dtype=jnp.bfloat16 if cfg.precision == "bf16" else jnp.float16,
+        grad_accum=grad_accum, max_grad_norm=cfg.max_grad_norm,
+        offload=offload_placement(cfg, memory_known), delayed_update=cfg.delayed_update,
+        grads_in_params=cfg.grads_in_params,
+        offload_params=weights_placement(cfg, memory_known),
+        resident_layers=resident_count(cfg), layers=layers if cfg.stage == 3 else None,
+        overlap_forward=cfg.overlap_forward, accumulation=accumulation)
+  except ValueError as e:
+    raise UserError(in_flags(str(e))) from e
+
+
+# Phrases of jzo.EngineOptions' errors said otherwise in flags, replaced
+# before the options' names: the recipe gives layers= itself, and the
+# planner picks the resident layers unless --resident-layers says.
+_PHRASES = {"offload=True, a fraction or 'auto'": "offload=True", "ZeRO stage": "--stage",
+            " and layers=": "", " (offload_params='auto' chooses them), got False": "",
+            "cannot delay the update": "cannot take --delayed-update"}
+# The engine's options that flags of the same name set.
+_NAMES = sorted({f.name for f in dataclasses.fields(jzo.EngineOptions)}
+                & {f.name for f in dataclasses.fields(TrainConfig)})
+# An option's name with its value, or bare: first in the message, or
+# anywhere when it has an underscore ("offload" and "stage" are words too).
+_OPTION = re.compile(rf"(?<![\w.-])(?:({'|'.join(_NAMES)})=('[^']*'|[\w.]+)|"
+                     rf"^({'|'.join(_NAMES)})\b|({'|'.join(n for n in _NAMES if '_' in n)})\b)")
+
+
+def in_flags(message: str, *, fraction: str = "--offload-fraction",
+             no_offload: str = "--no-offload") -> str:
+  """A jzo.EngineOptions error in the command line's words: each option it
+  names (`name`, or `name=value`) as the flag that sets it, e.g.
+  "grads_in_params needs offload=True" as "--grads-in-params needs
+  --offload". fraction: the flag that takes offload's fraction; no_offload:
+  the flags of offload=False."""
+  for phrase, said in _PHRASES.items():
+    message = message.replace(phrase, said)
+  message = message.replace("offload fraction", fraction)
+
+  def flag(match: re.Match) -> str:
+    if match[1]:
+      name, value = match[1], match[2].strip("'")
+    else:
+      name, value = match[3] or match[4], "True"
+    said = "--" + name.replace("_", "-")
+    if value == "False":
+      return no_offload if name == "offload" else "--no-" + said[2:]
+    if value == "True":
+      return said
+    return f"{fraction if name == 'offload' else said} {value}"
+  return _OPTION.sub(flag, message)
 
 
 def peak_lr(cfg: TrainConfig, model: models.Model) -> float:
