@@ -140,3 +140,15 @@ def test_tests_use_public_names_only(path):
       if isinstance(base, ast.Name) and base.id in bound:
         found.append(f"line {node.lineno}: {ast.unparse(node)}")
   assert not found, "\n".join(found)
+
+
+def test_the_estimate_function_survives_an_import_of_its_command():
+  """`jzo.estimate` is the planner and `python -m jzo.estimate` its command:
+  importing the command's module leaves `jzo.estimate(...)` a planner."""
+  import jax
+  import jzo
+  import jzo.estimate  # noqa: F401  (what would put the module in the function's place)
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}
+  got = jzo.estimate(params, offload=True, host_memory=2**34, device_memory=2**34)
+  want = jzo.plan.estimate(params, offload=True, host_memory=2**34, device_memory=2**34)
+  assert got.fits and str(got.plan) == str(want.plan)
