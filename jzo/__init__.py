@@ -2,7 +2,7 @@
 
 Public API:
   ZeroEngine: data-parallel training with ZeRO stages 0-3 and optional offload.
-  EngineOptions: its options, checked once (what jzo.plan.make_plan takes).
+  EngineOptions: its options, each documented and checked (what the plan is made from).
   HostLeaf: a lazy host array, one of the forms of ZeroEngine's params.
   estimate: the memory planner: what lives where, and whether it fits.
   pick_micro_batch: the largest micro-batch that fits a global batch.
@@ -16,20 +16,20 @@ Public API:
   `python -m jzo.train`: the GPT training recipe.
 """
 
-from jzo.parallel import distributed
 from jzo import kernels
-from jzo.kernels.cpu_adam import CpuAdamState, CpuAdamTransform, adamw_step, cpu_adam, cpu_adamw
-from jzo.engine.engine import ZeroEngine
+from jzo.engine import ZeroEngine
 from jzo.host.leaf import HostLeaf
+from jzo.kernels.cpu_adam import CpuAdamState, CpuAdamTransform, adamw_step, cpu_adam, cpu_adamw
 from jzo.options import EngineOptions
-from jzo.plan.fit import estimate, pick_micro_batch
-from jzo.plan import Plan, PlacementError
-from jzo.step import EngineState, StepMetrics
+from jzo.parallel import distributed
 from jzo.parallel.layer_scan import scan_layers
 from jzo.parallel.partition import gather_layer
+from jzo.plan import Plan, PlacementError, estimate, pick_micro_batch
 from jzo.precision import LossScale
+from jzo.step import EngineState, StepMetrics
 
 __all__ = ["CpuAdamState", "CpuAdamTransform", "EngineOptions", "EngineState", "HostLeaf",
-           "LossScale", "PlacementError", "Plan", "StepMetrics", "ZeroEngine", "adamw_step", "cpu_adam", "cpu_adamw", "distributed",
-           "estimate", "gather_layer", "kernels", "pick_micro_batch", "scan_layers"]
+           "LossScale", "PlacementError", "Plan", "StepMetrics", "ZeroEngine", "adamw_step",
+           "cpu_adam", "cpu_adamw", "distributed", "estimate", "gather_layer", "kernels",
+           "pick_micro_batch", "scan_layers"]
 __version__ = "0.1.0"
