@@ -256,29 +256,38 @@ def test_empty_and_binary_data(folders, tmp_path):
     tokens.data_files(tmp_path / "nowhere")
 
 
-def test_cache_is_reused_and_rebuilt(folders, tmp_path, monkeypatch):
-  tok = tokens.load_tokenizer(folders["chatml"])
+def cache_entries(cache: pathlib.Path) -> dict[str, int]:
+  """The cache's complete entries: each one's name and when its meta.json
+  (written last, once the entry is whole) was written (ns)."""
+  return {p.name: (p / "meta.json").stat().st_mtime_ns for p in cache.iterdir()
+          if (p / "meta.json").is_file()}
+
+
+def test_cache_is_reused_and_rebuilt(folders, tmp_path):
+  """An entry is written once and read after; a change of the data or the
+  tokenizer writes a new one in the old one's place, as does an entry
+  that lost its meta.json (killed before the rename)."""
+  tok, cache = tokens.load_tokenizer(folders["chatml"]), tmp_path / "cache"
   data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
-  calls = []
-  real = tokens.documents
-  monkeypatch.setattr(tokens, "documents", lambda *a: calls.append(1) or real(*a))
-  first = packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
-  again = packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
-  assert len(calls) == 1 and first.n_documents == 2
+  first = packing.tokenize_cached(data, tok, cache, progress=False)
+  written = cache_entries(cache)
+  again = packing.tokenize_cached(data, tok, cache, progress=False)
+  assert cache_entries(cache) == written and len(written) == 1 and first.n_documents == 2
   assert isinstance(again.tokens, np.memmap) and again.tokens.dtype == np.uint32
   assert again.loss_mask.dtype == np.uint8
   np.testing.assert_array_equal(first.tokens, np.concatenate([
-      d[0] for d, _ in real([data], tok)]))
+      d[0] for d, _ in tokens.documents([data], tok)]))
   write_jsonl(data, [{"messages": CHATS[1]}])
-  changed = packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
-  assert len(calls) == 2 and changed.n_documents == 1
-  entries = list((tmp_path / "cache").iterdir())
-  assert len(entries) == 1  # the old entry is gone
-  (entries[0] / "meta.json").unlink()  # as if killed before the rename: not read
-  packing.tokenize_cached(data, tok, tmp_path / "cache", progress=False)
-  packing.tokenize_cached(data, tokens.load_tokenizer(folders["llama3"]), tmp_path / "cache",
-                          progress=False)
-  assert len(calls) == 4
+  changed = packing.tokenize_cached(data, tok, cache, progress=False)
+  rewritten = cache_entries(cache)
+  assert changed.n_documents == 1 and len(rewritten) == 1 and rewritten.keys() != written.keys()
+  assert len(list(cache.iterdir())) == 1  # the old entry is gone
+  (cache / next(iter(rewritten)) / "meta.json").unlink()  # as if killed before the rename
+  assert cache_entries(cache) == {}
+  packing.tokenize_cached(data, tok, cache, progress=False)
+  assert cache_entries(cache).keys() == rewritten.keys()  # written again
+  packing.tokenize_cached(data, tokens.load_tokenizer(folders["llama3"]), cache, progress=False)
+  assert len(cache_entries(cache)) == 1 and cache_entries(cache).keys() != rewritten.keys()
 
 
 def test_data_files_sorted_recursively_without_hidden(tmp_path):
