@@ -287,3 +287,22 @@ def test_resident_layers_train_as_the_weights_on_the_devices(mesh_size, kw):
   again.trained.device = again.state._replace(resident=zeroed)
   want, got = mixed.step(data[4]), again.step(data[4])
   assert abs(float(got.loss) - float(want.loss)) > 1e-3
+
+
+@pytest.mark.parametrize("kw, mode", [
+    (dict(), "WholeUpdate"),
+    (dict(landing_limit=2048), "StreamedUpdate"),
+    (dict(offload_params=True), "ParamsOnHostUpdate"),
+    (dict(offload_params=True, landing_limit=2048), "StreamedParamsOnHostUpdate"),
+    (dict(grads_in_params=False, grad_accum=2, accumulation="host"), "AccumulatedUpdate"),
+], ids=["whole", "streamed", "params-on-host", "streamed-params-on-host", "accumulated"])
+def test_the_engine_picks_the_host_update_mode_from_its_plan(kw, mode):
+  """One mode of the host update, chosen when the engine is built (on CPU
+  devices the forward never overlaps the update: jzo.host.overlapped runs
+  on accelerators); each trains as the plain update does."""
+  kw = dict(dict(grads_in_params=True), **kw)
+  e, plain = engine(1, **kw), engine(1, **dict(kw, landing_limit=None))
+  assert type(e.host_update).__name__ == mode
+  for b in batches(2):
+    np.testing.assert_array_equal(np.float32(e.step(b).loss), np.float32(plain.step(b).loss))
+  assert_close(e.params, plain.params, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from jzo.engine.sources import leaf_sources, state_bytes_per_param
 from jzo.host.accumulated import AccumulatedUpdate
 from jzo.host.adam import HostAdam
 from jzo.host.overlapped import OverlappedUpdate
+from jzo.host.params_on_host import ParamsOnHostUpdate, StreamedParamsOnHostUpdate
 from jzo.host.streamed import StreamedUpdate
 from jzo.host.transfer import ShardTransfer, resolve_host_transfer
 from jzo.host.update import HostUpdate
@@ -512,6 +513,8 @@ def _host_update_for(plan: plan_lib.Plan, overlap: bool) -> type[HostUpdate]:
   overlap the update (pinned transfers, accelerators)."""
   if plan.host_accumulation:
     return AccumulatedUpdate
+  if plan.offload_params:
+    return StreamedParamsOnHostUpdate if plan.streamed else ParamsOnHostUpdate
   if plan.streamed:
     return StreamedUpdate
   return OverlappedUpdate if overlap else WholeUpdate

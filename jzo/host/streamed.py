@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Callable
 
 import jax
 
@@ -70,10 +71,9 @@ class StreamedUpdate(HostUpdate):
       jax.block_until_ready(weights)
       held -= nbytes
 
-    # Offloaded weights first, where they are: the other leaves' spans go
-    # down meanwhile.
-    in_place = [self._executor.submit(update, i, None, [grads[i]]) for i in self._host_params]
-    moving = [i for i in self._host_leaves if i not in self._host_params]
+    # Leaves updated where they are first: the other leaves' spans go down meanwhile.
+    in_place = self._update_in_place(grads, update)
+    moving = [i for i in self._host_leaves if i not in in_place]
     for i in sorted(moving, key=lambda i: -grads[i].size):
       for span in self.transfer.spans(i, self._span_bytes, self._span_block):
         nbytes = self.transfer.span_bytes(i, span)
@@ -88,10 +88,16 @@ class StreamedUpdate(HostUpdate):
       grads[i] = None
     while in_flight:
       upload_oldest()
-    for future in in_place:
+    for future in in_place.values():
       future.result()
-    for i in self._host_params:
+    for i in in_place:
       grads[i] = None
       self.state.refresh_resident(i)
     self.timings["update"] = kernel["seconds"]
     self.timings["upload"] = time.perf_counter() - kernel["done"]
+
+  def _update_in_place(self, grads: list, update: Callable) -> dict:
+    """Starts the update of the leaves whose gradients the kernel reads
+    where they lie (none here): {leaf: its future}; update(i, None, [grad])
+    runs one on the update thread."""
+    return {}

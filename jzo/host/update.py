@@ -17,10 +17,10 @@ after its device step. It has several modes, each a strategy (a subclass of
     go down after its device call and are summed on the host; the kernel
     runs over the sums.
 
-Parameters offloaded (offload_params) are a kind of leaf that the whole and
-streamed updates both take (the plan allows no other with them): their
-weights, and so their gradients, are in pinned host memory, where the
-kernel updates them in place; nothing moves but the resident layers' copy.
+  ParamsOnHostUpdate, StreamedParamsOnHostUpdate (jzo.host.params_on_host):
+    parameters offloaded: the stacked layers' weights, and so their
+    gradients, live in pinned host memory, where the kernel updates them in
+    place; the other leaves go whole or streamed, as above.
 
 Uploads wait for the device step to finish, so the new weights never sit
 beside the step's activations, and the device keeps the host parts'
@@ -91,9 +91,6 @@ class HostUpdate:
     # grads_in_params: leaves whose gradients come down from the params'
     # memory, which the new weights then take back.
     self._in_params = [i for i, l in enumerate(plan.leaves) if plan.grads_over_weights(l)]
-    # offload_params: leaves whose weights, and so gradients, are in pinned
-    # host memory: the kernel updates them where they are, nothing moves.
-    self._host_params = {i for i, l in enumerate(plan.leaves) if plan.params_on_host(l)}
     self._landing_bytes = plan.landing_bytes
     # Without a limit, micro-batches the host has not summed yet would pile
     # up in pinned memory while the device runs ahead (gpt2-10b: 124 GiB of
@@ -165,14 +162,16 @@ class HostUpdate:
       self._finish(None)
       params = jax.tree.leaves(self.state.device.params)
       for i in self._in_params:
-        if i in self._host_params:  # in place, in pinned host memory
-          self.adam.lowp_weights(i, self.transfer.views(i, params[i]))
-          continue
-        for span in self.transfer.spans(i, self._span_bytes, self._span_block):
-          weights = self.transfer.new_landing(i, span)
-          self.adam.lowp_weights(i, self.transfer.views(i, weights), span)
-          jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights), span))
-          del weights
+        self._remake_weights(i, params[i])
+
+  def _remake_weights(self, i: int, weights_leaf: jax.Array) -> None:
+    """Leaf i's weights made again from its masters and installed, a span
+    at a time (weights_leaf: the params' leaf they replace)."""
+    for span in self.transfer.spans(i, self._span_bytes, self._span_block):
+      weights = self.transfer.new_landing(i, span)
+      self.adam.lowp_weights(i, self.transfer.views(i, weights), span)
+      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights), span))
+      del weights
 
   def _let_go_of_step_landing(self) -> None:
     """Drops landing buffers a step handed back (only an overlapped step does)."""
@@ -235,13 +234,9 @@ class HostUpdate:
     leaf's comes up. i may be the update thread's exception: it is raised."""
     if isinstance(i, BaseException):
       pending.future.result()  # re-raises with the update thread's traceback
-    if i in self._host_params:  # written in place: the params are the landing buffer
-      pending.landing.pop(i, None)
-      self.state.refresh_resident(i)
-    else:
-      weights = pending.landing.pop(i)
-      jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
-      del weights
+    weights = pending.landing.pop(i)
+    jax.block_until_ready(self.state.install(i, self.transfer.upload(i, weights)))
+    del weights
 
 
 class PendingUpdate:

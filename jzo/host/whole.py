@@ -42,17 +42,23 @@ class WholeUpdate(HostUpdate):
       count = int(self.state.device.step)  # this update's number (the step counted it)
       for i in self._host_leaves:
         if i not in landing:
-          in_place = i in self._host_params
-          landing[i] = grads[i] if in_place else self.transfer.download(i, grads[i])
+          landing[i] = self._land(i, grads[i])
           grads[i] = None
       # The gradients leave the devices before the next step allocates its memory.
       jax.block_until_ready(list(landing.values()))
-      self.landing_peak = max(self.landing_peak, sum(x.nbytes for i, x in landing.items()
-                                                     if i not in self._host_params))
+      self.landing_peak = max(self.landing_peak, self._moved_bytes(landing))
       self._start(self._new_update(landing, float(grad_scale), count))
       self.timings["wait_grads"] = waited - start
       if not delayed and not self._next_step_installs():
         self._finish(None)
+
+  def _land(self, i: int, grad: jax.Array) -> jax.Array:
+    """Leaf i's host part's gradient in its landing buffer (on its way down)."""
+    return self.transfer.download(i, grad)
+
+  def _moved_bytes(self, landing: dict) -> int:
+    """Bytes that moved into the landing buffers `landing` (by leaf)."""
+    return sum(x.nbytes for x in landing.values())
 
   def _take_step_landing(self) -> dict:
     """The landing buffers the step handed back, by leaf (none here)."""
