@@ -26,13 +26,13 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jzo import plan as plan_lib, step as step_lib
 from jzo.checkpoint import state_dict
+from jzo.engine import batches
 from jzo.engine.sources import leaf_sources, state_bytes_per_param
 from jzo.host.accumulated import AccumulatedUpdate
 from jzo.host.adam import HostAdam
@@ -90,6 +90,9 @@ class ZeroEngine:
     tx: the optimizer as given.
     trained: the state (jzo.state.build.ZeroState): `state` is its device part,
       `host` its host part, and its step counter the only one.
+    host_update: the mode of the host update the engine picked (a
+      jzo.host.update.HostUpdate; None without state on the host): its
+      `timings`, `landing_peak` and `in_flight` tell what it does.
 
   Raises:
     ValueError, TypeError: a bad option, naming it.
@@ -250,7 +253,7 @@ class ZeroEngine:
     losses = []
     for j, micro in enumerate(self._micro_batches(batch)):
       self.trained.device, loss = (first if j == 0 else rest)(self.state,
-                                                              self._global_batch(micro))
+                                                              self._on_mesh(micro))
       losses.append(loss)
       grads = jax.tree.leaves(self.state.grads)
       self._set_device(grads=None)
@@ -264,18 +267,6 @@ class ZeroEngine:
     self.trained.device, metrics, grad_scale = finish(
         self.state, on_devices(sq), on_devices(bad), sum(losses) / len(losses))
     return metrics, grad_scale
-
-  def _micro_batches(self, batch) -> list:
-    """This process's batch as grad_accum micro-batches: micro-batch j holds
-    rows [j m, (j + 1) m) of every device's block of m K rows, the rows the
-    device accumulation's scan gives its j-th iteration."""
-    devices, k = len(self.positions), self.plan.grad_accum
-
-    def take(x, j):
-      xp = np if isinstance(x, np.ndarray) else jnp
-      blocks = xp.reshape(x, (devices, k, -1) + x.shape[1:])
-      return xp.reshape(blocks[:, j], (-1,) + x.shape[1:])
-    return [jax.tree.map(lambda x: take(x, j), batch) for j in range(k)]
 
   def run_device_step(self, batch) -> tuple[StepMetrics, jax.Array]:
     """The device part of one step alone: forward, backward, the update of
@@ -300,7 +291,7 @@ class ZeroEngine:
     if self._closed:
       raise RuntimeError("this engine is closed: it runs no more steps")
     fn = self._step_fn(batch)
-    batch = self._global_batch(batch)
+    batch = self._on_mesh(batch)
     if self.plan.cpu_adam:
       # The engine lets go of gradients not taken down (a step run alone)
       # before the step allocates its own: gpt2-10b has no room for two sets.
@@ -330,12 +321,12 @@ class ZeroEngine:
     state = self.state._replace(grads=None) if self.plan.cpu_adam else self.state
     if self.plan.host_accumulation:
       micro = self._micro_batches(batch)[0]
-      return self._step_fn(batch)[0].lower(state, self._global_batch(micro))
+      return self._step_fn(batch)[0].lower(state, self._on_mesh(micro))
     if self.overlaps_update:
       transfer = self.host_update.transfer
       landing = [transfer.landing_struct(i) for i in self.plan.overlapped_leaves()]
-      return self._step_fn(batch).lower(state, self._global_batch(batch), landing)
-    return self._step_fn(batch).lower(state, self._global_batch(batch))
+      return self._step_fn(batch).lower(state, self._on_mesh(batch), landing)
+    return self._step_fn(batch).lower(state, self._on_mesh(batch))
 
   def close(self) -> None:
     """Applies a delayed update in flight (unless an earlier host update
@@ -369,22 +360,6 @@ class ZeroEngine:
                                                self.trained.tx, batch, wait)
     return self._step_fns[key]
 
-  def _check_batch(self, batch) -> None:
-    """Raises ValueError unless the batch's arrays share a leading axis
-    that splits into this process's devices x grad_accum micro-batches."""
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-      raise ValueError("batch has no arrays")
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-    if len(sizes) != 1 or None in sizes:
-      raise ValueError(f"every batch array needs the same leading (example) axis, got {sizes}")
-    (size,) = sizes
-    devices = len(self.positions)  # this process's (all with one process)
-    if size % (devices * self.plan.grad_accum):
-      whose = "" if devices == self.plan.n_devices else "this process's "
-      raise ValueError(f"{whose}batch of {size} examples does not split into {devices} "
-                       f"devices x {self.plan.grad_accum} micro-batches")
-
   def evaluate(self, batch) -> jax.Array:
     """The mean loss of `batch` (as `step` takes it) under the current
     weights, without a step: the compute-dtype params as the step uses
@@ -398,31 +373,21 @@ class ZeroEngine:
     key = jax.tree.structure(batch)
     if key not in self._eval_fns:
       self._eval_fns[key] = step_lib.make_eval(self.plan, self.mesh, self.loss_fn, batch)
-    return self._eval_fns[key](self.state.params, self._global_batch(batch))
+    return self._eval_fns[key](self.state.params, self._on_mesh(batch))
 
   def local_batch(self, batch):
     """This process's rows of a global batch (leading axis: examples), what
     `step` takes: its devices' block (with one process, the whole batch)."""
-    if jax.process_count() == 1:
-      return batch
+    return batches.local_rows(batch, self.plan.n_devices, self.positions)
 
-    def mine(x):
-      if x.shape[0] % self.plan.n_devices:
-        raise ValueError(f"global batch of {x.shape[0]} examples does not split over "
-                         f"{self.plan.n_devices} devices")
-      per_device = x.shape[0] // self.plan.n_devices
-      return x[self.positions.start * per_device:self.positions.stop * per_device]
-    return jax.tree.map(mine, batch)
+  def _check_batch(self, batch) -> None:
+    batches.check(batch, len(self.positions), self.plan.n_devices, self.plan.grad_accum)
 
-  def _global_batch(self, batch):
-    """With several processes, each one's rows as one global array per
-    leaf, sharded over the data axis (one process: the batch as it is)."""
-    if jax.process_count() == 1:
-      return batch
-    rows = NamedSharding(self.mesh, P(self.plan.axis))
-    global_or_local = lambda x: x if isinstance(x, jax.Array) and not x.is_fully_addressable \
-        else jax.make_array_from_process_local_data(rows, np.asarray(x))
-    return jax.tree.map(global_or_local, batch)
+  def _micro_batches(self, batch) -> list:
+    return batches.micro_batches(batch, len(self.positions), self.plan.grad_accum)
+
+  def _on_mesh(self, batch):
+    return batches.on_mesh(batch, self.mesh, self.plan.axis)
 
   # ------------------------------------------------------------- outputs
   @property
