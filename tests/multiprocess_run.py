@@ -46,10 +46,9 @@ def engine_of(stage: int, mesh=None, variant: str = "") -> jzo.ZeroEngine:
   kw = dict(mesh=mesh, stage=stage, compute_dtype=jnp.float32, max_grad_norm=1.0, offload=True,
             layers="blocks" if stage == 3 else None)
   if variant == "resident":
-    return make_engine(scanned_loss_fn, init_params(), tx,
-                          offload_params=True, resident_layers=1, **kw)
-  return make_engine(loss_fn, init_params(), tx,
-                        delayed_update=True, dpu_warmup=2, **kw)
+    return make_engine(scanned_loss_fn, init_params(), tx, offload_params=True, resident_layers=1,
+                       **kw)
+  return make_engine(loss_fn, init_params(), tx, delayed_update=True, dpu_warmup=2, **kw)
 
 
 def folder(stage: int, variant: str = "") -> str:

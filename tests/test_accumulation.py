@@ -24,9 +24,8 @@ K = 4  # micro-batches a step
 
 def engines(accumulations=("device", "host"), loss=loss_fn, **kw):
   """One engine per accumulation, the rest of their options the same."""
-  return [make_engine(loss, init_params(), TX(),
-                         grad_accum=K, max_grad_norm=1.0, accumulation=a,
-                         mesh=mesh_of(8), **kw) for a in accumulations]
+  return [make_engine(loss, init_params(), TX(), grad_accum=K, max_grad_norm=1.0, accumulation=a,
+                      mesh=mesh_of(8), **kw) for a in accumulations]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
@@ -55,8 +54,7 @@ def test_bf16_sums_of_the_same_micro_batch_gradients_match_without_offload(stage
   kw = dict(stage=stage, compute_dtype=jnp.bfloat16, mesh=mesh_of(8), grad_accum=K,
             max_grad_norm=1.0)
   plain = make_engine(loss_fn, init_params(), TX(), **kw)
-  on_host = make_engine(loss_fn, init_params(), TX(),
-                           offload=True, accumulation="host", **kw)
+  on_host = make_engine(loss_fn, init_params(), TX(), offload=True, accumulation="host", **kw)
   for b in batches(4, size=64):
     want, got = plain.step(b), on_host.step(b)
     assert float(got.grad_norm) == pytest.approx(float(want.grad_norm), rel=1e-5)
@@ -133,8 +131,7 @@ def test_the_landing_ring_bounds_the_buffers_held_and_changes_nothing():
             accumulation="host")
   free = make_engine(loss_fn, init_params(), TX(), **kw)
   # one leaf at a time (one always may land)
-  ring = make_engine(loss_fn, init_params(), TX(), landing_limit=1,
-                        **kw)
+  ring = make_engine(loss_fn, init_params(), TX(), landing_limit=1, **kw)
   assert ring.plan.host_accumulation and not ring.plan.streamed
   for b in batches(3, size=64):
     free.step(b)

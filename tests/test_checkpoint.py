@@ -30,9 +30,8 @@ SETUPS = {
 def make(setup, devices=2, seed=0, **changes):
   options = {**SETUPS[setup], **changes}
   tx = options.pop("tx")()
-  return make_engine(loss_fn, init_params(seed), tx,
-                        max_grad_norm=1.0, mesh=mesh_of(devices),
-                        **options)
+  return make_engine(loss_fn, init_params(seed), tx, max_grad_norm=1.0, mesh=mesh_of(devices),
+                     **options)
 
 
 def copy(tree):
@@ -126,13 +125,13 @@ def test_adam_checkpoints_move_across_offload_device_counts_and_optimizers(tmp_p
   data = batches(6)
   adamw = dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 6), weight_decay=0.1)
   kw = dict(compute_dtype=jnp.float32, max_grad_norm=1.0)
-  run = make_engine(loss_fn, init_params(), jzo.cpu_adamw(**adamw),
-                       offload=True, stage=2, mesh=mesh_of(8), **kw)
+  run = make_engine(loss_fn, init_params(), jzo.cpu_adamw(**adamw), offload=True, stage=2,
+                    mesh=mesh_of(8), **kw)
   relay = [
-      (make_engine(loss_fn, init_params(1), optax.adamw(**adamw),
-                      stage=3, layers="blocks", mesh=mesh_of(4), **kw), data[2:4]),
-      (make_engine(loss_fn, init_params(1), jzo.cpu_adamw(**adamw),
-                      offload=0.4, stage=1, mesh=mesh_of(2), **kw), data[4:])]
+      (make_engine(loss_fn, init_params(1), optax.adamw(**adamw), stage=3, layers="blocks",
+                   mesh=mesh_of(4), **kw), data[2:4]),
+      (make_engine(loss_fn, init_params(1), jzo.cpu_adamw(**adamw), offload=0.4, stage=1,
+                   mesh=mesh_of(2), **kw), data[4:])]
   for b in data[:2]:
     run.step(b)
   writer = run

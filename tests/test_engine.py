@@ -105,8 +105,7 @@ def test_evaluate_is_the_loss_of_the_weights(stage, layers, offload):
   kw = dict(stage=stage, layers=layers, compute_dtype=jnp.float32, mesh=mesh_of(8),
             grad_accum=2)
   tx = jzo.cpu_adamw(1e-2) if offload else optax.adam(1e-2)
-  engine = make_engine(loss_fn, init_params(), tx,
-                          offload=offload and stage > 0, **kw)
+  engine = make_engine(loss_fn, init_params(), tx, offload=offload and stage > 0, **kw)
   data = batches(3)
   for b in data[:2]:
     engine.step(b)

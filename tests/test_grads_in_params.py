@@ -257,9 +257,8 @@ def test_accumulation_keeps_no_gradient_of_the_layers_beside_the_sums():
   need = {}
   for kw in (dict(accumulation="device"), dict(grads_in_params=True, accumulation="device"),
              dict(offload_params=True, accumulation="device"), dict(offload_params=True)):
-    e = make_engine(loss_fn, big, TX(),
-                       stage=3, layers="blocks", offload=True, grad_accum=4, compute_dtype=jnp.float32,
-                       mesh=mesh_of(1), **kw)
+    e = make_engine(loss_fn, big, TX(), stage=3, layers="blocks", offload=True, grad_accum=4,
+                    compute_dtype=jnp.float32, mesh=mesh_of(1), **kw)
     m = e.lower(batch).compile().memory_analysis()
     need[len(need)] = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
   assert need[0] >= sums + stack, need
@@ -394,10 +393,8 @@ def test_the_layers_first_take_what_the_layers_close_over_per_micro_batch(mesh_s
   the device's sums, to float32 rounding."""
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh_of(mesh_size), grad_accum=2,
             compute_dtype=jnp.float32, max_grad_norm=1.0)
-  apart = make_engine(masked_loss_fn, init_params(), TX(),
-                         accumulation="device", **kw)
-  first = make_engine(masked_loss_fn, init_params(), TX(),
-                         grads_in_params=True, **kw)
+  apart = make_engine(masked_loss_fn, init_params(), TX(), accumulation="device", **kw)
+  first = make_engine(masked_loss_fn, init_params(), TX(), grads_in_params=True, **kw)
   assert first.plan.layers_first
   for b in batches(3):
     np.testing.assert_allclose(float(first.step(b).loss), float(apart.step(b).loss), rtol=1e-6)

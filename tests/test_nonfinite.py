@@ -39,9 +39,8 @@ def optimizer_state(engine) -> dict:
 def test_a_non_finite_gradient_in_one_shard_skips_the_step_everywhere(mode, dtype, bad):
   # fp16: a scale that does not overflow by itself, so only the poison skips
   scale = jzo.LossScale(init_scale=2.0**8) if dtype == jnp.float16 else None
-  engine = make_engine(poisoned_loss, init_params(), TX(),
-                          stage=2, compute_dtype=dtype, loss_scale=scale, max_grad_norm=1.0,
-                          mesh=mesh_of(4), **MODES[mode])
+  engine = make_engine(poisoned_loss, init_params(), TX(), stage=2, compute_dtype=dtype,
+                       loss_scale=scale, max_grad_norm=1.0, mesh=mesh_of(4), **MODES[mode])
   data = [with_poison(b) for b in batches(8)]
   data[3] = with_poison(data[3], bad, example=5)  # the second device's micro-batch
   losses = []

@@ -116,8 +116,7 @@ def test_delayed_update_applies_each_update_one_step_late():
 def test_accumulation_in_float32_equals_one_large_batch():
   params, data = init_params(), batches(5, size=64)
   kw = dict(stage=2, offload=True, compute_dtype=jnp.float32, mesh=mesh_of(4))
-  accumulated = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2),
-                               grad_accum=4, **kw)
+  accumulated = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), grad_accum=4, **kw)
   large = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
   for b in data:
     accumulated.step(b)

@@ -31,8 +31,7 @@ def test_offload_on_gpu_matches_device_training(compute_dtype, tol):
   kw = dict(stage=2, mesh=mesh, compute_dtype=compute_dtype, max_grad_norm=1.0)
   with jax.default_device(GPUS[0]):
     on_device = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), **kw)
-    offloaded = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2),
-                               offload=True, **kw)
+    offloaded = make_engine(loss_fn, params, jzo.cpu_adamw(1e-2), offload=True, **kw)
     for b in data:
       on_device.step(b)
       offloaded.step(b)
@@ -117,10 +116,10 @@ def test_offloaded_weights_on_a_gpu_train_as_the_weights_on_it():
   mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0)
   with jax.default_device(GPUS[0]):
-    on_gpu = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
-                            grads_in_params=True, **kw)
-    on_host = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
-                             offload_params=True, **kw)
+    on_gpu = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), grads_in_params=True,
+                         **kw)
+    on_host = make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), offload_params=True,
+                          **kw)
     layers = sum(x.nbytes for x in jax.tree.leaves(on_host.state.params["blocks"]))
     assert {x.sharding.memory_kind for x in jax.tree.leaves(on_host.state.params["blocks"])} \
         == {"pinned_host"}
@@ -149,8 +148,8 @@ def test_resident_layers_on_a_gpu_train_as_the_weights_on_it():
   kw = dict(stage=3, layers="blocks", offload=True, mesh=mesh, max_grad_norm=1.0,
             activation_memory=2**20, compute_dtype=jnp.float32)
   with jax.default_device(GPUS[0]), jax.default_matmul_precision("highest"):
-    make = lambda **more: make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2),
-                                         **kw, **more)
+    make = lambda **more: make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw,
+                                      **more)
     on_gpu, on_host = make(grads_in_params=True), make(offload_params=True)
     plan = dataclasses.replace(on_host.plan, resident_layers=1)
     resident = make(offload_params="auto", device_memory=memory_for(device_need(plan, 2**20)))

@@ -243,9 +243,8 @@ def offload_run():
   """6 steps with offload on 8 devices: (the state dict after 3, the (loss,
   grad norm) of each later step, the final params)."""
   data = batches(6)
-  engine = make_engine(loss_fn, init_params(), jzo.cpu_adamw(**ADAMW),
-                          offload=True, stage=2, mesh=mesh_of(8),
-                          **RESHARD_OPTIONS)
+  engine = make_engine(loss_fn, init_params(), jzo.cpu_adamw(**ADAMW), offload=True, stage=2,
+                       mesh=mesh_of(8), **RESHARD_OPTIONS)
   for b in data[:3]:
     engine.step(b)
   saved = jax.tree.map(np.array, engine.state_dict())  # a snapshot: it holds live host arrays
@@ -261,7 +260,7 @@ def test_an_offload_state_dict_continues_in_another_layout(offload_run, target):
   options = dict(RESHARDED[target])
   tx, n_dev = options.pop("tx"), options.pop("n_dev")
   resumed = make_engine(loss_fn, init_params(1), tx(), mesh=mesh_of(n_dev), **options,
-                           **RESHARD_OPTIONS)
+                        **RESHARD_OPTIONS)
   with pytest.raises(AssertionError):  # so that the comparisons below can fail
     assert_close(resumed.params, params)
   resumed.load_state_dict(saved)

@@ -390,9 +390,8 @@ def test_the_engine_trains_with_int8_moments_and_resumes_exactly():
   and both continue alike. Device state is refused."""
   tx = lambda moments: jzo.cpu_adamw(1e-2, weight_decay=0.1, mu_dtype=moments,
                                      nu_dtype=moments)
-  make = lambda moments, **kw: make_engine(loss_fn, init_params(), tx(moments),
-                                              stage=2, mesh=mesh_of(8),
-                                              **kw)
+  make = lambda moments, **kw: make_engine(loss_fn, init_params(), tx(moments), stage=2,
+                                           mesh=mesh_of(8), **kw)
   int8, fp32 = make(INT8, offload="auto"), make(None, offload=True)
   assert isinstance(int8.host.mu["embed"], quant8.Int8Moment)
   data = batches(8)

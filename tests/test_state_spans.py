@@ -60,9 +60,8 @@ SETUPS = {
 def make(setup, seed=0):
   options = dict(SETUPS[setup])
   devices, tx = options.pop("devices"), options.pop("tx")()
-  return make_engine(loss_fn, init_params(seed), tx,
-                        max_grad_norm=1.0, mesh=mesh_of(devices),
-                        **options)
+  return make_engine(loss_fn, init_params(seed), tx, max_grad_norm=1.0, mesh=mesh_of(devices),
+                     **options)
 
 
 def assert_same(got, want):

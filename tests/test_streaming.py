@@ -20,9 +20,8 @@ LIMIT = 1024  # bytes: spans of 256, 16 bf16 elements of each of 8 shards
 
 def pair(n_dev=8, **kw):
   """The same engine twice: with one set of landing buffers and streamed."""
-  make = lambda limit: make_engine(loss_fn, init_params(), TX(),
-                                      max_grad_norm=1.0, landing_limit=limit,
-                                      mesh=mesh_of(n_dev), **kw)
+  make = lambda limit: make_engine(loss_fn, init_params(), TX(), max_grad_norm=1.0,
+                                   landing_limit=limit, mesh=mesh_of(n_dev), **kw)
   return make(None), make(LIMIT)
 
 

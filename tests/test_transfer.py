@@ -36,9 +36,8 @@ def test_writable_view_is_the_arrays_own_memory():
 
 
 def offload_engine(**kw):
-  return make_engine(loss_fn, init_params(), jzo.cpu_adamw(1e-2, weight_decay=0.1),
-                        stage=2, max_grad_norm=1.0, delayed_update=True, dpu_warmup=2,
-                        mesh=mesh_of(2), **kw)
+  return make_engine(loss_fn, init_params(), jzo.cpu_adamw(1e-2, weight_decay=0.1), stage=2,
+                     max_grad_norm=1.0, delayed_update=True, dpu_warmup=2, mesh=mesh_of(2), **kw)
 
 
 @pytest.mark.parametrize("offload", [True, 0.5], ids=["all", "split"])
