@@ -15,7 +15,7 @@ import jzo
 from jzo import kernels
 from jzo import plan as planner
 from jzo.plan import GiB, PlacementError
-from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import assert_close, batches, init_params, loss_fn, make_engine, mesh_of
 from test_nonfinite import poisoned_loss, with_poison
 from test_offload import TX
 

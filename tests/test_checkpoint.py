@@ -12,7 +12,8 @@ import pytest
 import jzo
 from jzo import checkpoint
 from jzo.checkpoint import files
-from test_engine import make_engine, DOUT, HIDDEN, assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import (DOUT, HIDDEN, assert_close, batches, init_params, loss_fn, make_engine,
+                         mesh_of)
 
 # An engine per kind of state: host masters and moments updated by the C++
 # kernel, with fp16's dynamic loss scale; optax's Adam on the devices (both

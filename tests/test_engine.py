@@ -269,8 +269,9 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
 
 def test_loss_scale_grows_after_clean_steps():
   engine = jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-3),
-                          options=jzo.EngineOptions(stage=1, compute_dtype=jnp.float16,
-                                                    loss_scale=jzo.LossScale(init_scale=8.0, growth_interval=2)),
+                          jzo.EngineOptions(stage=1, compute_dtype=jnp.float16,
+                                            loss_scale=jzo.LossScale(init_scale=8.0,
+                                                                     growth_interval=2)),
                           mesh=mesh_of(2))
   scales = [float(engine.step(b).loss_scale) for b in batches(5)]
   assert scales == [8.0, 8.0, 16.0, 16.0, 32.0]

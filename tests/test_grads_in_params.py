@@ -11,7 +11,7 @@ import pytest
 
 import jzo
 from jzo.parallel import layer_scan
-from test_engine import make_engine, DIN, DOUT, LAYERS, assert_close, batches, init_params, mesh_of
+from test_engine import DIN, DOUT, LAYERS, assert_close, batches, init_params, make_engine, mesh_of
 from test_offload import TX
 
 

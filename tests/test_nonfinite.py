@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jzo
-from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
+from test_engine import batches, init_params, loss_fn, make_engine, mesh_of
 from test_offload import TX
 
 MODES = {"on device": {}, "offload": dict(offload=True),

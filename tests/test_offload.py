@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jzo
-from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import assert_close, batches, init_params, loss_fn, make_engine, mesh_of
 
 TX = lambda: jzo.cpu_adamw(1e-2, weight_decay=0.1, mask={"embed": True, "blocks": False,
                                                           "head": True})
@@ -259,7 +259,7 @@ def test_a_fault_in_the_host_update_surfaces_and_stops_the_engine(delayed):
 
 def test_close_twice_and_step_after_close():
   engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
-                          options=jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
+                          jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
                           mesh=mesh_of(1))
   for b in batches(3):
     engine.step(b)
@@ -278,7 +278,7 @@ def test_a_long_run_with_offload_and_the_delayed_update_does_not_grow():
   number of live arrays grows, so no buffer is kept per step."""
   import psutil
   engine = jzo.ZeroEngine(loss_fn, init_params(), TX(),
-                          options=jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
+                          jzo.EngineOptions(offload=True, delayed_update=True, dpu_warmup=0),
                           mesh=mesh_of(2))
   data, process = batches(8), psutil.Process()
   rss, arrays = [], []

@@ -13,7 +13,7 @@ import pytest
 
 import jzo
 from jzo.host import transfer
-from test_engine import make_engine, assert_close, batches, init_params, loss_fn
+from test_engine import assert_close, batches, init_params, loss_fn, make_engine
 
 try:
   GPUS = jax.devices("gpu")

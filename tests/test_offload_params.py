@@ -18,7 +18,7 @@ import jzo
 from jzo import step as step_lib
 from jzo.parallel.partition import is_layout
 from jzo.plan import DEVICE_HEADROOM
-from test_engine import make_engine, LAYERS, assert_close, batches, init_params, mesh_of
+from test_engine import LAYERS, assert_close, batches, init_params, make_engine, mesh_of
 from test_grads_in_params import engine, loss_fn
 from test_offload import TX
 

@@ -20,7 +20,7 @@ from jzo import checkpoint
 from jzo.parallel import partition
 from jzo import plan as plan_lib
 from jzo.recipe import estimate as estimate_cli
-from test_engine import make_engine, assert_close, batches, init_params, loss_fn, mesh_of
+from test_engine import assert_close, batches, init_params, loss_fn, make_engine, mesh_of
 from test_offload import TX
 
 PLACEMENTS = [0.0, 0.4, True]

@@ -22,7 +22,7 @@ from jzo import native
 from jzo import kernels
 from jzo.kernels import quant8
 from jzo.kernels.cpu_adam import xla_update
-from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
+from test_engine import batches, init_params, loss_fn, make_engine, mesh_of
 from test_kernels import HYPER, prefetching, simd
 
 INT8 = jnp.int8

@@ -26,7 +26,7 @@ from jzo.kernels import quant8
 from jzo.checkpoint import engine_parts, handler, saved_leaf, spans, state_dict
 from jzo.checkpoint.outline import outline
 from jzo.parallel.partition import LeafLayout
-from test_engine import make_engine, batches, mesh_of
+from test_engine import batches, make_engine, mesh_of
 from test_grads_in_params import loss_fn
 
 LAYERS, HIDDEN = 3, 40  # a layer's row of w: 1,600 values, several int8 blocks of 256

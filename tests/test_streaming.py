@@ -12,7 +12,7 @@ import jzo
 from jzo import plan as plan_lib
 from jzo.parallel.partition import LeafLayout
 from jzo.step import write_part
-from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
+from test_engine import batches, init_params, loss_fn, make_engine, mesh_of
 from test_offload import TX
 
 LIMIT = 1024  # bytes: spans of 256, 16 bf16 elements of each of 8 shards
@@ -125,7 +125,7 @@ def test_a_bad_landing_limit_is_refused(limit):
 def test_a_streamed_update_cannot_be_delayed():
   with pytest.raises(ValueError, match="cannot be delayed"):
     jzo.ZeroEngine(loss_fn, init_params(), TX(),
-                   options=jzo.EngineOptions(offload=True, delayed_update=True, landing_limit=LIMIT),
+                   jzo.EngineOptions(offload=True, delayed_update=True, landing_limit=LIMIT),
                    mesh=mesh_of(8))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import jzo
 from jzo.host import transfer
-from test_engine import make_engine, batches, init_params, loss_fn, mesh_of
+from test_engine import batches, init_params, loss_fn, make_engine, mesh_of
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "portable"])
