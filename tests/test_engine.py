@@ -277,6 +277,12 @@ def test_loss_scale_grows_after_clean_steps():
   assert scales == [8.0, 8.0, 16.0, 16.0, 32.0]
 
 
+def test_options_are_an_engine_options_object():
+  """The options go in one object; a dict of them is refused naming the type."""
+  with pytest.raises(TypeError, match="options must be a jzo.EngineOptions, got dict"):
+    jzo.ZeroEngine(loss_fn, init_params(), optax.adam(1e-3), {"stage": 3})
+
+
 def test_bad_input():
   params, tx, mesh = init_params(), optax.adam(1e-3), mesh_of(8)
   with pytest.raises(ValueError, match="stage must be"):
