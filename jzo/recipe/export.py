@@ -1,16 +1,29 @@
 """`python -m jzo.export --out DIR`: a run's trained weights, loadable without jzo's engine.
 
-`--format hf` (a run of the Llama family, fine-tuned from a Hugging Face
-checkpoint or trained from a preset) writes DIR as a Hugging Face folder:
-config.json, model.safetensors (or shards with model.safetensors.index.json)
-and the tokenizer's files the run started from, which
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is.
-The rest of this docstring is `--format jzo`, the form of jzo's own GPTs.
-
 What DeepSpeed's zero_to_fp32.py is to DeepSpeed: it reads the float32 master
 weights of a checkpoint of `python -m jzo.train` (by default the latest
 complete one in `--run`'s checkpoints folder), whatever stage, placement and
-device count trained them, on the CPU alone, and writes to DIR:
+device count trained them, on the CPU alone, and writes them to DIR, float32
+or `--dtype bfloat16`.
+
+By default (`--format hf`) DIR is a Hugging Face folder that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is:
+config.json, model.safetensors (or shards with model.safetensors.index.json)
+and a tokenizer, whatever model the run trained:
+
+  Llama family   (llama, mistral, qwen2, qwen3: fine-tuned from a Hugging
+                 Face checkpoint or trained from a preset) in its own
+                 format (jzo.models.hf)
+  jzo's GPT      as transformers' GPT-2, GPT2LMHeadModel (jzo.models.gpt2_hf,
+                 which reads it back too: read_config, load_params)
+
+The tokenizer is the one the run read its data with (--tokenizer's or
+--init-from's files, copied); a run on bytes (no tokenizer) gets a
+tokenizer.json whose ids are the bytes (jzo.recipe.tokens.byte_level_tokenizer),
+so that transformers' pipeline and `python -m jzo.generate --hf DIR` read and
+write text; a run on token ids (--data *.bin) has none to give.
+
+`--format jzo` writes a GPT run in jzo's own form instead:
 
   model.safetensors  the params with flat names ("blocks.qkv.kernel"; the
                      blocks' leaves carry a leading layer axis), float32 or
@@ -49,6 +62,7 @@ place at the end, so DIR never holds half an export.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import pathlib
 import shutil
@@ -65,10 +79,10 @@ from flax import traverse_util
 
 from jzo import checkpoint
 from jzo.recipe import config as config_lib
-from jzo.models import gpt, hf, llama
-from jzo.recipe import runs
+from jzo.models import gpt, gpt2_hf, hf, llama
+from jzo.recipe import runs, tokens
 
-FORMATS = ("jzo", "hf")
+FORMATS = ("hf", "jzo")
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -83,11 +97,12 @@ class Exported:
   step: int  # the checkpoint's step (optimizer steps done)
   safetensors: pathlib.Path  # model.safetensors (hf with shards: model.safetensors.index.json)
   nnx_state: pathlib.Path | None  # the orbax checkpoint of the gpt.GPT state (hf: None)
-  config: pathlib.Path  # config.json: the GPTConfig (hf: Hugging Face's)
+  config: pathlib.Path  # config.json: Hugging Face's (jzo: the GPTConfig)
+  tokenizer: pathlib.Path | None = None  # tokenizer.json (None: jzo, or a run that has none)
 
 
 def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int | None = None,
-           dtype: str = "float32", overwrite: bool = False, format: str = "jzo") -> Exported:
+           dtype: str = "float32", overwrite: bool = False, format: str = "hf") -> Exported:
   """Writes the weights of one of a run's checkpoints to `out_dir` (see the module docstring).
 
   The work is the host's, but orbax starts JAX's backends (it asks for the
@@ -102,7 +117,8 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
     dtype: of the weights written: "float32" (the masters as they are) or
       "bfloat16" (rounded to nearest even).
     overwrite: replace an `out_dir` that holds files.
-    format: "jzo" (a GPT run) or "hf" (a run of the Llama family).
+    format: "hf" (a Hugging Face folder: any run) or "jzo" (jzo's own form of a
+      GPT run).
 
   Returns:
     The step exported and the paths written.
@@ -118,31 +134,29 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   run, out = pathlib.Path(run_dir).absolute(), pathlib.Path(out_dir).absolute()
   _check_out(out, overwrite)
   hf_config = runs.model_folder(run) / "config.json"
-  if format == "hf" and not hf_config.is_file():
-    raise ExportError(f"{run} trained none of the Llama family (no {hf_config}): a GPT of "
-                      "jzo's own exports with --format jzo")
-  if format == "jzo" and hf_config.is_file():
-    raise ExportError(f"{run} trained a model of the Llama family: --format hf writes it in "
-                      "Hugging Face's format")
-  step, config, params = read_run(run, step, hf_config if format == "hf" else None)
+  llama_run = hf_config.is_file()  # a GPT run keeps no Hugging Face config
+  if format == "jzo" and llama_run:
+    raise ExportError(f"{run} trained a model of the Llama family: jzo's own form is a GPT's "
+                      "(leave out --format for Hugging Face's)")
+  step, config, params = read_run(run, step, hf_config if llama_run else None)
   if format == "jzo":
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = _new_folder_beside(out, "tmp")
   try:
-    if format == "hf":
-      write_hf(staging, run, config, params, dtype)
-    else:
+    if format == "jzo":
       write(staging, step, config, params)
+    else:
+      write_hf(staging, run, config, params, dtype)
     _replace(out, staging)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  if format == "hf":
-    index = out / "model.safetensors.index.json"
-    return Exported(step, index if index.exists() else out / "model.safetensors", None,
-                    out / "config.json")
-  return Exported(step, out / "model.safetensors", out / "nnx_state", out / "config.json")
+  if format == "jzo":
+    return Exported(step, out / "model.safetensors", out / "nnx_state", out / "config.json")
+  index, tokenizer = out / hf.INDEX, out / "tokenizer.json"
+  return Exported(step, index if index.exists() else out / hf.SINGLE, None, out / "config.json",
+                  tokenizer if tokenizer.exists() else None)
 
 
 def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None):
@@ -170,19 +184,31 @@ def model_config(run: pathlib.Path, masters: dict) -> gpt.GPTConfig:
   """The GPTConfig a run trained: the preset and remat of its config.json,
   the vocabulary and context from the saved embeddings (the recipe fits them
   to the data and --seq-len)."""
-  path = run / "config.json"
+  saved = _run_config(run)
   try:
-    saved = json.loads(path.read_text())
     preset = gpt.PRESETS[saved["model"] or "tiny"]  # None: the recipe's default
     remat = saved["remat"]
-  except (OSError, ValueError, KeyError) as e:
-    raise ExportError(f"{path} is not the config of a jzo.train run: "
-                      f"{type(e).__name__}: {e}") from e
+  except KeyError as e:
+    raise ExportError(f"{run / 'config.json'} is not the config of a jzo.train run: "
+                      f"KeyError: {e}") from e
   D = preset.d_model
   # wte holds V x D values, wpe S x D (saved flat, fewer than the device
   # count of padding besides).
   return dataclasses.replace(preset, vocab_size=masters["wte"].size // D,
                              seq_len=masters["wpe"].size // D, remat=remat)
+
+
+def _run_config(run: pathlib.Path) -> dict:
+  """The options a run was trained with (its config.json)."""
+  path = run / "config.json"
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise ExportError(f"{path} is not the config of a jzo.train run: "
+                      f"{type(e).__name__}: {e}") from e
+  if not isinstance(saved, dict):
+    raise ExportError(f"{path} is not the config of a jzo.train run: a {type(saved).__name__}")
+  return saved
 
 
 def _hf_model(path: pathlib.Path) -> llama.LlamaConfig:
@@ -193,15 +219,55 @@ def _hf_model(path: pathlib.Path) -> llama.LlamaConfig:
     raise ExportError(f"{path} is not a model config jzo reads: {e}") from e
 
 
-def write_hf(folder: pathlib.Path, run: pathlib.Path, config: llama.LlamaConfig, params: dict,
-             dtype: str) -> None:
+def write_hf(folder: pathlib.Path, run: pathlib.Path, config: gpt.GPTConfig | llama.LlamaConfig,
+             params: dict, dtype: str) -> None:
   """Writes a Hugging Face folder: config.json and the weights in `dtype`
-  (jzo.models.hf), and the files the run kept beside its model (the tokenizer's)."""
-  hf.save_pretrained(str(folder), config, params, dtype=dtype)
+  (jzo.models.hf for the Llama family, jzo.models.gpt2_hf for a GPT), the
+  files the run kept beside its model (the tokenizer's), or for a run on
+  bytes the byte-level tokenizer."""
   kept = runs.model_folder(run)
+  tokenizer = run_tokenizer(run)
+  byte_level = tokenizer is not None and not (kept / "tokenizer.json").is_file()
+  if isinstance(config, gpt.GPTConfig):
+    bos, eos = (tokenizer.bos_id, tokenizer.eos_id) if tokenizer else (None, None)
+    gpt2_hf.save_pretrained(str(folder), config, params, dtype, bos_token_id=bos,
+                            eos_token_id=eos)
+  else:
+    if byte_level:  # a preset's bos and eos are ids of its own vocabulary, not bytes
+      config = dataclasses.replace(config, bos_token_id=None, eos_token_id=None)
+    hf.save_pretrained(str(folder), config, params, dtype=dtype)
   for name in runs.MODEL_FILES:
     if (kept / name).is_file():
       shutil.copyfile(kept / name, folder / name)
+  if byte_level:
+    tokens.save_tokenizer(tokenizer, folder)
+
+
+def run_tokenizer(run: str | pathlib.Path) -> tokens.Tokenizer | None:
+  """The tokenizer of a run's token ids: the one it kept beside its model
+  (--tokenizer's or --init-from's), the byte-level one for a run on bytes,
+  None for a run on the token ids of a .bin file (whose tokenizer it does
+  not know).
+
+  Raises:
+    ExportError: the kept tokenizer does not read, or the run's config.json
+      is missing or not JSON (where that decides).
+  """
+  run = pathlib.Path(run)
+  kept = runs.model_folder(run)
+  if (kept / "tokenizer.json").is_file():
+    try:
+      return tokens.load_tokenizer(kept)
+    except ValueError as e:
+      raise ExportError(f"the tokenizer the run kept in {kept} does not read: {e}") from e
+  return tokens.byte_level_tokenizer() if _on_bytes(_run_config(run)) else None
+
+
+def _on_bytes(saved: dict) -> bool:
+  """Whether a run's config.json (`saved`) says it trained on bytes: no tokenizer, and no
+  token file (.bin) as its data."""
+  return (not saved.get("tokenizer") and not saved.get("init_from")
+          and not str(saved.get("data") or "").endswith(".bin"))
 
 
 def write(folder: pathlib.Path, step: int, config: gpt.GPTConfig, params: dict) -> None:
@@ -259,11 +325,13 @@ def _new_folder_beside(out: pathlib.Path, kind: str) -> pathlib.Path:
 
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
-  """Export a jzo.train run's weights: a Hugging Face folder (--format hf), or safetensors and
-  an orbax checkpoint of gpt.GPT."""
+  """Export a jzo.train run's weights as a Hugging Face folder that transformers loads (the
+  default: Llama, Mistral and Qwen runs in their own format, jzo's GPT as GPT-2, with the
+  run's tokenizer, a byte-level one for a run on bytes), or with --format jzo a GPT run as
+  safetensors and an orbax checkpoint of gpt.GPT."""
 
   out: str
-  """folder to write (model.safetensors, nnx_state/, config.json)"""
+  """folder to write (hf: config.json, model.safetensors, the tokenizer; jzo: its own form)"""
   run: str = "runs/latest"
   """the training run's folder (jzo.train's --out)"""
   step: int | None = None
@@ -272,12 +340,12 @@ class ExportConfig:
   """dtype of the weights written: the float32 masters, or rounded to bfloat16"""
   overwrite: bool = False
   """replace --out if it holds files"""
-  format: Literal["jzo", "hf"] = "jzo"
-  """jzo (a GPT run: safetensors, nnx_state, config.json) or hf (Llama family: Hugging Face)"""
+  format: Literal["hf", "jzo"] = "hf"
+  """hf: Hugging Face's format, any run (a GPT as GPT-2); jzo: a GPT run in jzo's own form"""
 
 
 def main(argv: list[str] | None = None) -> int:
-  cfg = config_lib.parse(ExportConfig, argv, description=ExportConfig.__doc__,
+  cfg = config_lib.parse(ExportConfig, argv, description=inspect.cleandoc(ExportConfig.__doc__),
                          prog="python -m jzo.export")
   # Reading and writing weights needs no accelerator: leave a GPU (perhaps
   # training the next run) alone.
@@ -287,8 +355,13 @@ def main(argv: list[str] | None = None) -> int:
   except ExportError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  written = [p for p in (done.safetensors, done.nnx_state, done.config) if p is not None]
+  written = [p for p in (done.safetensors, done.nnx_state, done.config, done.tokenizer)
+             if p is not None]
   print(f"exported step {done.step} of {pathlib.Path(cfg.run).absolute()}: "
         + ", ".join(map(str, written)))
+  if cfg.format == "hf" and done.tokenizer is None:
+    print(f"warning: the run knows no tokenizer of its token ids (--data *.bin), so {cfg.out} "
+          "has none: copy that tokenizer's files into it to read and write text",
+          file=sys.stderr)
   return 0
 

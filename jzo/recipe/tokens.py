@@ -5,7 +5,8 @@ data path as token ids with a loss mask.
 library and tokenizer_config.json (or chat_template.jinja) for the chat
 template and the special tokens; the template renders with jinja2 the way
 transformers' `apply_chat_template` does, so the text is the one the model
-meets at inference.
+meets at inference. `byte_level_tokenizer()` is the tokenizer of a run on
+bytes (ids 0-255), which `save_tokenizer` writes beside an export.
 
 `documents(path, tokenizer)` yields each document of a text file, a folder
 or a JSONL file as (ids uint32, mask uint8): text is learned everywhere,
@@ -101,6 +102,13 @@ def load_tokenizer(folder: str | pathlib.Path) -> Tokenizer:
     raise FileNotFoundError(f"no tokenizer at {path}")
   backend = tokenizers.Tokenizer.from_file(str(path))
   config = _read_config(folder / "tokenizer_config.json")
+  return _tokenizer(backend, path.read_bytes(), config, _chat_template(folder, config), folder)
+
+
+def _tokenizer(backend: tokenizers.Tokenizer, raw: bytes, config: dict, template: str | None,
+               folder: pathlib.Path | None) -> Tokenizer:
+  """The Tokenizer of a backend, its tokenizer.json `raw`, its tokenizer_config.json and
+  chat template (`folder`: where they are, for the template's errors)."""
   specials = {name: text for name in ("bos_token", "eos_token", "unk_token", "pad_token")
               if (text := _token_text(config.get(name))) is not None}
   bos, eos = specials.get("bos_token"), specials.get("eos_token")
@@ -111,8 +119,6 @@ def load_tokenizer(folder: str | pathlib.Path) -> Tokenizer:
     # Llama 3's tokenizer.json adds bos in its post-processor and says so nowhere else.
     add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
   add_bos = bool(add_bos) and bos_id is not None
-  template = _chat_template(folder, config)
-  raw = path.read_bytes()
   return Tokenizer(
       backend=backend, chat_template=template, bos_token=bos, eos_token=eos, bos_id=bos_id,
       eos_id=eos_id, add_bos=add_bos,
@@ -122,6 +128,49 @@ def load_tokenizer(folder: str | pathlib.Path) -> Tokenizer:
       fingerprint=hashlib.sha256(raw + json.dumps(
           [template, specials, add_bos], sort_keys=True).encode()).hexdigest(),
       special_tokens=specials, template=_compile(template, folder) if template else None)
+
+
+def byte_level_tokenizer() -> Tokenizer:
+  """The tokenizer of a run on bytes (no --tokenizer: jzo.recipe.data.BYTE_VOCAB): a text's
+  ids are its UTF-8 bytes, 0-255, and decoding ids gives their bytes back as text (a sequence
+  that is not UTF-8 as U+FFFD, as bytes.decode(errors="replace")). No special tokens.
+
+  GPT-2's byte-level tokenizer without its merges: each byte is the character GPT-2's
+  byte-to-unicode map gives it, not split on words nor given a leading space.
+  """
+  vocab = {char: byte for byte, char in enumerate(_byte_characters())}
+  backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                              use_regex=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  return _tokenizer(backend, backend.to_str().encode(), {}, None, None)
+
+
+def _byte_characters() -> list[str]:
+  """The character GPT-2's byte-level map gives each byte 0-255: itself where it is printable
+  and not a space, else 256 + its rank among the others."""
+  kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+  others = [b for b in range(256) if b not in kept]
+  return [chr(b) if b in kept else chr(256 + others.index(b)) for b in range(256)]
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | pathlib.Path) -> None:
+  """Writes tokenizer.json and tokenizer_config.json into `folder` (which exists), which
+  `load_tokenizer` and transformers' AutoTokenizer (PreTrainedTokenizerFast) read back with
+  the same ids, special tokens and chat template; decoding leaves spaces as they are.
+  For a tokenizer jzo builds (`byte_level_tokenizer`): one read from a checkpoint is
+  better copied with its own files."""
+  folder = pathlib.Path(folder)
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            **tokenizer.special_tokens}
+  if tokenizer.bos_id is not None:
+    config["add_bos_token"] = tokenizer.add_bos
+  if tokenizer.chat_template is not None:
+    config["chat_template"] = tokenizer.chat_template
+  (folder / "tokenizer.json").write_text(tokenizer.backend.to_str(), encoding="utf-8")
+  (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
+                                                encoding="utf-8")
 
 
 def _read_config(path: pathlib.Path) -> dict:
