@@ -176,7 +176,8 @@ def test_donated_state_updates_in_place():
     (dict(learning_rate=1e-3, b2=-0.1), ValueError, "b2"),
     (dict(learning_rate=1e-3, eps=float("inf")), ValueError, "eps"),
     (dict(learning_rate=1e-3, weight_decay=float("nan")), ValueError, "weight_decay"),
-    (dict(learning_rate=1e-3, mu_dtype=jnp.float16), TypeError, "mu_dtype"),
+    (dict(learning_rate=1e-3, mu_dtype=jnp.int32), TypeError, "mu_dtype"),
+    (dict(learning_rate=1e-3, mu_dtype="fast"), TypeError, "mu_dtype.*'fast'"),
     (dict(learning_rate=1e-3, nu_dtype=jnp.int8), TypeError, "nu_dtype"),
     (dict(learning_rate="fast"), TypeError, "learning_rate"),
 ])

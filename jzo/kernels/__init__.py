@@ -1,7 +1,8 @@
 """The host kernels: the fused in-place Adam step and its helpers, computed by
 the C++ extension (jzo.native), with their thread and SIMD settings (ops);
-the optax transforms over them (cpu_adam); int8 block quantization of the
-moments (quant8).
+the optax transforms over them (cpu_adam); Adam's arithmetic as XLA
+operations, the kernel's and optax's (adam_xla); int8 block quantization of
+the moments (quant8).
 
 `jzo.kernels.adam_step_(...)`, `jzo.kernels.set_num_threads(n)` and the
 rest of ops' public names are this package's."""
