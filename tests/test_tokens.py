@@ -218,6 +218,7 @@ def test_text_is_learned_everywhere(folders, tokenizer_json, tmp_path):
     (['{"messages": [{"role": "bot", "content": "a"}]}'], "message 0 has role 'bot'"),
     (['{"messages": [{"role": "user", "content": 3}]}'], "message 0's content is a int"),
     (['{"text": ["a"]}'], "\"text\" is a list, not a string"),
+    (['{"prompt": "a", "completion": null}'], "\"completion\" is null, not a string"),
     (['["a"]'], "a list, not a JSON object"),
 ])
 def test_bad_lines_are_one_line_naming_file_and_line(folders, tmp_path, lines, error):

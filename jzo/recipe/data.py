@@ -1,6 +1,7 @@
 """Token streams for language-model training, deterministic batches, and
 the data of a recipe run (`load_data`): bytes without a tokenizer, else the
-checkpoint's tokenizer over text and JSONL (jzo.recipe.tokens, .packing).
+checkpoint's tokenizer over text, JSONL, parquet and Arrow files
+(jzo.recipe.tokens, .parquet, .packing).
 
 Sources, all to a 1-D array of token ids:
   * the embedded corpus: the top-level source files of Python's own standard
@@ -22,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from jzo.recipe import packing, tokens as tokens_lib
+from jzo.recipe import packing, parquet, tokens as tokens_lib
 from jzo.recipe.options import TrainConfig, UserError
 
 BYTE_VOCAB = 256
@@ -174,8 +175,10 @@ def load_tokens(cfg: TrainConfig, model_vocab: int) -> tuple[np.ndarray, int]:
   if cfg.data.endswith(".bin"):
     vocab = cfg.vocab_size or model_vocab
     return read_tokens(cfg.data, vocab), vocab
-  if cfg.data.endswith(".jsonl"):
-    raise ValueError(f"--data {cfg.data}: JSONL data is read with a tokenizer: --init-from a "
+  tables = [f for f in tokens_lib.data_files(cfg.data) if f.suffix in parquet.SUFFIXES]
+  if cfg.data.endswith(".jsonl") or tables:
+    form = {".parquet": "parquet", ".arrow": "Arrow"}[tables[0].suffix] if tables else "JSONL"
+    raise ValueError(f"--data {cfg.data}: {form} data is read with a tokenizer: --init-from a "
                      "checkpoint that has one, or --tokenizer DIR")
   return read_text(cfg.data), BYTE_VOCAB
 
@@ -219,7 +222,7 @@ def _tokenized(cfg: TrainConfig, tokenizer: tokens_lib.Tokenizer, cache_dir: pat
   """Data read with `tokenizer`."""
   if not cfg.data:
     raise ValueError("with a tokenizer (--init-from or --tokenizer) give the text to train on: "
-                     "--data FILE or FOLDER (text or JSONL)")
+                     "--data FILE or FOLDER (text, JSONL or parquet)")
   if cfg.data.endswith(".bin"):
     raise ValueError(f"--data {cfg.data} holds token ids already: a tokenizer reads text")
   stream = packing.tokenize_cached(cfg.data, tokenizer, cache_dir, progress=progress)

@@ -1,10 +1,14 @@
 """What a run reports: throughput and MFU, the log line, the metrics
-record of each step, the loss plot, the banner."""
+record of each step, its TensorBoard scalars, the loss plot, the banner."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
+import socket
 import time
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +55,91 @@ def step_record(step: int, metrics: jzo.StepMetrics, lr: float) -> dict:
   return {"step": step, "loss": float(metrics.loss), "lr": lr,
           "grad_norm": float(metrics.grad_norm), "loss_scale": float(metrics.loss_scale),
           "skipped": bool(metrics.skipped)}
+
+
+@contextlib.contextmanager
+def tensorboard_log(out: pathlib.Path, first: int, history: list[dict],
+                    enabled: bool) -> Iterator[Callable[[dict], None]]:
+  """A function that writes a metrics.jsonl record as TensorBoard scalars to a new event
+  file in `out`/tensorboard, on disk when it returns (a no-op where not `enabled`).
+
+  Each number of a record but its step is a scalar at that step, tagged eval/NAME for
+  eval_NAME, else train/NAME (skipped as 0 or 1). As metrics.jsonl (runs.start_log), the
+  earlier files keep the steps up to `first`, the checkpoint the run starts from, and lose
+  the later ones, which the run writes again: no reader sees a step twice. The new file
+  opens with a restart marker at step `first` + 1 (SessionLog START, as torch's
+  SummaryWriter(purge_step=) writes it), so that a TensorBoard that read those steps
+  already drops them too. Where no earlier scalars are left (--tensorboard first given on
+  --resume), `history`, the log so far, is written first.
+  """
+  if not enabled:
+    yield lambda record: None
+    return
+  # tensorboard's record format and protos, written to a file of our own: its
+  # EventFileWriter would import TensorFlow where it is installed, for its file API.
+  from tensorboard.compat.proto import event_pb2, summary_pb2
+  from tensorboard.summary.writer.record_writer import RecordWriter
+  folder = out / "tensorboard"
+  folder.mkdir(parents=True, exist_ok=True)
+  earlier = _cut_event_files(folder, first, event_pb2.Event)
+  # TensorBoard reads a run's files in the order of their names: the start time first.
+  name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+  records = RecordWriter(open(folder / name, "wb"))
+
+  def add(**event) -> None:
+    records.write(event_pb2.Event(wall_time=time.time(), **event).SerializeToString())
+
+  def write(record: dict) -> None:
+    add(step=record["step"], summary=summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=_tensorboard_tag(name), simple_value=float(value))
+        for name, value in record.items() if name != "step" and isinstance(value, (int, float))]))
+    records.flush()
+  try:
+    add(file_version="brain.Event:2")
+    add(step=first + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+    if not earlier:
+      for record in history:
+        write(record)
+    records.flush()
+    yield write
+  finally:
+    records.close()
+
+
+def _cut_event_files(folder: pathlib.Path, step: int, event_type) -> bool:
+  """Cuts each event file in `folder` where its scalars pass `step` (or where a record
+  was cut short by a kill), removing the files left without any; returns whether any are
+  left. A file is a sequence of records (TFRecord): length (uint64), its CRC (uint32), the
+  serialized `event_type` proto, its CRC (uint32)."""
+  from google.protobuf.message import DecodeError
+  left = False
+  for path in sorted(folder.glob("*tfevents*")):
+    end, scalars = 0, False
+    with open(path, "rb") as f:
+      while len(header := f.read(12)) == 12:
+        length = int.from_bytes(header[:8], "little")
+        body = f.read(length + 4)
+        if len(body) < length + 4:
+          break
+        try:
+          event = event_type.FromString(body[:length])
+        except DecodeError:  # a corrupt record
+          break
+        if event.HasField("summary"):
+          if event.step > step:
+            break
+          scalars = True
+        end = f.tell()
+    if not scalars:
+      path.unlink()
+    elif end < path.stat().st_size:
+      os.truncate(path, end)
+    left |= scalars
+  return left
+
+
+def _tensorboard_tag(name: str) -> str:
+  return "eval/" + name[len("eval_"):] if name.startswith("eval_") else "train/" + name
 
 
 def log_line(record: dict) -> str:

@@ -23,7 +23,8 @@ from jzo import checkpoint
 from jzo.parallel import distributed
 from jzo.kernels.cpu_adam import MOMENT_DTYPES
 from jzo.recipe import data as data_lib, models
-from jzo.recipe.logs import Throughput, banner, log_line, peak_tflops, plot, step_record
+from jzo.recipe.logs import (Throughput, banner, log_line, peak_tflops, plot, step_record,
+                             tensorboard_log)
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 check_for_model, engine_options, lr_schedule,
                                 offload_placement, resident_count, weights_placement)
@@ -300,6 +301,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
     last = {}
     done = saved = first  # steps done; the step of the last checkpoint (or the start)
     with open(out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
+         tensorboard_log(out, first, history, cfg.tensorboard and primary) as to_tensorboard, \
          tqdm.tqdm(total=cfg.steps, initial=first, unit="step", disable=not primary) as bar:
       started = time.perf_counter()
       for step in range(first, cfg.steps):
@@ -322,6 +324,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
         # The line before the checkpoint: a run resumed from it finds the log whole.
         log.write(json.dumps(last) + "\n")
         log.flush()
+        to_tensorboard(last)
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
           # The batch order is a function of the step, so the step is the data position.
           checkpoint.save(manager, engine, done)

@@ -5,6 +5,7 @@ in flags), and the learning-rate schedule."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import pathlib
 import re
@@ -34,7 +35,7 @@ class TrainConfig:
   tokenizer: str = ""
   """folder with the tokenizer.json to read --data with ('': --init-from's, else bytes)"""
   data: str = ""
-  """'' (embedded corpus), text file or folder, .jsonl (text, prompt/completion, chat), or .bin"""
+  """'' (embedded corpus), text file or folder, .jsonl (text, prompt/completion, chat), .parquet or .arrow (the same forms, as columns), or .bin"""
   vocab_size: int = 0
   """vocabulary of a .bin token file (0: the preset's)"""
   seq_len: int = 128
@@ -87,6 +88,8 @@ class TrainConfig:
   """seed of the initial weights and the batch order"""
   log_every: int = 25
   """steps between log lines"""
+  tensorboard: bool = False
+  """also write metrics.jsonl's numbers as TensorBoard event files in --out/tensorboard (needs the tensorboard package: pip install 'jzo[tensorboard]')"""
   eval_every: int = 100
   """steps between evaluations on the held-out split"""
   eval_batches: int = 4
@@ -152,6 +155,9 @@ def check(cfg: TrainConfig) -> None:
     raise UserError("--moments int8 keeps the moments in host memory: it needs --offload with "
                     f"--offload-fraction auto or 1 (got {'--no-offload' if not cfg.offload else '--offload-fraction ' + cfg.offload_fraction})")
   check_resident_layers(cfg)
+  if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    raise UserError("--tensorboard writes with the tensorboard package, which is not installed: "
+                    "pip install 'jzo[tensorboard]' (or pip install tensorboard)")
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 

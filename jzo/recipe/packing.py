@@ -54,7 +54,7 @@ def tokenize_cached(path: str | pathlib.Path, tokenizer: tokens_lib.Tokenizer,
   and FORMAT_VERSION; a new entry replaces the others in `cache_dir`.
 
   Args:
-    path: a text file, a JSONL file or a folder of them (jzo.recipe.tokens).
+    path: a text, JSONL, parquet or Arrow file or a folder of them (jzo.recipe.tokens).
     tokenizer: the checkpoint's tokenizer.
     cache_dir: folder for the cache (the recipe's `<out>/data-cache`); created if missing.
     progress: show a progress bar over the data's bytes (False on non-primary processes).

@@ -8,8 +8,9 @@ transformers' `apply_chat_template` does, so the text is the one the model
 meets at inference. `byte_level_tokenizer()` is the tokenizer of a run on
 bytes (ids 0-255), which `save_tokenizer` writes beside an export.
 
-`documents(path, tokenizer)` yields each document of a text file, a folder
-or a JSONL file as (ids uint32, mask uint8): text is learned everywhere,
+`documents(path, tokenizer)` yields each document of a text file, a folder,
+a JSONL file or a parquet or Arrow file (jzo.recipe.parquet: a row a record,
+as a JSONL line) as (ids uint32, mask uint8): text is learned everywhere,
 prompt/completion and chat data only on the answers and the token that ends
 them. jzo.recipe.packing packs, caches and batches them.
 """
@@ -28,6 +29,8 @@ import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 import tokenizers
+
+from jzo.recipe import parquet
 
 # Roles a chat message may have: the common ones of chat templates (OpenAI's, Llama 3.1's
 # "ipython"); another is more likely a typo than a role the template knows.
@@ -231,7 +234,9 @@ class DataError(ValueError):
 
 
 def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
-  """`path` itself, or the files under it sorted (recursively), hidden ones left out.
+  """`path` itself, or the files under it sorted (recursively), hidden ones left out; of a
+  folder that holds .parquet or .arrow files (a Hugging Face dataset, whose README.md,
+  dataset_info.json and state.json describe it), those alone.
 
   Raises:
     FileNotFoundError: `path` does not exist.
@@ -241,8 +246,9 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
     raise FileNotFoundError(f"data path {path} does not exist")
   if not path.is_dir():
     return [path]
-  return sorted(p for p in path.rglob("*") if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(path).parts))
+  files = sorted(p for p in path.rglob("*") if p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(path).parts))
+  return [p for p in files if p.suffix in parquet.SUFFIXES] or files
 
 
 Document = tuple[np.ndarray, np.ndarray]  # ids uint32 (n,), loss mask uint8 (n,)
@@ -253,12 +259,16 @@ def documents(files: list[pathlib.Path],
   """Every document of `files` with the bytes of the file it took (for a progress bar);
   None for a blank line or an empty file.
 
-  A .jsonl file holds a document a line; any other file is one text document.
+  A .jsonl file holds a document a line, a .parquet or .arrow file a document a row (its
+  records as a JSONL line's); any other file is one text document.
 
   Raises:
-    DataError: one line naming the file (and line) that cannot be used.
+    DataError: one line naming the file (and line or row) that cannot be used.
   """
   for f in files:
+    if f.suffix in parquet.SUFFIXES:
+      yield from _table_documents(f, tokenizer)
+      continue
     data = f.read_bytes()
     if f.suffix == ".jsonl":
       for number, line in enumerate(data.splitlines(keepends=True), 1):
@@ -268,6 +278,18 @@ def documents(files: list[pathlib.Path],
           yield None, len(line)
     else:
       yield (_text_document(_decode(data, str(f)), tokenizer) if data else None), len(data)
+
+
+def _table_documents(path: pathlib.Path,
+                     tokenizer: Tokenizer) -> Iterator[tuple[Document | None, int]]:
+  """The rows of a parquet or Arrow file as documents; row i (from 0, as `datasets`
+  indexes it) is named "FILE: row i" in errors."""
+  try:
+    for i, (record, n_bytes) in enumerate(parquet.records(path)):
+      yield (None if record is None
+             else _record_document(record, tokenizer, f"{path}: row {i}")), n_bytes
+  except parquet.TableError as e:
+    raise DataError(str(e)) from None
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -298,6 +320,11 @@ def _json_document(line: bytes, tokenizer: Tokenizer, where: str) -> Document:
     raise DataError(f"{where}: invalid JSON ({e})") from None
   if not isinstance(record, dict):
     raise DataError(f"{where}: a {type(record).__name__}, not a JSON object")
+  return _record_document(record, tokenizer, where)
+
+
+def _record_document(record: dict, tokenizer: Tokenizer, where: str) -> Document:
+  """A record of a JSONL line or a table's row, by the first of its keys' forms."""
   if "messages" in record:
     return _chat_document(_messages(record["messages"], where), tokenizer, where)
   if "prompt" in record and "completion" in record:
@@ -314,8 +341,13 @@ def _json_document(line: bytes, tokenizer: Tokenizer, where: str) -> Document:
 
 def _string(record: dict, key: str, where: str) -> str:
   if not isinstance(record[key], str):
-    raise DataError(f"{where}: \"{key}\" is a {type(record[key]).__name__}, not a string")
+    raise DataError(f"{where}: \"{key}\" is {_kind(record[key])}, not a string")
   return record[key]
+
+
+def _kind(value) -> str:
+  """What a value is, in an error: "null" (JSON's, and a table's empty cell) or "a list"."""
+  return "null" if value is None else f"a {type(value).__name__}"
 
 
 def _messages(messages, where: str) -> list[dict]:
@@ -329,8 +361,7 @@ def _messages(messages, where: str) -> list[dict]:
       raise DataError(f"{where}: message {i} has role {m['role']!r}, not one of "
                       f"{', '.join(sorted(ROLES))}")
     if not isinstance(m["content"], str):
-      raise DataError(f"{where}: message {i}'s content is a {type(m['content']).__name__}, "
-                      "not a string")
+      raise DataError(f"{where}: message {i}'s content is {_kind(m['content'])}, not a string")
   return messages
 
 
