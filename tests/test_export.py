@@ -1,9 +1,12 @@
-"""jzo.export: a run's checkpoint, loaded without jzo's engine (safetensors
-with numpy; orbax and flax NNX), gives the engine's weights and logits."""
+"""jzo.export: a run's checkpoint, loaded without jzo's engine, gives the
+engine's weights and logits: by default a Hugging Face folder (a GPT as
+GPT-2, a Llama as itself) that transformers loads with its tokenizer;
+--format jzo as safetensors with numpy, orbax and flax NNX."""
 
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -14,6 +17,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tokenizers
+import torch
+import transformers
 from flax import nnx, traverse_util
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -22,8 +28,9 @@ from jzo import train
 from jzo import checkpoint
 from jzo.recipe import export
 from jzo.recipe import loop
+from jzo.recipe import tokens as tokens_lib
 from jzo.parallel.partition import LeafLayout
-from jzo.models import gpt
+from jzo.models import gpt, gpt2_hf, llama
 
 # Two steps of the tiny GPT, a checkpoint after each.
 RECIPE = ["--steps", "2", "--warmup", "0", "--checkpoint-every", "1", "--log-every", "1",
@@ -82,7 +89,7 @@ def restore_nnx(config: gpt.GPTConfig, folder: pathlib.Path) -> gpt.GPT:
 
 
 def test_export_gives_the_engines_weights_and_logits(run, tmp_path):
-  done = export.export(run.folder, tmp_path / "out")
+  done = export.export(run.folder, tmp_path / "out", format="jzo")
   assert done.step == 2
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
       ["config.json", "model.safetensors", "nnx_state"]
@@ -111,7 +118,7 @@ def test_export_gives_the_engines_weights_and_logits(run, tmp_path):
 
 @only_offload
 def test_bfloat16_export(run, tmp_path):
-  done = export.export(run.folder, tmp_path / "out", dtype="bfloat16")
+  done = export.export(run.folder, tmp_path / "out", dtype="bfloat16", format="jzo")
   want = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), run.params)
   assert_same(traverse_util.unflatten_dict(load_file(done.safetensors), sep="."), want)
   model = restore_nnx(run.model, done.nnx_state)
@@ -151,8 +158,7 @@ def test_bad_run_or_output(run, tmp_path):
   refused(r"^output folder .*/out is not empty \(overwrite: --overwrite\)$", run.folder, out)
   assert [p.name for p in out.iterdir()] == ["notes.txt"]
   export.export(run.folder, out, overwrite=True)
-  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                   "nnx_state"]
+  assert sorted(p.name for p in out.iterdir()) == HF_FILES
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "out"]  # no leftovers
 
 
@@ -209,7 +215,7 @@ def test_masters_in_shapes_undoes_the_engines_flattening():
 @only_offload
 def test_a_failed_export_leaves_the_old_one(run, tmp_path, monkeypatch):
   out = tmp_path / "out"
-  export.export(run.folder, out, step=1)
+  export.export(run.folder, out, step=1, format="jzo")
   before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
   write = export.write
 
@@ -218,7 +224,7 @@ def test_a_failed_export_leaves_the_old_one(run, tmp_path, monkeypatch):
     raise OSError("disk full")
   monkeypatch.setattr(export, "write", dies_halfway)
   with pytest.raises(OSError, match="disk full"):
-    export.export(run.folder, out, overwrite=True)
+    export.export(run.folder, out, overwrite=True, format="jzo")
   assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
   assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the staging folder is gone
 
@@ -236,11 +242,16 @@ def test_cli_errors_are_one_line(run, tmp_path, capsys, args, message):
 
 
 @only_offload
-def test_cli_exports(run, tmp_path, capsys):
+@pytest.mark.parametrize("args, wte", [([], "transformer.wte.weight"),
+                                       (["--format", "hf"], "transformer.wte.weight"),
+                                       (["--format", "jzo"], "wte")])
+def test_cli_exports(run, tmp_path, capsys, args, wte):
   assert export.main(["--run", str(run.folder), "--out", str(tmp_path / "out"),
-                      "--dtype", "bfloat16"]) == 0
-  assert f"exported step 2 of {run.folder}" in capsys.readouterr().out
-  assert load_file(tmp_path / "out" / "model.safetensors")["wte"].dtype == ml_dtypes.bfloat16
+                      "--dtype", "bfloat16", *args]) == 0
+  out, err = capsys.readouterr()
+  assert f"exported step 2 of {run.folder}" in out and err == ""
+  assert (str(tmp_path / "out" / "tokenizer.json") in out) == (wte != "wte")
+  assert load_file(tmp_path / "out" / "model.safetensors")[wte].dtype == ml_dtypes.bfloat16
 
 
 def test_the_real_entry_point(tmp_path):
@@ -249,8 +260,152 @@ def test_the_real_entry_point(tmp_path):
                           text=True, timeout=120)
   done = cli("--help")
   assert done.returncode == 0, done.stderr
-  for option in ("--out", "--run", "--step", "--dtype", "--overwrite"):
+  for option in ("--out", "--run", "--step", "--dtype", "--overwrite", "--format {hf,jzo}"):
     assert option in done.stdout
+  assert "(default: hf)" in done.stdout
   done = cli("--run", str(tmp_path / "missing"), "--out", str(tmp_path / "out"))
   assert done.returncode == 2
   assert done.stderr == f"error: no run folder {tmp_path / 'missing'}\n", done.stderr
+
+
+HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def _from_pretrained(folder: pathlib.Path, model_class=transformers.AutoModelForCausalLM):
+  """transformers' float32 model of an export; asserts no key was missing,
+  unexpected or of another shape."""
+  model, info = model_class.from_pretrained(str(folder), output_loading_info=True,
+                                            attn_implementation="eager",
+                                            torch_dtype=torch.float32)
+  assert {k: v for k, v in info.items() if v} == {}, info
+  return model.eval()
+
+
+def _torch_logits(model, x: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.tensor(x, dtype=torch.long)).logits.numpy()
+
+
+def test_default_export_is_a_gpt2_that_transformers_loads(run, tmp_path):
+  done = export.export(run.folder, tmp_path / "out")
+  out = tmp_path / "out"
+  assert sorted(p.name for p in out.iterdir()) == HF_FILES
+  assert done == export.Exported(2, out / "model.safetensors", None, out / "config.json",
+                                 out / "tokenizer.json")
+  model = _from_pretrained(out)
+  assert type(model) is transformers.GPT2LMHeadModel
+  x = tokens(run.model)
+  with jax.default_matmul_precision("highest"):
+    want = np.asarray(gpt.forward(run.model, run.params, x))
+  np.testing.assert_allclose(_torch_logits(model, x), want, rtol=0, atol=1e-5)
+  # Back into jzo: the float32 masters bit for bit.
+  config = gpt2_hf.read_config(str(out), remat=run.model.remat)
+  assert config == run.model
+  assert_same(gpt2_hf.load_params(str(out)), run.params)
+  # The run trained on bytes: its tokenizer's ids are the bytes, in jzo and in transformers.
+  text = "caf\u00e9 \u2615, ok ."
+  assert tokens_lib.load_tokenizer(out).encode(text) == list(text.encode())
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tokenizer(text)["input_ids"] == list(text.encode())
+  assert json.loads(done.config.read_text())["eos_token_id"] is None
+
+
+@only_offload
+def test_bfloat16_hf_export(run, tmp_path):
+  done = export.export(run.folder, tmp_path / "out", dtype="bfloat16")
+  assert json.loads(done.config.read_text())["torch_dtype"] == "bfloat16"
+  want = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), run.params)
+  assert_same(gpt2_hf.load_params(str(tmp_path / "out"), ml_dtypes.bfloat16), want)
+
+
+def _copy_run(run: Run, folder: pathlib.Path, **options) -> pathlib.Path:
+  """The run's folder with its checkpoints linked and config.json's options changed."""
+  folder.mkdir()
+  (folder / "checkpoints").symlink_to(run.folder / "checkpoints")
+  saved = json.loads((run.folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(saved | options))
+  (folder / "model").mkdir()
+  return folder
+
+
+@only_offload
+def test_a_run_on_token_ids_exports_without_a_tokenizer(run, tmp_path, capsys):
+  copy = _copy_run(run, tmp_path / "run", data="tokens.bin")
+  out = tmp_path / "out"
+  assert export.main(["--run", str(copy), "--out", str(out)]) == 0
+  assert capsys.readouterr().err == (
+      f"warning: the run knows no tokenizer of its token ids (--data *.bin), so {out} has none: "
+      "copy that tokenizer's files into it to read and write text\n")
+  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+  assert export.export(copy, out, overwrite=True).tokenizer is None
+  assert _from_pretrained(out).config.eos_token_id is None
+
+
+@only_offload
+def test_a_run_with_a_tokenizer_exports_its_files(run, tmp_path):
+  """A --tokenizer run: its tokenizer's files as the run kept them, and its
+  bos and eos in config.json."""
+  words = ["<s>", "</s>", *"abcdefgh"]
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(words)}, unk_token="a"))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  copy = _copy_run(run, tmp_path / "run", tokenizer="/where/it/was")
+  kept = copy / "model"
+  backend.save(str(kept / "tokenizer.json"))
+  (kept / "tokenizer_config.json").write_text(json.dumps({
+      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+  done = export.export(copy, tmp_path / "out")
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    assert (tmp_path / "out" / name).read_bytes() == (kept / name).read_bytes()
+  config = json.loads(done.config.read_text())
+  assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+  assert tokenizer("b c")["input_ids"] == [3, 4] and tokenizer.eos_token_id == 1
+  assert _from_pretrained(tmp_path / "out").config.eos_token_id == 1
+
+
+def test_a_llama_run_exports_to_hugging_face_by_default(tmp_path):
+  """A Llama preset trained on bytes: its own format with no --format, the
+  byte-level tokenizer, and --format jzo refused."""
+  folder = tmp_path / "run"
+  one_step = [a if a != "2" else "1" for a in RECIPE[:2]] + RECIPE[2:]
+  assert train.main(one_step + ["--model", "llama-tiny", "--offload", "--devices", "2",
+                                "--out", str(folder)]) == 0
+  done = export.export(folder, tmp_path / "out")
+  assert sorted(p.name for p in (tmp_path / "out").iterdir()) == HF_FILES
+  model = _from_pretrained(tmp_path / "out")
+  assert type(model) is transformers.LlamaForCausalLM
+  step, config, params = export.read_run(folder, None, folder / "model" / "config.json")
+  assert step == done.step == 1
+  x = np.random.default_rng(0).integers(0, 256, (2, 32))
+  with jax.default_matmul_precision("highest"):
+    want = np.asarray(llama.forward(config, params, x))
+  np.testing.assert_allclose(_torch_logits(model, x), want, rtol=0, atol=1e-4)
+  assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))("\u00e9")[
+      "input_ids"] == [0xC3, 0xA9]
+  with pytest.raises(export.ExportError, match="Llama family: jzo's own form is a GPT's; "
+                                               "--format hf"):
+    export.export(folder, tmp_path / "jzo", format="jzo")
+
+
+def test_the_command_line_as_users_call_it(tmp_path):
+  """`python -m jzo.train` then `python -m jzo.export` with no --format in
+  subprocesses; transformers' pipeline writes text with the export."""
+  two_cpus = {**os.environ, "JAX_PLATFORMS": "cpu",
+              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  trained = subprocess.run([sys.executable, "-m", "jzo.train", *RECIPE, *RUNS["offload"],
+                            "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=600, env=two_cpus)
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  exported = subprocess.run([sys.executable, "-m", "jzo.export", "--run", str(tmp_path / "run"),
+                             "--out", str(tmp_path / "hf")],
+                            capture_output=True, text=True, timeout=600)
+  assert exported.returncode == 0 and exported.stderr == "", exported.stderr[-2000:]
+  assert exported.stdout.startswith(f"exported step 2 of {tmp_path / 'run'}: ")
+  assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == HF_FILES
+  generate = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+  text = generate("The cat ", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+  ids = generate("The cat ", max_new_tokens=12, do_sample=False,
+                 return_tensors=True)[0]["generated_token_ids"]
+  assert list(ids[:8]) == list(b"The cat ") and len(ids) == 8 + 12
+  assert text == bytes(ids).decode("utf-8", "replace")

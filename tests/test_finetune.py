@@ -197,5 +197,6 @@ def test_the_real_entry_points(checkpoint, chat_data, tmp_path):
   assert exported.returncode == 0, exported.stderr[-2000:]
   assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
   wrong = subprocess.run([sys.executable, "-m", "jzo.export", "--run", str(out), "--out",
-                          str(tmp_path / "jzo")], capture_output=True, text=True, timeout=600)
+                          str(tmp_path / "jzo"), "--format", "jzo"], capture_output=True, text=True,
+                         timeout=600)
   assert wrong.returncode == 2 and "--format hf" in wrong.stderr

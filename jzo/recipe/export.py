@@ -136,8 +136,8 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   hf_config = runs.model_folder(run) / "config.json"
   llama_run = hf_config.is_file()  # a GPT run keeps no Hugging Face config
   if format == "jzo" and llama_run:
-    raise ExportError(f"{run} trained a model of the Llama family: jzo's own form is a GPT's "
-                      "(leave out --format for Hugging Face's)")
+    raise ExportError(f"{run} trained a model of the Llama family: jzo's own form is a GPT's; "
+                      "--format hf (the default) writes it in Hugging Face's format")
   step, config, params = read_run(run, step, hf_config if llama_run else None)
   if format == "jzo":
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
@@ -157,6 +157,18 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   index, tokenizer = out / hf.INDEX, out / "tokenizer.json"
   return Exported(step, index if index.exists() else out / hf.SINGLE, None, out / "config.json",
                   tokenizer if tokenizer.exists() else None)
+
+
+def load_run(run: str | pathlib.Path, step: int | None = None):
+  """(step, model config, float32 params in full shapes, numpy) of a run's
+  checkpoint (None: the latest complete one), of whichever family it trained.
+
+  Raises:
+    ExportError: no such run or checkpoint, or one that does not read or fit.
+  """
+  run = pathlib.Path(run)
+  hf_config = runs.model_folder(run) / "config.json"
+  return read_run(run, step, hf_config if hf_config.is_file() else None)
 
 
 def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None):
