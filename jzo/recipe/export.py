@@ -125,7 +125,9 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
 
   Raises:
     ExportError: no such run or checkpoint, an unreadable one, one that does
-      not fit the run's model, an unknown dtype, or an `out_dir` in the way.
+      not fit the run's model, an unknown dtype or format, "jzo" for a run of
+      the Llama family, a tokenizer the run kept that does not read, or an
+      `out_dir` in the way.
   """
   if dtype not in DTYPES:
     raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -162,8 +162,8 @@ def save_tokenizer(tokenizer: Tokenizer, folder: str | pathlib.Path) -> None:
   """Writes tokenizer.json and tokenizer_config.json into `folder` (which exists), which
   `load_tokenizer` and transformers' AutoTokenizer (PreTrainedTokenizerFast) read back with
   the same ids, special tokens and chat template; decoding leaves spaces as they are.
-  For a tokenizer jzo builds (`byte_level_tokenizer`): one read from a checkpoint is
-  better copied with its own files."""
+  Meant for the tokenizers jzo builds (`byte_level_tokenizer`): a checkpoint's own is
+  better copied with its files, which may say more (a slow tokenizer's, generation's)."""
   folder = pathlib.Path(folder)
   config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
             **tokenizer.special_tokens}
