@@ -26,7 +26,7 @@ def test_known_sizes():
   assert round(gpt.PRESETS["gpt2-20b"].n_params / 1e9, 2) == 20.25
 
 
-def test_forward_is_causal_and_sampling_stays_in_vocab():
+def test_forward_is_causal_and_checks_its_length():
   config = gpt.PRESETS["tiny"]
   params = gpt.init_params(config, jax.random.PRNGKey(0))
   tokens = np.arange(16, dtype=np.int32)[None]
@@ -35,8 +35,6 @@ def test_forward_is_causal_and_sampling_stays_in_vocab():
   a, b = gpt.forward(config, params, tokens), gpt.forward(config, params, changed)
   np.testing.assert_allclose(a[0, :10], b[0, :10], rtol=1e-5, atol=1e-5)
   assert not np.allclose(a[0, 10:], b[0, 10:])
-  out = gpt.generate(config, params, np.array([1, 2, 3]), 5, jax.random.PRNGKey(1))
-  assert out.shape == (5,) and out.min() >= 0 and out.max() < config.vocab_size
   with pytest.raises(ValueError, match="longer than the model"):
     gpt.forward(config, params, np.zeros((1, config.seq_len + 1), np.int32))
 

@@ -18,7 +18,8 @@ PACKAGE = ROOT / "jzo"
 # engine's level: the models and the recipe above it may import it.
 RANKS = {"native": -1, "kernels": 0, "parallel": 0, "precision": 1, "options": 2, "plan": 3, "host": 4,
          "step": 5, "state": 6, "checkpoint": 7, "engine": 8, "jzo": 8, "models": 9,
-         "recipe": 10, "train": 11, "estimate": 11, "export": 11}
+         "recipe": 10, "train": 11, "estimate": 11, "export": 11,
+         "generate": 11}
 MAX_LINES = 520
 
 

@@ -61,7 +61,7 @@ def test_flops_and_activation_bytes():
   assert llama.activation_bytes(config, 16, 2048) == 32 * tokens * 4096 * 2 + layer
 
 
-def test_forward_is_causal_bf16_and_sampling_stays_in_vocab(tiny_params):
+def test_forward_is_causal_bf16_and_checks_its_length(tiny_params):
   tokens = np.arange(16, dtype=np.int32)[None]
   changed = tokens.copy()
   changed[0, 10:] = 7  # a change at position 10 must not move earlier logits
@@ -70,8 +70,6 @@ def test_forward_is_causal_bf16_and_sampling_stays_in_vocab(tiny_params):
   assert not np.allclose(a[0, 10:], b[0, 10:])
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_params)
   assert llama.forward(TINY, bf16, tokens).dtype == jnp.bfloat16
-  out = llama.generate(TINY, tiny_params, np.array([1, 2, 3]), 5, jax.random.PRNGKey(1))
-  assert out.shape == (5,) and out.min() >= 0 and out.max() < TINY.vocab_size
   with pytest.raises(ValueError, match="longer than the model's 128"):
     llama.forward(TINY, tiny_params, np.zeros((1, 129), np.int32))
   windowed = dataclasses.replace(TINY, sliding_window=8)

@@ -97,3 +97,60 @@ def bind(module: type[nnx.Module], config, params: dict) -> nnx.Module:
   """The `module(config)` holding `params` (a nested dict of arrays, as
   init_params makes), to call inside a traced function."""
   return nnx.merge(graphdef(module, config), params)
+
+
+def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int,
+             dtype) -> dict:
+  """An empty key/value cache for `batch` sequences of up to `length`
+  tokens: "k" and "v", each (n_layer, batch, length, kv_heads, head_dim)."""
+  shape = (n_layer, batch, length, kv_heads, head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def prefill_layers(layers: nnx.Module, x: jax.Array, cache: dict, *args) -> tuple[jax.Array, dict]:
+  """x (B, T, D), prompts from position 0, through the stacked `layers`
+  (each has attention_inputs(x, *args) -> q, k, v and after_attention(x,
+  att)): attention is causal over the prompt itself (flash attention where
+  the model's `attention` allows), and each layer's keys and values are
+  written to `cache` (kv_cache's, T <= its length) at positions 0..T-1."""
+  def attend(config, q, k, v, cache, layer):
+    impl = attention_implementation(config.attention, q.shape[-1], q.dtype)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    start = (layer, 0, 0, 0, 0)
+    return att, {"k": jax.lax.dynamic_update_slice(cache["k"], k[None], start),
+                 "v": jax.lax.dynamic_update_slice(cache["v"], v[None], start)}
+  return _cached_layers(layers, x, cache, attend, *args)
+
+
+def decode_layers(layers: nnx.Module, x: jax.Array, cache: dict, positions: jax.Array,
+                  *args) -> tuple[jax.Array, dict]:
+  """x (B, 1, D), one token a row at `positions` (B,) int, through the
+  stacked `layers` as prefill_layers: each layer writes the token's key and
+  value to `cache` at its position and attends over the cache up to it."""
+  rows = jnp.arange(x.shape[0])
+
+  def attend(config, q, k, v, cache, layer):
+    cache = {"k": cache["k"].at[layer, rows, positions].set(k[:, 0]),
+             "v": cache["v"].at[layer, rows, positions].set(v[:, 0])}
+    att = jax.nn.dot_product_attention(q, cache["k"][layer], cache["v"][layer],
+                                       key_value_seq_lengths=positions + 1, implementation="xla")
+    return att, cache
+  return _cached_layers(layers, x, cache, attend, *args)
+
+
+def _cached_layers(layers: nnx.Module, x: jax.Array, cache: dict, attend: Callable,
+                   *args) -> tuple[jax.Array, dict]:
+  """x through the stacked layers as one scan, the whole cache carried (so
+  each layer updates it in place) and `attend(config, q, k, v, cache,
+  layer index)` giving each layer's attention and the updated cache."""
+  block, params = nnx.split(layers)
+
+  def step(carry, layer_params):
+    x, cache, layer = carry
+    module = nnx.merge(block, layer_params)
+    q, k, v = module.attention_inputs(x, *args)
+    att, cache = attend(module.config, q, k.astype(cache["k"].dtype),
+                        v.astype(cache["v"].dtype), cache, layer)
+    return (module.after_attention(x, att), cache, layer + 1), None
+  (x, cache, _), _ = jax.lax.scan(step, (x, cache, 0), nnx.to_pure_dict(params))
+  return x, cache

@@ -12,14 +12,12 @@ choice of rematerialization. Each scan step passes its layer's params through
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jzo.models import common, cross_entropy, sampling
+from jzo.models import common, cross_entropy
 from jzo.models.common import REMAT_POLICIES, attention_implementation, layers_first_bytes
 
 
@@ -134,13 +132,21 @@ class Block(nnx.Module):
     self.fc, self.out = linear(D, 4 * D, std), linear(4 * D, D, resid_std)
 
   def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
+    q, k, v = self.attention_inputs(x)
+    impl = attention_implementation(self.config.attention, q.shape[-1], x.dtype)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return self.after_attention(x, att)
+
+  def attention_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v, each (B, T, H, head size), of x (B, T, D)."""
     B, T, D = x.shape
     H = self.config.n_head
     qkv = self.qkv(self.ln1(x)).reshape(B, T, 3, H, D // H)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, head size)
-    impl = attention_implementation(self.config.attention, D // H, x.dtype)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    x = x + self.proj(att.reshape(B, T, D))
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+  def after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
+    """The block's output (B, T, D) from its input x and the attention's (B, T, H, head size)."""
+    x = x + self.proj(att.reshape(x.shape))
     return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
@@ -174,6 +180,25 @@ class GPT(nnx.Module):
     x = self.wte[...][tokens] + self.wpe[:T]  # (B, T, D)
     return self.lnf(common.scan_layers(self.blocks, x, config.remat))
 
+  def prefill(self, tokens: jax.Array, last: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Float32 logits (B, V) at positions `last` (B,) of prompts `tokens`
+    (B, T) from position 0, and `cache` (common.kv_cache's) holding their
+    keys and values."""
+    x = self.wte[...][tokens] + self.wpe[:tokens.shape[1]]  # (B, T, D)
+    x, cache = common.prefill_layers(self.blocks, x, cache)
+    return self.logits(x[jnp.arange(x.shape[0]), last]), cache
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Float32 logits (B, V) after one token a row, `tokens` (B,) at
+    `positions` (B,), and `cache` with their keys and values added."""
+    x = (self.wte[...][tokens] + self.wpe[...][positions])[:, None]  # (B, 1, D)
+    x, cache = common.decode_layers(self.blocks, x, cache, positions)
+    return self.logits(x[:, 0]), cache
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Float32 logits (B, V) of the last layer's output x (B, D)."""
+    return (self.lnf(x) @ self.wte[...].T).astype(jnp.float32)
+
 
 def init_params(config: GPTConfig, key: jax.Array, dtype=jnp.float32) -> dict:
   """A new GPT's parameters as a nested dict of arrays: what the ZeRO engine
@@ -193,9 +218,26 @@ def loss_fn(config: GPTConfig, params: dict, batch: dict) -> jax.Array:
   return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.wte[...], tokens[:, 1:])
 
 
-def generate(config: GPTConfig, params: dict, prompt: np.ndarray, n_tokens: int,
-             key: jax.Array, temperature: float = 0.8) -> np.ndarray:
-  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones
-  (`sampling.generate`, over a window of seq_len tokens)."""
-  return sampling.generate(functools.partial(forward, config), params, prompt, n_tokens,
-                           config.seq_len, key, temperature)
+def prefill(config: GPTConfig, params: dict, tokens: jax.Array, last: jax.Array,
+            cache: dict) -> tuple[jax.Array, dict]:
+  """GPT.prefill as a function of the params: float32 logits (B, V) at
+  positions `last` (B,) of prompts `tokens` (B, T), and the filled cache."""
+  return common.bind(GPT, config, params).prefill(tokens, last, cache)
+
+
+def decode(config: GPTConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+           cache: dict) -> tuple[jax.Array, dict]:
+  """GPT.decode as a function of the params: float32 logits (B, V) after
+  `tokens` (B,) at `positions` (B,), and the cache with them added."""
+  return common.bind(GPT, config, params).decode(tokens, positions, cache)
+
+
+def init_cache(config: GPTConfig, batch: int, length: int, dtype) -> dict:
+  """An empty key/value cache for `batch` sequences of up to `length` tokens."""
+  return common.kv_cache(config.n_layer, batch, length, config.n_head,
+                         config.d_model // config.n_head, dtype)
+
+
+def context_length(config: GPTConfig) -> int:
+  """The most tokens a sequence may hold (the learned positions)."""
+  return config.seq_len

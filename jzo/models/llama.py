@@ -19,7 +19,6 @@ are (in, out). jzo.models.hf converts to and from Hugging Face's tensors.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jzo.models import common, cross_entropy, sampling
+from jzo.models import common, cross_entropy
 from jzo.models.common import REMAT_POLICIES, attention_implementation
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
@@ -324,11 +323,18 @@ def _inv_freq(config: LlamaConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
+def _rope(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin (..., hd / 2) of RoPE's angles at float32 `positions` (...)."""
+  angles = positions[..., None] * _inv_freq(config)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x (B, T, heads, hd) rotated by RoPE in float32, Hugging Face's layout:
-  the first half of each head pairs with the second; cos, sin (T, hd / 2)."""
+  the first half of each head pairs with the second; cos, sin (T, hd / 2),
+  or (B, T, hd / 2) where each row has its own positions."""
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # each (B, T, heads, hd / 2)
-  cos, sin = cos[:, None], sin[:, None]  # (T, 1, hd / 2), broadcast over heads
+  cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
@@ -367,6 +373,16 @@ class Block(nnx.Module):
     self.gate_up, self.down = linear(D, 2 * config.d_ff), linear(config.d_ff, D)
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # (B, T, D)
+    q, k, v = self.attention_inputs(x, cos, sin)
+    # K/V keep their K heads: dot_product_attention groups the H query heads over them.
+    impl = attention_implementation(self.config.attention, self.config.head_dim, x.dtype)
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return self.after_attention(x, att)
+
+  def attention_inputs(self, x: jax.Array, cos: jax.Array,
+                       sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q (B, T, H, hd), k and v (B, T, K, hd) of x (B, T, D), q and k
+    rotated by cos, sin ((T, hd / 2), or (B, T, hd / 2) per row)."""
     config = self.config
     B, T, _ = x.shape
     H, K, hd = config.n_head, config.n_kv_head, config.head_dim
@@ -374,11 +390,12 @@ class Block(nnx.Module):
     q, k, v = qkv[:, :, :H], qkv[:, :, H:H + K], qkv[:, :, H + K:]  # (B, T, H|K|K, hd)
     if config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    # K/V keep their K heads: dot_product_attention groups the H query heads over them.
-    impl = attention_implementation(config.attention, config.head_dim, x.dtype)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    x = x + self.o(att.reshape(B, T, H * hd))  # (B, T, D)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+  def after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
+    """The block's output (B, T, D) from its input x and the attention's (B, T, H, hd)."""
+    B, T, _ = x.shape
+    x = x + self.o(att.reshape(B, T, self.config.n_head * self.config.head_dim))  # (B, T, D)
     gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)  # each (B, T, F)
     return x + self.down(jax.nn.silu(gate) * up)
 
@@ -418,10 +435,29 @@ class Llama(nnx.Module):
     if config.sliding_window is not None and T > config.sliding_window:
       raise ValueError(f"sequence of {T} tokens is longer than the model's sliding window of "
                        f"{config.sliding_window}, which jzo does not implement")
-    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * _inv_freq(config)  # (T, hd / 2)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = _rope(config, jnp.arange(T, dtype=jnp.float32))  # each (T, hd / 2)
     x = self.embed[...][tokens]  # (B, T, D)
     return self.norm(common.scan_layers(self.layers, x, config.remat, cos, sin))
+
+  def prefill(self, tokens: jax.Array, last: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Float32 logits (B, V) at positions `last` (B,) of prompts `tokens`
+    (B, T) from position 0, and `cache` (common.kv_cache's) holding their
+    keys and values."""
+    cos, sin = _rope(self.config, jnp.arange(tokens.shape[1], dtype=jnp.float32))
+    x, cache = common.prefill_layers(self.layers, self.embed[...][tokens], cache, cos, sin)
+    return self.logits(x[jnp.arange(x.shape[0]), last]), cache
+
+  def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Float32 logits (B, V) after one token a row, `tokens` (B,) at
+    `positions` (B,), and `cache` with their keys and values added."""
+    cos, sin = _rope(self.config, positions[:, None].astype(jnp.float32))  # each (B, 1, hd / 2)
+    x = self.embed[...][tokens[:, None]]  # (B, 1, D)
+    x, cache = common.decode_layers(self.layers, x, cache, positions, cos, sin)
+    return self.logits(x[:, 0]), cache
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Float32 logits (B, V) of the last layer's output x (B, D)."""
+    return (self.norm(x) @ self.head().T).astype(jnp.float32)
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -455,9 +491,26 @@ def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
                                      batch.get("loss_weight"))
 
 
-def generate(config: LlamaConfig, params: dict, prompt: np.ndarray, n_tokens: int,
-             key: jax.Array, temperature: float = 0.8) -> np.ndarray:
-  """Samples n_tokens after `prompt` (1-D ids); returns only the new ones
-  (`sampling.generate`, over a window of min(seq_len, prompt + n_tokens) tokens)."""
-  return sampling.generate(functools.partial(forward, config), params, prompt, n_tokens,
-                           min(config.seq_len, len(prompt) + n_tokens), key, temperature)
+def prefill(config: LlamaConfig, params: dict, tokens: jax.Array, last: jax.Array,
+            cache: dict) -> tuple[jax.Array, dict]:
+  """Llama.prefill as a function of the params: float32 logits (B, V) at
+  positions `last` (B,) of prompts `tokens` (B, T), and the filled cache."""
+  return common.bind(Llama, config, params).prefill(tokens, last, cache)
+
+
+def decode(config: LlamaConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+           cache: dict) -> tuple[jax.Array, dict]:
+  """Llama.decode as a function of the params: float32 logits (B, V) after
+  `tokens` (B,) at `positions` (B,), and the cache with them added."""
+  return common.bind(Llama, config, params).decode(tokens, positions, cache)
+
+
+def init_cache(config: LlamaConfig, batch: int, length: int, dtype) -> dict:
+  """An empty key/value cache for `batch` sequences of up to `length` tokens."""
+  return common.kv_cache(config.n_layer, batch, length, config.n_kv_head, config.head_dim, dtype)
+
+
+def context_length(config: LlamaConfig) -> int:
+  """The most tokens a sequence may hold: the context, or the sliding window where
+  it is shorter (jzo does not slide it)."""
+  return min(config.seq_len, config.sliding_window or config.seq_len)

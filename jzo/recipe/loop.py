@@ -22,6 +22,7 @@ import jzo
 from jzo import checkpoint
 from jzo.parallel import distributed
 from jzo.kernels.cpu_adam import MOMENT_DTYPES
+from jzo.models import decoding
 from jzo.recipe import data as data_lib, models
 from jzo.recipe.logs import (Throughput, banner, log_line, peak_tflops, plot, step_record,
                              tensorboard_log)
@@ -213,10 +214,21 @@ def sample_params(engine: jzo.ZeroEngine):
 
 
 def print_sample(model: models.Model, params, data: data_lib.Data, cfg: TrainConfig):
-  """Generates from a prompt taken from the held-out split."""
-  prompt = data.val_tokens[:32]
-  new = model.family.module.generate(model.config, params, prompt, cfg.sample_tokens,
-                                     jax.random.PRNGKey(cfg.seed))
+  """Generates --sample-tokens from a prompt taken from the held-out split,
+  sampled at temperature 0.8 (jzo.models.decoding); where the model's
+  context fills, it goes on from the last half of the context."""
+  context = model.max_seq_len
+  prompt = data.val_tokens[:min(32, context // 2)].tolist()
+  stop = [] if data.tokenizer is None or data.tokenizer.eos_id is None else [data.tokenizer.eos_id]
+  generator = decoding.Generator(model.config, params)
+  new: list[int] = []
+  while len(new) < cfg.sample_tokens:
+    window = (prompt + new)[-(context // 2):] if new else prompt
+    sampling = decoding.Sampling(temperature=0.8, seed=cfg.seed + len(new))
+    drawn = generator.generate([window], cfg.sample_tokens - len(new), sampling, stop)[0]
+    new += drawn
+    if len(window) + len(drawn) < context:  # all of them, or a stop token
+      break
   if data.tokenizer is not None:
     decode = lambda ids: data.tokenizer.backend.decode([int(i) for i in ids])
   elif data.vocab == data_lib.BYTE_VOCAB:
