@@ -119,7 +119,7 @@ def prefill_layers(layers: nnx.Module, x: jax.Array, cache: dict, *args) -> tupl
     start = (layer, 0, 0, 0, 0)
     return att, {"k": jax.lax.dynamic_update_slice(cache["k"], k[None], start),
                  "v": jax.lax.dynamic_update_slice(cache["v"], v[None], start)}
-  return _cached_layers(layers, x, cache, attend, *args)
+  return _cached_layers(layers, x, cache, attend, False, *args)
 
 
 def decode_layers(layers: nnx.Module, x: jax.Array, cache: dict, positions: jax.Array,
@@ -135,14 +135,18 @@ def decode_layers(layers: nnx.Module, x: jax.Array, cache: dict, positions: jax.
     att = jax.nn.dot_product_attention(q, cache["k"][layer], cache["v"][layer],
                                        key_value_seq_lengths=positions + 1, implementation="xla")
     return att, cache
-  return _cached_layers(layers, x, cache, attend, *args)
+  # Unrolled: each layer's weights are then a static slice, which the matmul
+  # reads in place; a scan's dynamic slice is copied out first, which triples
+  # the bytes a token moves (weights read, written, read again).
+  return _cached_layers(layers, x, cache, attend, True, *args)
 
 
 def _cached_layers(layers: nnx.Module, x: jax.Array, cache: dict, attend: Callable,
-                   *args) -> tuple[jax.Array, dict]:
-  """x through the stacked layers as one scan, the whole cache carried (so
-  each layer updates it in place) and `attend(config, q, k, v, cache,
-  layer index)` giving each layer's attention and the updated cache."""
+                   unroll: bool, *args) -> tuple[jax.Array, dict]:
+  """x through the stacked layers as one scan (unrolled or not), the whole
+  cache carried (so each layer updates it in place) and `attend(config, q,
+  k, v, cache, layer index)` giving each layer's attention and the updated
+  cache."""
   block, params = nnx.split(layers)
 
   def step(carry, layer_params):
@@ -152,5 +156,6 @@ def _cached_layers(layers: nnx.Module, x: jax.Array, cache: dict, attend: Callab
     att, cache = attend(module.config, q, k.astype(cache["k"].dtype),
                         v.astype(cache["v"].dtype), cache, layer)
     return (module.after_attention(x, att), cache, layer + 1), None
-  (x, cache, _), _ = jax.lax.scan(step, (x, cache, 0), nnx.to_pure_dict(params))
+  (x, cache, _), _ = jax.lax.scan(step, (x, cache, 0), nnx.to_pure_dict(params),
+                                  unroll=unroll)
   return x, cache

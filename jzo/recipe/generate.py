@@ -223,6 +223,9 @@ class GenerateConfig:
   """the random draws are a function of the seed"""
   dtype: Literal["auto", "float32", "bfloat16"] = "auto"
   """of the weights: auto is bfloat16 on a GPU, float32 on a CPU"""
+  compile_cache: str = "~/.cache/jzo/xla"
+  """folder that keeps the compiled programs for later runs ("": none); a first run on a GPU
+  compiles for tens of seconds"""
 
 
 def check(cfg: GenerateConfig) -> decoding.Sampling:
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     sampling = check(cfg)
     if cfg.input is None and cfg.prompt is None and not cfg.chat and sys.stdin.isatty():
       raise GenerateError("give a prompt: --prompt TEXT, standard input, --chat or --input FILE")
+    if cfg.compile_cache:
+      jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache)
+                                                         .expanduser()))
     model = load(cfg)
     generator = decoding.Generator(model.config, model.params)
     if cfg.input is not None:
