@@ -115,6 +115,21 @@ def test_help_of_export(capsys, monkeypatch):
   check_help_lists_every_option(export.ExportConfig, capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("module, doc", [
+    ("jzo.train", lambda: train.__doc__), ("jzo.estimate", lambda: estimate_cli.__doc__),
+    ("jzo.export", lambda: export.ExportConfig.__doc__)], ids=["train", "estimate", "export"])
+def test_help_opens_with_whole_sentences(module, doc):
+  """Each command's --help opens with the first paragraph of its docstring,
+  whole: the lines of a wrapped sentence joined, nothing cut."""
+  done = run_module(module, "--help")
+  assert done.returncode == 0, done.stderr
+  description = done.stdout.split("\n\n")[1]  # after the usage line, before the presets
+  assert description == config_lib.first_paragraph(doc()), description
+  assert re.fullmatch(r"[`A-Z].*[.!?]", description), description
+  assert description.count("(") == description.count(")"), description
+  assert description.count("`") % 2 == 0, description
+
+
 def test_a_mistake_through_each_real_entry_point(tmp_path):
   # One the recipe finds after JAX has started, one the parser finds.
   done = run_module("jzo.train", "--lr", "-1", "--out", str(tmp_path))
@@ -281,6 +296,32 @@ def test_estimate_plans_the_overlapping_step_unless_told_not_to():
   assert share(overlap.stdout) < share(after.stdout)
 
 
+@pytest.mark.parametrize("batch, micro", [("64", "auto"), ("64", "4"), ("12", "auto")])
+def test_estimate_makes_the_global_batch_as_train_does(capsys, batch, micro):
+  """--batch-size is the global batch and --micro-batch a device's share of
+  one forward and backward in jzo.estimate as in jzo.train: on a device of
+  the same memory both make the batch the same way (auto: the largest
+  micro-batch that fits, with the accumulation that makes up the rest)."""
+  import jax
+  from jzo.recipe import loop, models
+  from jzo.recipe.options import TrainConfig
+  args = ["--model", "gpt2-350m", "--batch-size", batch, "--micro-batch", micro,
+          "--seq-len", "1024", "--devices", "2", "--device-gb", "3"]
+  assert estimate_cli.main(args) == 0
+  lines = capsys.readouterr().out.splitlines()
+  cfg = TrainConfig(model="gpt2-350m", batch_size=int(batch), micro_batch=micro, seq_len=1024,
+                    devices=2, device_memory_gb=3)
+  micro_batch, line = loop.micro_batch(cfg, models.PRESETS["gpt2-350m"], jax.devices()[:2])
+  if micro == "auto":
+    assert lines[1] == line and 1 < micro_batch < int(batch) // 2, (lines[1], line)
+  else:  # (jzo.train's line does not say where the micro-batches are summed)
+    assert micro_batch == 4 and re.fullmatch(r"micro-batch 4 a device x 8 accumulation summed "
+                                             r"on the (host|device) x 2 devices = global batch "
+                                             r"64 \(--micro-batch\)", lines[1]), lines[1]
+  want = re.match(r"micro-batch (\d+) a device x (\d+) accumulation", lines[1])
+  assert int(want[1]) * int(want[2]) * 2 == int(batch)
+
+
 def test_estimate_runs_the_layers_first_with_accumulation():
   """gpt2-10b at 4 x 8 with --grads-in-params on an 80 GB device, as
   jzo.estimate and jzo.train plan it: the layers first (every micro-batch's
@@ -291,23 +332,26 @@ def test_estimate_runs_the_layers_first_with_accumulation():
   import jax
   import jzo
   from jzo.models import gpt
-  kw = dict(batch_size=8, grad_accum=4, stage=3, grads_in_params=True, offload="auto",
-            device_memory=int(79.19 * 2**30), host_memory=int(122.56 * 2**30))
-  first = estimate_cli.estimate_model("gpt2-10b", **kw)
-  assert first.fits and first.plan.layers_first
+  kw = dict(stage=3, grads_in_params=True, offload="auto", device_memory=int(79.19 * 2**30),
+            host_memory=int(122.56 * 2**30))
+  picked = estimate_cli.estimate_model("gpt2-10b", batch_size=32, micro_batch=8, **kw)
+  first = picked.estimate
+  assert (picked.micro_batch, picked.grad_accum, picked.accumulation) == (8, 4, "layers")
+  assert picked.line == ("micro-batch 8 a device x 4 accumulation with the layers first x 1 "
+                         "device = global batch 32")
+  assert first.fits and first.plan.layers_first and first.plan.grad_accum == 4
   peak = first.plan.device_peak(first.activations)
   assert peak["float32 sums"] < 2 * 2**30 and peak["activations"] > 15 * 2**30
   assert first.plan.overlaps_update and "fetched layers" not in peak  # (measured: none)
   sums = jzo.estimate(jax.eval_shape(lambda: gpt.init_params(gpt.PRESETS["gpt2-10b"],
                                                              jax.random.PRNGKey(0))),
                       activations=gpt.activation_bytes(gpt.PRESETS["gpt2-10b"], 8, 1024),
-                      layers="blocks", accumulation="device", **{
-                          k: v for k, v in kw.items() if k != "batch_size"})
+                      layers="blocks", accumulation="device", grad_accum=4, **kw)
   assert sums.fits and not sums.plan.layers_first
   assert first.plan.offloaded_fraction < sums.plan.offloaded_fraction - 0.15
   # 256 sequences' layer inputs (100 GiB) do not fit: the sums (38 GiB) do
-  many = estimate_cli.estimate_model("gpt2-10b", **{**kw, "grad_accum": 32})
-  assert many.fits and not many.plan.layers_first
+  many = estimate_cli.estimate_model("gpt2-10b", batch_size=256, micro_batch=8, **kw)
+  assert many.grad_accum == 32 and many.estimate.fits and not many.estimate.plan.layers_first
 
 
 def test_offload_params_offloads_nothing_where_the_weights_fit():
@@ -525,6 +569,7 @@ TRAIN_MISTAKES = [
     ("resume", ["--resume"], "--resume: no complete checkpoint in"),
     ("fresh_start_ok", ["--fresh-start-ok"], "--fresh-start-ok only applies with --resume"),
     ("sample", ["--sample"], "--sample: no complete checkpoint in"),
+    ("tensorboard", ["--tensorboard", "yes"], "Unrecognized options: yes"),
     ("out", ["--out", "/dev/null"], "--out /dev/null is a file, not a folder"),
     (None, ["--stepz", "3"], "Unrecognized options: --stepz, 3"),
     (None, ["--lr"], "Missing value for argument '--lr'"),
@@ -546,7 +591,16 @@ ESTIMATE_MISTAKES = [
     ("moments", ["--model", "tiny", "--moments", "int8", "--offload", "false"],
      "int8 moments are kept in host memory: offload must be True or 'auto', got False"),
     ("precision", ["--model", "tiny", "--precision", "fp8"], "invalid choice 'fp8' for argument"),
-    ("grad_accum", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    ("batch_size", ["--model", "tiny", "--batch-size", "6", "--devices", "4"],
+     "--batch-size 6 does not split over 4 devices (6 = 1 x 4 + 2)"),
+    ("micro_batch", ["--model", "tiny", "--micro-batch", "0"],
+     "--micro-batch must be auto or a whole number >= 1, got '0'"),
+    ("micro_batch", ["--model", "tiny", "--micro-batch", "some"],
+     "--micro-batch must be auto or a whole number >= 1, got 'some'"),
+    ("micro_batch", ["--model", "tiny", "--batch-size", "8", "--devices", "2", "--micro-batch",
+                     "3"], "--batch-size 8 over 2 devices is 4 a device, not a multiple of "
+     "--micro-batch 3"),
+    ("micro_batch", ["--model", "tiny", "--grad-accum", "4"], "Unrecognized options: --grad-accum"),
     ("delayed_update", ["--model", "tiny", "--delayed-update", "--offload", "false"],
      "--delayed-update needs --offload"),
     ("grads_in_params", ["--model", "tiny", "--grads-in-params"],

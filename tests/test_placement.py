@@ -318,7 +318,8 @@ def test_the_device_is_checked_against_the_landing_buffers_the_plan_chose(capsys
   """Where a whole set of landing buffers would not fit the device beside the
   exchange, the update streams through spans: the device is checked against
   that plan, the one the table shows, not against the set it replaced."""
-  gpt2_20b = ("--model", "gpt2-20b", "--moments", "int8", "--host-gb", "125")
+  gpt2_20b = ("--model", "gpt2-20b", "--moments", "int8", "--host-gb", "125", "--batch-size",
+              "8", "--micro-batch", "8")
   out = estimate_here(capsys, *gpt2_20b, "--device-gb", "85")
   assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stdout
   assert "landing (streamed)" in out.stdout
@@ -345,30 +346,42 @@ def test_estimate_cli_help_and_bad_input(capsys):
 
 
 def test_the_host_check_counts_a_checkpoints_save():
-  """checkpoint_memory is counted beside the offloaded state; a plan it
-  alone pushes past the host says so, and the engine refuses the same
-  before drawing anything."""
+  """checkpoint_memory is counted beside the offloaded state, up to what a
+  save of this state can hold (`save_bytes`: a small model's is far below
+  jzo.checkpoint.SAVE_HOST_BYTES); a plan it alone pushes past the host
+  says so, and the engine refuses the same before drawing anything."""
   params = init_params()
   need = jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
                       host_memory=1 << 40)
   total = sum(need.plan.host_bytes().values()) + need.plan.runtime_bytes
-  # Room for the state (and its build), not for 2.5 GiB more: the estimate's
-  # GPUs have pinned pools, the engine's CPU devices none.
-  host = total + need.plan.pool_overhead() + 2**30
+  elements = sum(l.shards * l.shard_size * (l.shape[0] if l.per_layer else 1)
+                 for l in need.plan.leaves)
+  figure = plan_lib.save_bytes(12 * elements)  # float32 masters and two moments
+  assert figure < checkpoint.SAVE_HOST_BYTES
+  said = f"checkpoint writes {figure / 2**30:.2f} GiB"
+  # Room for the state and its build, not for the save: the estimate's GPUs
+  # have pinned pools, the engine's CPU devices none.
+  host = total + need.plan.pool_overhead() + plan_lib.BUILD_CHUNK_BYTES + figure // 2
   assert jzo.estimate(params, devices=8, offload=True, device_memory=10**9,
                       host_memory=host).fits
   saved = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=host,
                        checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
-  assert not saved.fits and saved.plan.checkpoint_bytes == checkpoint.SAVE_HOST_BYTES
-  assert "checkpoint writes 2.50 GiB" in saved.error
-  assert "it fits without the 2.50 GiB a checkpoint's save takes" in saved.error
+  assert not saved.fits and saved.plan.checkpoint_bytes == figure
+  assert said in saved.error, saved.error
+  assert f"it fits without the {figure / 2**30:.2f} GiB a checkpoint's save takes" in saved.error
   # The refused plan it shows is the GPUs' plan, not checked: their pools, as where it fits.
   assert saved.plan.pool_overhead() == need.plan.pool_overhead() > 0
   assert saved.plan.draw_floor == need.plan.draw_floor == 0
-  with pytest.raises(jzo.PlacementError, match="checkpoint writes 2.50 GiB"):
+  on_cpus = plan_lib.make_plan(params, 8, jzo.EngineOptions(offload=True), n_devices=8)
+  with pytest.raises(jzo.PlacementError, match=said):
     jzo.ZeroEngine(loss_fn, init_params, TX(), options=jzo.EngineOptions(offload=True),
-                   mesh=mesh_of(8), host_memory=total + 2**30,
+                   mesh=mesh_of(8), host_memory=total + on_cpus.build_bytes() + figure // 2,
                    checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+  # A large state's save counts the whole of SAVE_HOST_BYTES.
+  large = {"w": jax.ShapeDtypeStruct((2**28,), jnp.float32)}
+  assert jzo.estimate(large, offload=True, device_memory=10**9, host_memory=1 << 40,
+                      checkpoint_memory=checkpoint.SAVE_HOST_BYTES
+                      ).plan.checkpoint_bytes == checkpoint.SAVE_HOST_BYTES
   # Where the state alone does not fit either, the message does not blame the save.
   tight = jzo.estimate(params, devices=8, offload=True, device_memory=10**9, host_memory=2**30,
                        checkpoint_memory=checkpoint.SAVE_HOST_BYTES)

@@ -183,6 +183,21 @@ def estimate_micro_batch(params, activation_bytes: Callable[..., int], micro: in
   return estimates[0]
 
 
+def batch_line(plan: Plan, micro_batch: int, devices: int) -> str:
+  """How a plan's global batch is made, for a person to read: "micro-batch
+  8 a device x 4 accumulation summed on the host x 1 device = global batch
+  32" (the plan's grad_accum micro-batches of `micro_batch` sequences a
+  device, and where they are summed)."""
+  accum = plan.grad_accum
+  where = ""
+  if accum > 1 and plan.layers_first:
+    where = " with the layers first"
+  elif accum > 1 and plan.cpu_adam:
+    where = " summed on the host" if plan.host_accumulation else " summed on the device"
+  return (f"micro-batch {micro_batch} a device x {accum} accumulation{where} x {devices} "
+          f"device{'s' if devices > 1 else ''} = global batch {micro_batch * accum * devices}")
+
+
 def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices: int,
                      global_batch: int, **options) -> MicroBatch:
   """The largest micro-batch whose plan fits, and the accumulation that
@@ -229,15 +244,9 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     accumulation, found = estimate_micro_batch(shapes, activation_bytes, micro, devices=devices,
                                                grad_accum=accum, **options)
     if found.fits:
-      where = ""
-      if accum > 1 and found.plan.layers_first:
-        where = " with the layers first"
-      elif accum > 1 and found.plan.cpu_adam:
-        where = " summed on the host" if found.plan.host_accumulation else " summed on the device"
       why = f" ({refused[0]} does not fit: {refused[1]})" if refused else ""
-      line = (f"micro-batch {micro} a device x {accum} accumulation{where} x {devices} "
-              f"device{'s' if devices > 1 else ''} = global batch {global_batch}{why}")
-      return MicroBatch(micro, accum, accumulation, found, line)
+      return MicroBatch(micro, accum, accumulation, found,
+                        batch_line(found.plan, micro, devices) + why)
     refused = (micro, found.error)  # the next larger, reported if a smaller one fits
   raise PlacementError(f"global batch {global_batch} on {devices} device(s): no micro-batch "
                        f"fits, not even 1 a device x {per_device} accumulation: {found.error}")

@@ -141,7 +141,8 @@ class Plan:
   # in the backward pass (jzo.scan_layers); the host update writes them back.
   grads_in_params: bool = False
   # Host RAM a checkpoint's save takes beside the state while it writes (0:
-  # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them).
+  # none counted; jzo.checkpoint.SAVE_HOST_BYTES where the run saves them,
+  # or `save_bytes` of a state too small to fill it).
   checkpoint_bytes: int = 0
   # Host RAM of one process's runtime (CUDA, XLA, Python: host_runtime_bytes).
   runtime_bytes: int = HOST_RUNTIME_BYTES
@@ -435,39 +436,53 @@ def shard_rows(layout: LeafLayout) -> int:
   return layout.shape[0] if layout.per_layer else 1
 
 
+def count_text(n: int) -> str:
+  """A parameter count for a person: 10.279B, 124.44M, 0.14M, 3.2K, 512."""
+  if n >= 1e9:
+    return f"{n / 1e9:.3f}B"
+  if n >= 1e5:
+    return f"{n / 1e6:.2f}M"
+  return f"{n / 1e3:.1f}K" if n >= 1e3 else str(n)
+
+
+def bytes_text(n: int) -> str:
+  """Bytes in the binary unit that fits, 8 columns and the unit: "   19.15 GiB"."""
+  for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      break
+  return f"{n / size:8.2f} {unit}"
+
+
 def format_plan(plan: Plan, activations: int | None = None,
                 device_memory: int | None = None, host_memory: int | None = None) -> str:
-  """A table of what lives where, in GiB, for a person to read at a glance."""
-  gib = lambda b: f"{b / GiB:8.2f}"
-  rows = [f"ZeRO stage {plan.stage} on {plan.n_devices} device(s), {plan.n_params / 1e9:.3f}B "
+  """A table of what lives where, for a person to read at a glance: a row
+  for each part that takes memory, each in the unit that fits it."""
+  row = lambda name, b: f"  {name:<22}{bytes_text(b)}"
+  of = lambda total, memory: (row(total[0], total[1])
+                              + (f"  of {bytes_text(memory).strip()} available" if memory else ""))
+  rows = [f"ZeRO stage {plan.stage} on {plan.n_devices} device(s), {count_text(plan.n_params)} "
           f"params, {np.dtype(plan.compute_dtype).name} compute, optimizer state "
           f"{100 * (1 - plan.offloaded_fraction):.1f}% on the device, "
           f"{100 * plan.offloaded_fraction:.1f}% on the host"
           + (", delayed update" if plan.delayed_update else "")
           + _weights_on_host(plan)]
   peak = plan.device_peak(activations or 0)
-  rows.append(f"  {'per device':<22}{'GiB':>8}")
-  for name, b in peak.items():
-    if b or name in ("params", "activations"):
-      rows.append(f"  {name:<22}{gib(b)}")
-  rows.append(f"  {'total (peak)':<22}{gib(sum(peak.values()))}"
-              + (f"  of {device_memory / GiB:.2f} available" if device_memory else ""))
+  rows.append("  per device")
+  rows += [row(name, b) for name, b in peak.items() if b]
+  rows.append(of(("total (peak)", sum(peak.values())), device_memory))
   if plan.cpu_adam:
     host = plan.host_bytes()
-    where = "host" if plan.processes == 1 else f"host, each of {plan.processes} processes"
-    rows.append(f"  {where:<22}{'GiB':>8}")
-    for name, b in host.items():
-      name = "landing (streamed)" if name == "landing" and plan.streamed else name
-      rows.append(f"  {name:<22}{gib(b)}")
-    overhead = plan.pool_overhead()
-    rows.append(f"  {'pinned pool overhead':<22}{gib(overhead)}")
-    rows.append(f"  {'runtime (CUDA, XLA)':<22}{gib(plan.runtime_bytes)}")
-    if plan.checkpoint_bytes:
-      rows.append(f"  {'checkpoint writes':<22}{gib(plan.checkpoint_bytes)}")
-    total = sum(host.values()) + overhead + plan.runtime_bytes + plan.checkpoint_bytes
-    rows.append(f"  {'total':<22}{gib(total)}"
-                + (f"  of {host_memory / GiB:.2f} available" if host_memory else ""))
+    if plan.streamed:
+      host["landing (streamed)"] = host.pop("landing")
+    # A GPU's runtime (CUDA and the allocator's table) or a CPU process's.
+    runtime = "runtime (CUDA, XLA)" if plan.pinned_pools else "runtime (Python, XLA)"
+    host.update({"pinned pool overhead": plan.pool_overhead(), runtime: plan.runtime_bytes,
+                 "checkpoint writes": plan.checkpoint_bytes})
+    rows.append("  host" if plan.processes == 1 else f"  host, each of {plan.processes} processes")
+    rows += [row(name, b) for name, b in host.items() if b]
+    rows.append(of(("total", sum(host.values())), host_memory))
     seconds = plan.host_elements / plan.processes / HOST_UPDATE_PARAMS_PER_S
-    rows.append(f"  host update about {seconds:.2f} s a step at "
-                f"{HOST_UPDATE_PARAMS_PER_S / 1e9:.1f} Gparam/s")
+    took = f"{seconds:.2f} s" if seconds >= 0.01 else f"{1e3 * seconds:.2f} ms"
+    rows.append(f"  host update about {took} a step at {HOST_UPDATE_PARAMS_PER_S / 1e9:.1f} "
+                "Gparam/s")
   return "\n".join(rows)

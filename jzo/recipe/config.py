@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 import os
@@ -36,14 +37,15 @@ def parse(cls, argv: list[str] | None = None, description: str = "", prog: str |
   Args:
     cls: a dataclass; each field an option, the docstring under it its help.
     argv: the arguments (default: sys.argv[1:]).
-    description: the first paragraph of --help.
+    description: the command's docstring: its first paragraph, whole, opens
+      --help.
     prog: the program's name in --help and errors (e.g. "python -m jzo.train").
 
   Raises:
     SystemExit: 0 after --help; 2 after printing a one-line error.
   """
   argv = list(sys.argv[1:] if argv is None else argv)
-  description = f"{description}\n\n{CONFIG_HELP}"
+  description = f"{first_paragraph(description)}\n\n{CONFIG_HELP}"
   try:
     preset, argv = _take_config(argv)
     args = _preset_args(cls, preset) + argv if preset else argv
@@ -59,6 +61,12 @@ def parse(cls, argv: list[str] | None = None, description: str = "", prog: str |
     if e.code:
       _fail(_one_line(errors.getvalue()) + (f" (after the values of {preset})" if preset else ""))
     raise
+
+
+def first_paragraph(doc: str) -> str:
+  """The first paragraph of a docstring as one line (the lines of a wrapped
+  sentence joined, never cut)."""
+  return " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())
 
 
 def _fail(message: str):
