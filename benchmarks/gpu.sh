@@ -42,6 +42,8 @@
 #                      optax; int8 against fp32 moments
 #   moments-quality    gpt2-124m's loss with fp32, bf16 and int8 moments, 2000 steps
 #   checkpoint-io      save and restore of gpt2-10b's int8 state and gpt2-4b's fp32 state
+#   generate           llama-3.1-8b in bfloat16, a 2,048-token prompt then 256 tokens: jzo's
+#                      KV-cache decoding against transformers' generate, 3 rounds in turn
 #   smoke-jzo          each jzo benchmark (train_gpt, train_llama, largest_model, zero_stages,
 #                      moments_quality, checkpoint_io) at one small point on this machine
 #   smoke-peers        each peer and host benchmark (peers_gpt and peers_hf under DeepSpeed,
@@ -87,13 +89,14 @@ b32() {  # NAME MODEL MOMENTS ACCUM MICRO FLAGS...: train_gpt.py at stage 3 + gr
 for part in "$@"; do
   case $part in
     tests)
-      for m in jzo.train jzo.estimate jzo.export; do
+      for m in jzo.train jzo.estimate jzo.export jzo.generate; do
         python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
       done
       JAX_PLATFORMS=cuda,cpu pytests tests-gpu 300 tests/test_offload_gpu.py
       pytests tests-cpu 900 tests/test_transfer.py tests/test_streaming.py tests/test_offload.py \
         tests/test_accumulation.py tests/test_placement.py tests/test_engine.py \
-        tests/test_cpu_adam.py tests/test_quant8.py tests/test_benchmarks.py ;;
+        tests/test_cpu_adam.py tests/test_quant8.py tests/test_benchmarks.py \
+        tests/test_generate.py ;;
     throughput) bench $part $part figures.py 1.5b 4b ;;
     largest-model) bench $part $part figures.py 10b 13b edges ;;
     gpt2-20b)
@@ -140,6 +143,9 @@ for part in "$@"; do
     checkpoint-io)
       bench $part $part checkpoint_io.py --model gpt2-10b --offload true --moments int8
       bench $part $part-fp32 checkpoint_io.py --model gpt2-4b --offload true --moments fp32 ;;
+    generate)
+      bench $part $part generate_speed.py --shape llama-3.1-8b --prompt 2048 --new-tokens 256 \
+        --rounds 3 ;;
     smoke-jzo)
       bench $part $part-train-gpt train_gpt.py --model gpt2-124m --configs device offload_dpu \
         --batch 8 --steps 3

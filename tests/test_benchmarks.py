@@ -1,6 +1,6 @@
-"""The GPU training benchmarks (benchmarks/train_gpt.py, train_llama.py,
+"""The GPU benchmarks (benchmarks/train_gpt.py, train_llama.py,
 peers_gpt.py, peers_hf.py, figures.py, largest_model.py, zero_stages.py,
-plot.py) at the tiny size on the CPU, and the GPU driver benchmarks/gpu.sh:
+generate_speed.py, plot.py) at the tiny size on the CPU, and the GPU driver benchmarks/gpu.sh:
 each script's --help, a run of each in a subprocess whose JSON record is
 checked (status ok, the fields plot.py and docs/results.md read there, the
 figures positive), every figure drawn from benchmarks/records/, and every
@@ -39,6 +39,9 @@ RUNS = {  # name: (script, arguments)
                                            "--run", "--steps", "1"]),
     "zero_stages": ("zero_stages.py", ["--model", "tiny", "--batch-per-gpu", "2", "--gpus", "1",
                                        "--stages", "2", *TINY]),
+    "generate_speed": ("generate_speed.py", ["--shape", "llama-tiny", "--prompt", "16",
+                                             "--new-tokens", "8", "--rounds", "2", "--caches",
+                                             "dynamic", "--device", "cpu"]),
 }
 SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py"})
 # The fields of a train_gpt.py / train_llama.py point that plot.py and docs/results.md read.
@@ -148,6 +151,18 @@ def test_zero_stages(records):
   (point,) = points(records, "zero_stages")
   assert point["status"] == "ok" and point["stage"] == 2 and point["gpus"] == 1, point
   check_positive(point, ("step_s", "tokens_per_s", "tflops", "x_one_gpu"))
+
+
+def test_generate_speed_against_transformers(records):
+  ours, theirs = points(records, "generate_speed")
+  assert (ours["system"], theirs["system"]) == ("jzo", "transformers dynamic cache")
+  for point in (ours, theirs):
+    assert point["status"] == "ok" and point["prompt"] == 16 and point["new_tokens"] == 8, point
+    check_positive(point, ("prefill_tokens_per_s", "decode_tokens_per_s"))
+    assert len(point["decode_tokens_per_s_rounds"]) == 2
+  check_positive(ours, ("param_bytes", "copy_bandwidth_gb_s", "decode_limit_tokens_per_s"))
+  ratio = ours["decode_vs_transformers_dynamic_cache"]
+  assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
 
 
 def test_plot_draws_every_figure_from_the_records(tmp_path):
