@@ -132,10 +132,12 @@ def measure(args) -> list[dict]:
                            "decode_tokens_per_s": (args.new_tokens - 1) / rest})
   bandwidth = copy_bandwidth()
   limit = bandwidth / nbytes
+  import transformers
   points = []
   for name, measured in rounds.items():
     point = {"system": name, "status": "ok", "shape": args.shape, "prompt": args.prompt,
-             "new_tokens": args.new_tokens, "device": device}
+             "new_tokens": args.new_tokens, "device": device, "torch": torch.__version__,
+             "transformers": transformers.__version__}
     for field in ("prefill_tokens_per_s", "decode_tokens_per_s"):
       values = [r[field] for r in measured]
       point[field] = statistics.median(values)
@@ -180,4 +182,6 @@ def main():
 
 if __name__ == "__main__":
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+  # torch holds its copy of the model on the same GPU: JAX takes memory as it needs it.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   main()
