@@ -171,6 +171,10 @@ def test_bad_offload_options():
   with pytest.raises(TypeError, match="jzo.cpu_adam or jzo.cpu_adamw"):
     jzo.ZeroEngine(loss_fn, params, optax.adamw(1e-3), options=jzo.EngineOptions(offload=True),
                    mesh=mesh)
+  for moments in (dict(mu_dtype=jnp.float16), dict(nu_dtype=jnp.float16)):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8 moments, got mu_dtype"):
+      jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3, **moments),
+                     options=jzo.EngineOptions(offload=True), mesh=mesh)
   with pytest.raises(ValueError, match="needs offload=True"):
     jzo.ZeroEngine(loss_fn, params, jzo.cpu_adamw(1e-3),
                    options=jzo.EngineOptions(delayed_update=True), mesh=mesh)

@@ -43,7 +43,7 @@ from jzo.host.transfer import ShardTransfer, resolve_host_transfer
 from jzo.host.update import HostUpdate
 from jzo.host.whole import WholeUpdate
 from jzo.kernels import quant8
-from jzo.kernels.cpu_adam import CpuAdamTransform, cpu_adamw_with, decay_flags
+from jzo.kernels.cpu_adam import MOMENT_DTYPES, CpuAdamTransform, cpu_adamw_with, decay_flags
 from jzo.options import EngineOptions
 from jzo.parallel import distributed
 from jzo.state import build as state_lib
@@ -118,6 +118,10 @@ class ZeroEngine:
     if offloading and hyper is None:
       raise TypeError("offload runs the optimizer on the host: tx must be jzo.cpu_adam or "
                       "jzo.cpu_adamw (clip with max_grad_norm, not an optax chain)")
+    if offloading and not all(d in MOMENT_DTYPES.values()
+                              for d in (np.dtype(hyper.mu_dtype), np.dtype(hyper.nu_dtype))):
+      raise ValueError(f"offload's host Adam keeps float32, bfloat16 or int8 moments, got "
+                       f"mu_dtype {np.dtype(hyper.mu_dtype)}, nu_dtype {np.dtype(hyper.nu_dtype)}")
     mesh = mesh if mesh is not None else distributed.default_mesh(axis)
     if axis not in mesh.axis_names:
       raise ValueError(f"mesh has axes {mesh.axis_names}, no axis named {axis!r}")
