@@ -168,6 +168,11 @@ def test_sample_from_a_checkpoint(tmp_path, capsys):
   assert train.main(RESUMABLE + ["--steps", "2", "--warmup", "0", "--out", str(tmp_path),
                                  "--sample", "--sample-tokens", "12"]) == 0
   assert "--- sample" in capsys.readouterr().out
+  # The run's options come from its config.json: no training flag again.
+  assert train.main(["--out", str(tmp_path), "--sample", "--sample-tokens", "12"]) == 0
+  assert "--- sample" in capsys.readouterr().out
+  assert train.main(["--out", str(tmp_path), "--sample", "--seq-len", "16"]) == 2
+  assert "made with --seq-len 32, not 16" in capsys.readouterr().err
   assert train.main(RESUMABLE + ["--out", str(tmp_path / "none"), "--sample"]) == 2
   assert "--sample: no complete checkpoint in" in capsys.readouterr().err
 

@@ -31,7 +31,7 @@ from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 offload_placement, resident_count, weights_placement)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
                              check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
-                             remove_partial_checkpoints, restore_run, start_log)
+                             remove_partial_checkpoints, restore_run, start_log, with_run_options)
 from jzo.recipe.signals import Interrupted, Interrupts
 
 
@@ -253,6 +253,8 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   if stop is None:
     with Interrupts() as stop:
       return train(cfg, stop)
+  if cfg.sample:
+    cfg = with_run_options(cfg, pathlib.Path(cfg.out))
   check(cfg)
   model, params = source_model(cfg)
   check_for_model(cfg, model)

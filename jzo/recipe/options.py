@@ -109,7 +109,8 @@ class TrainConfig:
   fresh_start_ok: bool = False
   """with --resume: start at step 0 when --out has no checkpoint yet, or only unreadable ones"""
   sample: bool = False
-  """only generate --sample-tokens of text from the checkpoint in --out"""
+  """only generate --sample-tokens of text from the checkpoint in --out, with the run's own
+  options (python -m jzo.generate --run talks to it)"""
   out: str = "runs/latest"
   """output folder (config.json, metrics.jsonl, loss.png, checkpoints/)"""
 

@@ -34,6 +34,21 @@ def check_same_run(cfg: TrainConfig, out: pathlib.Path) -> None:
                       f"{saved_cfg.get(key)!r}, not {getattr(cfg, key)!r}")
 
 
+def with_run_options(cfg: TrainConfig, out: pathlib.Path) -> TrainConfig:
+  """`cfg` with the run's own values (its config.json in `out`) of the
+  RUN_KEYS and --devices left at their defaults: --sample needs no training
+  flag again. A flag given with another value than the run's is left for
+  check_same_run to refuse."""
+  try:
+    saved = json.loads((out / "config.json").read_text())
+  except (OSError, ValueError):
+    return cfg  # no run here: the checks that follow say so
+  defaults = TrainConfig()
+  taken = {key: saved[key] for key in (*RUN_KEYS, "devices")
+           if key in saved and getattr(cfg, key) == getattr(defaults, key)}
+  return dataclasses.replace(cfg, **taken)
+
+
 class EngineChanged(Exception):
   """No checkpoint could be read, and one failed while its values were
   being written into the engine: to start at step 0, build a new one."""
