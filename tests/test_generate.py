@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -158,11 +157,10 @@ def test_generation_ends_at_the_context_and_the_sliding_window():
 
 # The command line, as users call it.
 
-def _cli(*args, stdin: str | None = None, cache="") -> subprocess.CompletedProcess:
-  """`python -m jzo.generate ARGS --compile-cache CACHE`; stdout and stderr as
-  written (no newline translation)."""
-  args = [*map(str, args), "--compile-cache", str(cache)]
-  out = subprocess.run([sys.executable, "-m", "jzo.generate", *args],
+def _cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+  """`python -m jzo.generate ARGS` (compiling into the suite's cache); stdout
+  and stderr as written (no newline translation)."""
+  out = subprocess.run([sys.executable, "-m", "jzo.generate", *map(str, args)],
                        input=None if stdin is None else stdin.encode(), capture_output=True,
                        timeout=300, env=HIGHEST)
   out.stdout, out.stderr = out.stdout.decode(), out.stderr.decode()
@@ -199,12 +197,12 @@ def _their_reply(chat_model, messages: list[dict] | str, n: int) -> str:
 def test_a_prompt_streams_only_the_completion(chat_model, tmp_path):
   args = ("--hf", chat_model[0], "--prompt", "the quick brown fox", "--max-new-tokens", 20,
           "--dtype", "float32")
-  out = _cli(*args, cache=tmp_path)
+  out = _cli(*args, "--compile-cache", tmp_path)
   assert out.returncode == 0, out.stderr
   assert out.stdout == _their_reply(chat_model, "the quick brown fox", 20) + "\n"
   compiled = {p.name.split("-")[0] for p in tmp_path.iterdir()}
   assert {"jit__decode", "jit__prefill"} <= compiled  # a later run reads them
-  assert _cli(*args, cache=tmp_path).stdout == out.stdout
+  assert _cli(*args, "--compile-cache", tmp_path).stdout == out.stdout
 
 
 def test_a_conversation_keeps_its_turns(chat_model):
@@ -264,7 +262,7 @@ def test_a_training_run_and_its_export_generate_alike(tmp_path):
 ])
 def test_bad_input_is_one_line(chat_model, tmp_path, capsys, args, message):
   (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
-  args = [a.format(tmp=tmp_path, model=chat_model[0]) for a in args] + ["--compile-cache", ""]
+  args = [a.format(tmp=tmp_path, model=chat_model[0]) for a in args]
   assert generate_cli.main(args) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import pathlib
 import sys
 from typing import Iterator, Literal
@@ -223,9 +224,9 @@ class GenerateConfig:
   """the random draws are a function of the seed"""
   dtype: Literal["auto", "float32", "bfloat16"] = "auto"
   """of the weights: auto is bfloat16 on a GPU, float32 on a CPU"""
-  compile_cache: str = "~/.cache/jzo/xla"
-  """folder that keeps the compiled programs for later runs ("": none); a first run on a GPU
-  compiles for tens of seconds"""
+  compile_cache: str | None = None
+  """folder that keeps compiled programs for later runs (a first run on a GPU compiles for tens
+  of seconds); default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jzo/xla; "" for none"""
 
 
 def check(cfg: GenerateConfig) -> decoding.Sampling:
@@ -330,6 +331,13 @@ def _show(text: str) -> None:
   print(text, end="", flush=True)
 
 
+def compile_cache(flag: str | None) -> str | None:
+  """The folder of JAX's persistent compilation cache for --compile-cache (None: none)."""
+  if flag is None:
+    flag = os.environ.get("JAX_COMPILATION_CACHE_DIR") or "~/.cache/jzo/xla"
+  return str(pathlib.Path(flag).expanduser()) if flag else None
+
+
 def main(argv: list[str] | None = None) -> int:
   cfg = config_lib.parse(GenerateConfig, argv, prog="python -m jzo.generate",
                          description=inspect.cleandoc(GenerateConfig.__doc__))
@@ -337,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = check(cfg)
     if cfg.input is None and cfg.prompt is None and not cfg.chat and sys.stdin.isatty():
       raise GenerateError("give a prompt: --prompt TEXT, standard input, --chat or --input FILE")
-    if cfg.compile_cache:
-      jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.compile_cache)
-                                                         .expanduser()))
+    jax.config.update("jax_compilation_cache_dir", compile_cache(cfg.compile_cache))
     model = load(cfg)
     generator = decoding.Generator(model.config, model.params)
     if cfg.input is not None:
