@@ -57,9 +57,10 @@ def run_main(main, args: list[str]) -> tuple[int, list[str]]:
 
 
 def field_help(cls) -> dict[str, str]:
-  """Each field's docstring, from the class's source: the help tyro shows."""
+  """Each field's docstring, from the class's source: the help tyro shows
+  (a docstring of several lines as one)."""
   body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-  return {stmt.target.id: doc.value.value for stmt, doc in zip(body, body[1:])
+  return {stmt.target.id: " ".join(doc.value.value.split()) for stmt, doc in zip(body, body[1:])
           if isinstance(stmt, ast.AnnAssign) and isinstance(doc, ast.Expr)}
 
 
