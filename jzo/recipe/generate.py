@@ -137,25 +137,33 @@ def prompt_ids(model: Model, prompt: str | list[dict], chat: bool) -> list[int]:
 
 class TextStream:
   """Text of token ids that arrive one at a time: `add(id)` returns what is
-  new and whole (a character split over tokens waits for its last byte)."""
+  new and whole (a character split over tokens waits for its last byte).
+  Each call decodes only the last few tokens: the ones already shown from
+  `shown_from` (whose text it subtracts, so a decoder that treats the first
+  token of a piece apart still joins them right) and the new ones."""
 
   def __init__(self, tokenizer: tokens_lib.Tokenizer):
-    self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+    self.tokenizer, self.ids = tokenizer, []
+    self.shown_from = self.shown_to = 0  # ids[shown_from:shown_to]: shown, decoded again
+
+  def _decode(self, ids: list[int]) -> str:
+    return self.tokenizer.backend.decode(ids, skip_special_tokens=True)
 
   def add(self, token: int) -> str:
     self.ids.append(token)
-    text = self.tokenizer.backend.decode(self.ids, skip_special_tokens=True)
-    if text.endswith("\ufffd"):
+    new = self.rest()
+    if not new or new.endswith("\ufffd"):
       return ""
-    new, self.shown = text[self.shown:], len(text)
+    self.shown_from, self.shown_to = self.shown_to, len(self.ids)
     return new
 
   def rest(self) -> str:
-    """What `add` held back: the text's end, a character cut short included."""
-    return self.text()[self.shown:]
+    """The text of the ids not shown yet (a character cut short included)."""
+    shown = self._decode(self.ids[self.shown_from:self.shown_to])
+    return self._decode(self.ids[self.shown_from:])[len(shown):]
 
   def text(self) -> str:
-    return self.tokenizer.backend.decode(self.ids, skip_special_tokens=True)
+    return self._decode(self.ids)
 
 
 def complete(generator: decoding.Generator, model: Model, prompts: list[list[int]],
