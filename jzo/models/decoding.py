@@ -106,7 +106,7 @@ class Generator:
     config: a family's config (gpt.GPTConfig or llama.LlamaConfig).
     params: its params (nested dict of arrays, as the family's init_params
       makes), in the dtype to compute in; put on the default device once.
-    cache_dtype: the key/value cache's dtype; None: the params' embedding's.
+    cache_dtype: the key/value cache's dtype; None: the params'.
   """
 
   def __init__(self, config, params: dict, cache_dtype=None):
@@ -129,7 +129,7 @@ class Generator:
         prompt that leaves no room in the model's context, naming it.
     """
     lengths = np.array([len(p) for p in prompts], np.int32)
-    if not len(prompts) or not lengths.min(initial=1):
+    if not len(prompts) or lengths.min() < 1:
       raise ValueError("generate needs at least one prompt, each of at least one token")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -143,6 +143,8 @@ class Generator:
     for row, prompt in zip(tokens, prompts):
       row[:len(prompt)] = prompt
     key = jax.random.key(sampling.seed)
+    # The seed reaches the programs through the key: one compiled program serves every seed.
+    sampling = dataclasses.replace(sampling, seed=0)
     cache = self.family.init_cache(self.config, len(prompts), cache_len, self.cache_dtype)
     next_tokens, cache = _prefill(self.config, sampling, self.params, tokens, lengths, cache, key)
     positions = jnp.asarray(lengths)
