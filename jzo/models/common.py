@@ -1,8 +1,9 @@
 """What every model family here shares: the functional view of an NNX model
 (its parameters as a nested dict of arrays, which the ZeRO engine partitions
 and trains, and the module rebuilt around them), the stacked layers built and
-run as one scan, the remat and attention choices, and the activation count of
-running the layers first.
+run as one scan, the remat and attention choices, the activation count of
+running the layers first, and the layers run over a key/value cache for
+generation (jzo.models.decoding).
 
 A family's module class takes `(config, *, rngs=nnx.Rngs)`, its config is
 hashable (a frozen dataclass), and its stacked layers are one nnx.Module
