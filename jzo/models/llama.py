@@ -19,14 +19,12 @@ are (in, out). jzo.models.hf converts to and from Hugging Face's tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jzo.models import common, cross_entropy
+from jzo.models import common, cross_entropy, rope
 from jzo.models.common import REMAT_POLICIES, attention_implementation
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
@@ -222,20 +220,20 @@ def _rope_from_hf(hf: dict) -> dict:
   """LlamaConfig's rope fields from config.json: `rope_scaling` (older
   transformers, beside a top-level `rope_theta`) or transformers 5's
   `rope_parameters` (theta inside)."""
-  rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  scaling = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+  rope_type = scaling.get("rope_type", scaling.get("type", "default"))
   if rope_type not in ROPE_TYPES:
     raise ValueError(f"rope type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
-  if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+  if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
     raise ValueError("partial_rotary_factor is not supported (only 1.0)")
   theta = hf.get("rope_theta") or hf.get("rope_parameters", {}).get("rope_theta", 10000.0)
   fields = {"rope_theta": float(theta), "rope_type": rope_type}
   if rope_type != "default":
-    fields["rope_factor"] = float(rope["factor"])
+    fields["rope_factor"] = float(scaling["factor"])
   if rope_type == "llama3":
-    fields.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                  rope_high_freq_factor=float(rope["high_freq_factor"]),
-                  rope_original_seq_len=int(rope["original_max_position_embeddings"]))
+    fields.update(rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                  rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                  rope_original_seq_len=int(scaling["original_max_position_embeddings"]))
   return fields
 
 
@@ -305,39 +303,6 @@ PRESETS = {
 }
 
 
-def _inv_freq(config: LlamaConfig) -> np.ndarray:
-  """RoPE's angular frequencies, float32 (head_dim / 2,), after the
-  config's scaling (Llama 3.1's: wavelengths above original / low_freq_factor
-  slowed by `factor`, below original / high_freq_factor kept, a linear ramp
-  in original / wavelength between)."""
-  hd = config.head_dim
-  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-  if config.rope_type == "linear":
-    inv_freq = inv_freq / config.rope_factor
-  elif config.rope_type == "llama3":
-    original = config.rope_original_seq_len
-    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
-    wavelength = 2 * math.pi / inv_freq
-    ramp = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
-    inv_freq = (1 - ramp) * inv_freq / config.rope_factor + ramp * inv_freq
-  return inv_freq.astype(np.float32)
-
-
-def _rope(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos and sin (..., hd / 2) of RoPE's angles at float32 `positions` (...)."""
-  angles = positions[..., None] * _inv_freq(config)
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x (B, T, heads, hd) rotated by RoPE in float32, Hugging Face's layout:
-  the first half of each head pairs with the second; cos, sin (T, hd / 2),
-  or (B, T, hd / 2) where each row has its own positions."""
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # each (B, T, heads, hd / 2)
-  cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
   """RMSNorm over the last axis with float32 statistics. As in Hugging Face's
   Llama, the normalised input is cast back to its dtype before the scale
@@ -390,7 +355,7 @@ class Block(nnx.Module):
     q, k, v = qkv[:, :, :H], qkv[:, :, H:H + K], qkv[:, :, H + K:]  # (B, T, H|K|K, hd)
     if config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+    return rope.rotate(q, cos, sin), rope.rotate(k, cos, sin), v
 
   def after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
     """The block's output (B, T, D) from its input x and the attention's (B, T, H, hd)."""
@@ -435,7 +400,7 @@ class Llama(nnx.Module):
     if config.sliding_window is not None and T > config.sliding_window:
       raise ValueError(f"sequence of {T} tokens is longer than the model's sliding window of "
                        f"{config.sliding_window}, which jzo does not implement")
-    cos, sin = _rope(config, jnp.arange(T, dtype=jnp.float32))  # each (T, hd / 2)
+    cos, sin = rope.cos_sin(config, jnp.arange(T, dtype=jnp.float32))  # each (T, hd / 2)
     x = self.embed[...][tokens]  # (B, T, D)
     return self.norm(common.scan_layers(self.layers, x, config.remat, cos, sin))
 
@@ -443,14 +408,15 @@ class Llama(nnx.Module):
     """Float32 logits (B, V) at positions `last` (B,) of prompts `tokens`
     (B, T) from position 0, and `cache` (common.kv_cache's) holding their
     keys and values."""
-    cos, sin = _rope(self.config, jnp.arange(tokens.shape[1], dtype=jnp.float32))
+    cos, sin = rope.cos_sin(self.config, jnp.arange(tokens.shape[1], dtype=jnp.float32))
     x, cache = common.prefill_layers(self.layers, self.embed[...][tokens], cache, cos, sin)
     return self.logits(x[jnp.arange(x.shape[0]), last]), cache
 
   def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """Float32 logits (B, V) after one token a row, `tokens` (B,) at
     `positions` (B,), and `cache` with their keys and values added."""
-    cos, sin = _rope(self.config, positions[:, None].astype(jnp.float32))  # each (B, 1, hd / 2)
+    # cos, sin: each (B, 1, hd / 2)
+    cos, sin = rope.cos_sin(self.config, positions[:, None].astype(jnp.float32))
     x = self.embed[...][tokens[:, None]]  # (B, 1, D)
     x, cache = common.decode_layers(self.layers, x, cache, positions, cos, sin)
     return self.logits(x[:, 0]), cache
