@@ -124,6 +124,14 @@ class EngineOptions:
   layer as soon as the host has its new weights (jzo.parallel.layer_scan).
   The same arithmetic as without; False runs the update before the next
   step instead."""
+  deterministic: bool = False
+  """GPU steps that give bitwise the same losses and weights run to run on
+  one machine and device count: the step programs are compiled with XLA's
+  deterministic GPU operations (scatter-adds without atomics, cuDNN
+  attention's deterministic backward, one GEMM algorithm per shape, not
+  the fastest measured that run). Costs some speed (docs/performance.md).
+  CPU steps, the host kernel and the collectives are deterministic
+  without it."""
 
   def __post_init__(self):
     if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -170,6 +178,8 @@ class EngineOptions:
         raise ValueError("resident_layers keeps the first layers of the weights in host memory "
                          "on the devices as well: it needs offload_params=True "
                          f"(offload_params='auto' chooses them), got {self.offload_params!r}")
+    if not isinstance(self.deterministic, bool):
+      raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
     if not isinstance(self.overlap_forward, bool):
       raise ValueError(f"overlap_forward must be True or False, got {self.overlap_forward!r}")
     if self.host_transfer not in HOST_TRANSFERS:

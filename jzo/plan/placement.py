@@ -341,7 +341,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
         draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
         pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward,
-        layers_first=options.layers_first)
+        layers_first=options.layers_first, deterministic=options.deterministic)
   if auto:
     layouts = auto_layouts(plan_of, base, device_memory, activations)
   else:

@@ -165,6 +165,9 @@ class Plan:
   # inputs (counted in the activations) and no float32 sums of the layers
   # (jzo.step.layers_first); else the layers' backward adds into such sums.
   layers_first: bool = False
+  # The step programs are compiled for run-to-run bitwise results on GPUs
+  # (EngineOptions.deterministic; jzo.step.compiler_options).
+  deterministic: bool = False
 
   def __post_init__(self):
     if self.layers_first and not (self.grads_in_params and self.grad_accum > 1):

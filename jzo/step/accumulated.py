@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jzo.parallel.partition import is_layout
 from jzo.plan import Plan
 from jzo.step.loss import scaled_loss
+from jzo.step import programs
 from jzo.step.programs import shard_map_without_empty
 from jzo.step.specs import EngineState, StepMetrics, acc_specs, state_specs
 from jzo.step.update import end_step, non_finite, sum_of_squares
@@ -38,7 +39,8 @@ def make_micro_step(plan: Plan, mesh: Mesh, loss_fn: Callable, tx: optax.Gradien
                                in_specs=(specs._replace(grads=None, acc=None if first else acc),
                                          batch_specs),
                                out_specs=(specs._replace(acc=acc), P()), check_vma=False)
-  return jax.jit(fn, donate_argnums=0)
+  return jax.jit(fn, donate_argnums=0, compiler_options=programs.compiler_options(
+      plan, mesh.devices.flat[0].platform))
 
 
 def local_micro_step(plan: Plan, loss_fn: Callable, state: EngineState, batch, first: bool):
@@ -70,7 +72,8 @@ def make_finish(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation) -> Cal
       in_specs=(specs._replace(grads=None, acc=acc_specs(plan)), P(plan.axis), P(plan.axis), P()),
       out_specs=(specs._replace(grads=None), StepMetrics(P(), P(), P(), P()), P()),
       check_vma=False)
-  return jax.jit(fn, donate_argnums=0)
+  return jax.jit(fn, donate_argnums=0, compiler_options=programs.compiler_options(
+      plan, mesh.devices.flat[0].platform))
 
 
 def local_finish(plan: Plan, tx: optax.GradientTransformation, state: EngineState, host_sq,

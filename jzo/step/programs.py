@@ -60,11 +60,18 @@ def compiler_options(plan: Plan, platform: str, fetching: bool = False) -> dict 
   asynchronous fetches from host memory would wait for the matmuls instead
   of running under them (openxla/xla#48900). At gpt2-10b, micro-batch 32,
   on one H100: 6.94 s a step with them, 6.45 s without (docs/performance.md).
+  A deterministic plan's GPU programs are compiled with
+  xla_gpu_deterministic_ops: no atomics in scatters and reductions, cuDNN's
+  deterministic attention backward, and no autotuning, whose choice of
+  kernel follows that compilation's timings.
 
   The step room's jitted programs read it from this module
   (`programs.compiler_options`) when they are made: it is the one place
   their options are chosen, and replacing it here changes what each new
   program is compiled with."""
+  options = {}
   if platform == "gpu" and (plan.offload_params or fetching):
-    return {"xla_gpu_enable_command_buffer": ""}
-  return None
+    options["xla_gpu_enable_command_buffer"] = ""
+  if platform == "gpu" and plan.deterministic:
+    options["xla_gpu_deterministic_ops"] = True
+  return options or None
