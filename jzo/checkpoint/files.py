@@ -20,6 +20,11 @@ Every failure to find, read or apply a checkpoint raises `CheckpointError`,
 whose message names the folder and the step; a checkpoint that does not
 fit the engine is refused before any array is read, naming the first
 entries that differ (another model's parameters, shapes or optimizer).
+A save that the disk refuses (full, over quota, read-only, failing) raises
+`CheckpointWriteError` naming the OS's reason, with the checkpoints before
+it as they were. Each chunk of every array is saved with its CRC32 and
+checked as it is read back (jzo.checkpoint.checksums): a checkpoint whose
+bytes changed on disk is unreadable, not trained on.
 
 What is saved, in which format, and what loads into what, is
 jzo.checkpoint.state_dict's. With several processes (jzo.distributed) every process
@@ -32,16 +37,21 @@ checkpoint like any other.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import logging
 import math
+import os
 import pathlib
+import re
+import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jzo.checkpoint import handler
+from jzo.checkpoint import checksums, handler
 from jzo.checkpoint.expected import expected, streamed_entries
 from jzo.checkpoint.load import StateChanged
 from jzo.checkpoint.outline import misfit, outline
@@ -91,6 +101,23 @@ class UnreadableCheckpointError(CheckpointError):
     self.engine_changed = engine_changed
 
 
+class CheckpointWriteError(CheckpointError):
+  """A checkpoint the disk refused (full, over quota, read-only, failing):
+  what was written of it is removed (with several processes, left in
+  orbax's temporary folder for the next run's start), and the checkpoints
+  before it are as they were.
+
+  Attributes:
+    reason: the OS's words for the failure, e.g. "No space left on device".
+    latest: the step of the latest complete checkpoint; None if none.
+  """
+
+  def __init__(self, message: str, directory: pathlib.Path, step: int, reason: str,
+               latest: int | None):
+    super().__init__(message, directory, step)
+    self.reason, self.latest = reason, latest
+
+
 def open_manager(directory: str | pathlib.Path, max_to_keep: int = 2) -> ocp.CheckpointManager:
   """Opens (creating if needed) the checkpoints folder.
 
@@ -135,14 +162,87 @@ def save(manager: ocp.CheckpointManager, engine, step: int) -> None:
   Raises:
     CheckpointError: `step` is not later than the latest checkpoint (orbax
       only adds later steps and would skip it without a word).
+    CheckpointWriteError: the disk refused the checkpoint (an OS error:
+      no space left, over quota, read-only, I/O error).
   """
   saved = engine.state_dict(streamed=True)
-  if not manager.save(step, args=ocp.args.PyTreeSave(saved)):
+  with _orbax_errors_held() as held:
+    try:
+      written = manager.save(step, args=ocp.args.PyTreeSave(saved,
+                                                            custom_metadata=checksums.MARK))
+      if written:
+        manager.wait_until_finished()
+    except Exception as e:  # orbax re-raises tensorstore's errors as ValueErrors
+      reason = os_error_text(e)
+      if reason is None:  # not the disk's: as it came, with orbax's logs
+        raise
+      held.clear()  # said once, by the error
+      raise _write_failed(manager, step, reason) from e
+  if not written:
     raise CheckpointError(f"checkpoint {step} in {folder_of(manager)} was not written: the "
                           f"latest there is step {manager.latest_step()}",
                           folder_of(manager), step)
-  manager.wait_until_finished()
   release_freed_memory()
+
+
+def os_error_text(e: BaseException) -> str | None:
+  """The OS's words for the error at the root of `e` (an OSError, or
+  tensorstore's status that carries one: "... [os_error_code='28']"), e.g.
+  "No space left on device"; None where it is no OS error."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return os.strerror(e.errno)
+    found = re.search(r"os_error_code='?(\d+)", str(e))
+    if found:
+      return os.strerror(int(found.group(1)))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _write_failed(manager: ocp.CheckpointManager, step: int,
+                  reason: str) -> CheckpointWriteError:
+  """The error of checkpoint `step`, which failed for `reason`, once what
+  was written of it is removed (one process alone: with several, another
+  may still be writing there)."""
+  folder = folder_of(manager)
+  if jax.process_count() == 1:
+    for partial in folder.glob(f"{step}.orbax-checkpoint-tmp*"):
+      shutil.rmtree(partial, ignore_errors=True)  # the rest, if any: the next start's
+  try:
+    free = f" ({_size(shutil.disk_usage(folder).free)} free there)"
+  except OSError:
+    free = ""
+  latest = manager.latest_step()
+  before = (f"checkpoint {latest} there is intact" if latest is not None
+            else "there is no earlier checkpoint")
+  return CheckpointWriteError(f"checkpoint {step} could not be written to {folder}: {reason}"
+                              f"{free}; {before}", folder, step, reason, latest)
+
+
+def _size(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def _orbax_errors_held():
+  """Holds back the errors orbax logs (with their tracebacks, from each of
+  its threads) while a save runs, then logs those left in the list it
+  gives: a save the disk refuses clears it, to be reported once, by
+  CheckpointWriteError."""
+  logger, held = logging.getLogger("absl"), []
+
+  def hold(record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR:
+      return True
+    held.append(record)
+    return False
+  logger.addFilter(hold)
+  try:
+    yield held
+  finally:
+    logger.removeFilter(hold)
+    for record in held:
+      logger.handle(record)
 
 
 def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> int:
@@ -166,7 +266,9 @@ def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> 
   folder = folder_of(manager)
   step = _complete_step(manager, step)
   try:
-    saved = outline(manager.item_metadata(step).tree)
+    metadata = manager.item_metadata(step)
+    _check_sums_kept(metadata, folder, step)
+    saved = outline(metadata.tree)
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
     raise _unreadable(e, folder, step) from e
   # The target is what the engine loads, as shapes: orbax reads numpy arrays
@@ -271,12 +373,15 @@ def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tupl
   if not folder.is_dir():
     raise CheckpointError(f"no checkpoints folder {folder}", folder, step)
   # The tree handler (which StandardCheckpointHandler wraps: same files) can
-  # restore one entry of the saved dict.
+  # restore one entry of the saved dict; jzo's type handler checks it.
   with ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(create=False),
-                             item_handlers=ocp.PyTreeCheckpointHandler()) as manager:
+                             item_handlers=ocp.PyTreeCheckpointHandler(
+                                 type_handler_registry=handler.registry())) as manager:
     step = _complete_step(manager, step)
     try:
-      saved = manager.item_metadata(step).tree["master"]
+      metadata = manager.item_metadata(step)
+      _check_sums_kept(metadata, folder, step)
+      saved = metadata.tree["master"]
       as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
       restored = manager.restore(step, args=ocp.args.PyTreeRestore(
           {"master": saved}, restore_args={"master": as_numpy}, partial_restore=True))
@@ -341,6 +446,14 @@ def _complete_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     raise CheckpointError(f"no checkpoint {step} in {folder} (complete ones: "
                           f"{sorted(manager.all_steps()) or 'none'})", folder, step)
   return step
+
+
+def _check_sums_kept(metadata, folder: pathlib.Path, step: int) -> None:
+  """Refuses checkpoint `step` (its item metadata given) where its save
+  wrote checksums and they are gone."""
+  marked = (getattr(metadata, "custom_metadata", None) or {}).keys() >= checksums.MARK.keys()
+  if marked and not any((folder / str(step)).glob(f"*/{checksums.FOLDER}")):
+    raise checksums.ChecksumError(f"its checksums ({checksums.FOLDER}) are missing")
 
 
 def _unreadable(e: Exception, folder: pathlib.Path, step: int,

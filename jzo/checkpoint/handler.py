@@ -2,20 +2,27 @@
 `registry` jzo.checkpoint's managers use): it writes jzo.checkpoint.spans'
 StreamedArrays and StreamedShards a span at a time, from every process its
 own shards', and opens saved arrays as jzo.checkpoint.saved_leaf's
-SavedLeafs, never a whole copy of the state on the host.
+SavedLeafs, never a whole copy of the state on the host. It takes the
+CRC32 of every chunk it writes and checks those it reads
+(jzo.checkpoint.checksums).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import weakref
 
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jzo.checkpoint import spans as spans_lib
+from jzo.checkpoint import checksums, spans as spans_lib
 from jzo.checkpoint.saved_leaf import SavedLeaf
+
+# The checksums of the save under way, for the writes orbax's numpy handler starts.
+_recording: contextvars.ContextVar[checksums.Recorder | None] = contextvars.ContextVar(
+    "jzo_checksums", default=None)
 
 
 class SpanHandler(ocp.type_handlers.NumpyHandler):
@@ -33,14 +40,24 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     self._in_flight = weakref.WeakKeyDictionary()
 
   async def _open_and_write(self, value, tspec, ts_context):
+    recorder = _recording.get()
+    sums = recorder and recorder.array(_array_name(tspec), value.shape, value.dtype)
     if not isinstance(value, spans_lib.StreamedArray):
-      return await super()._open_and_write(value, tspec, ts_context)
+      # A host array, whole: one chunk for the checksums, whatever orbax's.
+      write = super()._open_and_write(value, tspec, ts_context)
+      if sums is None or not value.size:
+        return await write
+      _, crc = await asyncio.gather(write, _crc32(value))
+      sums.add(0, value.size, crc)
+      return
     _set_chunk_shape(tspec, value.chunk_shape)
     store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-    await self.write_spans(store, value)
+    await self.write_spans(store, value, sums)
 
-  async def write_spans(self, store: ts.TensorStore, value) -> None:
-    """Writes a StreamedArray's or StreamedShards' spans into `store`."""
+  async def write_spans(self, store: ts.TensorStore, value,
+                        sums: checksums.ArraySums | None = None) -> None:
+    """Writes a StreamedArray's or StreamedShards' spans into `store`, each
+    span's CRC32 into `sums` (where given) as it is written."""
     # Orbax writes all leaves at once: one limit over all of them bounds the
     # spans held (each until tensorstore has written it).
     in_flight, taking = self._in_flight.setdefault(
@@ -54,15 +71,19 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
         for _ in range(permits(nbytes)):
           await in_flight.acquire()
 
-    async def written(write, nbytes: int) -> None:
+    async def written(index, values) -> None:
       try:
-        await write
+        if sums is None:
+          return await store[index].write(values)
+        _, crc = await asyncio.gather(store[index].write(values), _crc32(values))
+        start, stop = checksums.flat_range(index, value.shape)
+        sums.add(start, stop - start, crc)
       finally:  # on the loop's thread: never after the loop has closed
-        for _ in range(permits(nbytes)):
+        for _ in range(permits(values.nbytes)):
           in_flight.release()
     writes = []
     async for index, values in value.spans(before_each=reserve):
-      writes.append(asyncio.ensure_future(written(store[index].write(values), values.nbytes)))
+      writes.append(asyncio.ensure_future(written(index, values)))
     await asyncio.gather(*writes)
 
   async def _background_serialize(self, values, infos, args=None):
@@ -72,12 +93,19 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     mine = [isinstance(v, spans_lib.StreamedShards) for v in values]
     pick = lambda xs, want: [x for x, m in zip(xs, mine) if m == want]
     others = pick(values, False)
+    recorder = checksums.Recorder()
+    _recording.set(recorder)  # this task's: the writes it starts inherit it
     if others:
       await super()._background_serialize(others, pick(infos, False), pick(args, False))
-    await asyncio.gather(*(self._write_shards(v, i, a) for v, i, a in
+    await asyncio.gather(*(self._write_shards(v, i, a, recorder) for v, i, a in
                            zip(pick(values, True), pick(infos, True), pick(args, True))))
+    if infos and recorder.arrays:
+      await infos[0].await_path_creation()
+      await asyncio.to_thread(recorder.write, infos[0].parent_dir,
+                              ocp.multihost.process_index())
 
-  async def _write_shards(self, value: spans_lib.StreamedShards, info, arg) -> None:
+  async def _write_shards(self, value: spans_lib.StreamedShards, info, arg,
+                          recorder: checksums.Recorder) -> None:
     """This process's chunks of `value`, into the array the first process
     creates (with OCDBT each process writes a database of its own, which
     orbax merges when the checkpoint is complete)."""
@@ -93,21 +121,69 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
       await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
     store = await ts.open(ts.Spec(tspec), open=True, assume_metadata=True,
                           context=info.ts_context)
-    await self.write_spans(store, value)
+    await self.write_spans(store, value, recorder.array(info.name, value.shape, value.dtype))
 
   async def deserialize(self, infos, args=None):
     args = list(args) if args else [ocp.type_handlers.RestoreArgs()] * len(infos)
     lazy = [a.restore_type is SavedLeaf for a in args]
-    held = iter(await super().deserialize([i for i, x in zip(infos, lazy) if not x],
-                                          [a for a, x in zip(args, lazy) if not x])
-                if not all(lazy) else [])
-    opened = []
-    for info in (i for i, x in zip(infos, lazy) if x):
+    held = await super().deserialize([i for i, x in zip(infos, lazy) if not x],
+                                     [a for a, x in zip(args, lazy) if not x]) \
+        if not all(lazy) else []
+    written = {}  # item folder -> its checksums (None: written before them)
+    for info in infos:
       await info.await_path_creation()
-      spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
-      opened.append(ts.open(ts.Spec(spec), open=True, context=info.ts_context))
-    stores = iter(await asyncio.gather(*opened))
-    return [SavedLeaf(next(stores)) if x else next(held) for x in lazy]
+      if info.parent_dir not in written:
+        written[info.parent_dir] = await asyncio.to_thread(checksums.read, info.parent_dir)
+    sums = [_sums_of(written[i.parent_dir], i.name) for i in infos]
+    stores = iter(await asyncio.gather(*(
+        _open_saved(i) for i, s, x in zip(infos, sums, lazy) if x or s is not None)))
+    out, held = [], iter(held)
+    for x, s in zip(lazy, sums):
+      store = next(stores) if x or s is not None else None
+      if s is not None:
+        s.check_store(store)
+      if x:
+        out.append(SavedLeaf(store, s))
+        continue
+      value = next(held)
+      if s is not None:
+        # As read: in the saved shape and dtype (else orbax cut, padded or
+        # cast it, and the saved array is read again to be checked).
+        same = tuple(np.shape(value)) == s.shape and np.dtype(value.dtype).name == s.dtype
+        await asyncio.to_thread(s.check_whole, np.asarray(value) if same else
+                                (await store.read()))
+      out.append(value)
+    return out
+
+
+async def _open_saved(info) -> ts.TensorStore:
+  """A saved array opened for reading, as it was written."""
+  spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=info.is_ocdbt_checkpoint)
+  return await ts.open(ts.Spec(spec), open=True, context=info.ts_context)
+
+
+def _sums_of(written: dict | None, name: str) -> checksums.ArraySums | None:
+  """Array `name`'s checksums; None where the checkpoint has none
+  (written before them); ChecksumError where it has others' alone."""
+  if written is None:
+    return None
+  if name not in written:
+    raise checksums.ChecksumError(f"no checksum was written for {name}")
+  return written[name]
+
+
+async def _crc32(values: np.ndarray) -> int:
+  """checksums.crc32 of `values` on its threads, beside the write."""
+  return await asyncio.get_running_loop().run_in_executor(checksums.threads(), checksums.crc32,
+                                                          values)
+
+
+def _array_name(tspec: dict) -> str:
+  """The name orbax gives the array a write spec writes (as its ParamInfo's):
+  the path in the checkpoint's OCDBT database, or its folder's name."""
+  kvstore = tspec.get("base", tspec)["kvstore"]
+  path = kvstore["path"].rstrip("/")
+  return path if kvstore["driver"] == "ocdbt" else path.rsplit("/", 1)[-1]
 
 
 def registry() -> ocp.type_handlers.TypeHandlerRegistry:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jzo.checkpoint import spans as spans_lib
+from jzo.checkpoint import checksums, spans as spans_lib
 from jzo.kernels import quant8
 from jzo.parallel.partition import LeafLayout
 
@@ -33,10 +33,12 @@ from jzo.parallel.partition import LeafLayout
 class SavedLeaf:
   """A saved master or moment, open for reading spans (what `load_leaf` reads):
   in its full shape, or flat and padded with a row per layer (several
-  processes' checkpoints); the values of each row are at its start."""
+  processes' checkpoints); the values of each row are at its start. With
+  `sums` (its checksums), every value read is checked first, whole chunk by
+  whole chunk."""
 
-  def __init__(self, store: ts.TensorStore):
-    self.store = store
+  def __init__(self, store: ts.TensorStore, sums: checksums.ArraySums | None = None):
+    self.store, self.sums = store, sums
     self.shape = tuple(store.shape)
     self.dtype = np.dtype(store.dtype.numpy_dtype)
 
@@ -64,13 +66,19 @@ class SavedLeaf:
 
   def held(self) -> SavedLeaf:
     """The whole leaf read into memory, as a SavedLeaf."""
-    return HeldLeaf(self.store.read().result())
+    values = self.store.read().result()
+    if self.sums is not None:
+      self.sums.check_whole(values)
+    return HeldLeaf(values)
 
   def fetch(self, layout: LeafLayout, index: tuple[slice, ...], x0: int, x1: int):
     """Starts reading flat positions [x0, x1) of the span `index` of
     `rectangles` (a row, and rows [a, b) of the inner shape's first axis);
     the result (`.result()`) is flat, in the saved dtype."""
-    return self.store[self._index(layout, index, x0, x1)].read()
+    index = self._index(layout, index, x0, x1)
+    if self.sums is None:
+      return self.store[index].read()
+    return self.sums.read(self.store, index)
 
   def _index(self, layout, index, x0, x1) -> tuple[slice, ...]:
     if self.shape == layout.shape:

@@ -31,7 +31,8 @@ from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 offload_placement, resident_count, weights_placement)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
                              check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
-                             remove_partial_checkpoints, restore_run, start_log, with_run_options)
+                             remove_partial_checkpoints, restore_run, save_checkpoint, start_log,
+                             with_run_options)
 from jzo.recipe.signals import Interrupted, Interrupts
 
 
@@ -341,14 +342,14 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
         to_tensorboard(last)
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
           # The batch order is a function of the step, so the step is the data position.
-          checkpoint.save(manager, engine, done)
+          save_checkpoint(manager, engine, done)
           saved = done
         started = time.perf_counter()  # the next step's clock: not this bookkeeping
     # Once more in every process, whether the loop ran out or stopped: a
     # signal during the last step stops every process, or none.
     if stop.in_any_process():
       if done > saved:  # deferred still: a second signal exits at once
-        checkpoint.save(manager, engine, done)
+        save_checkpoint(manager, engine, done)
       engine.close()
       raise Interrupted(stop.signum, done,
                         out.absolute() / "checkpoints" / str(done) if done else None)

@@ -99,6 +99,19 @@ def restore_run(manager, engine: jzo.ZeroEngine, cfg: TrainConfig, out: pathlib.
   return step
 
 
+def save_checkpoint(manager, engine: jzo.ZeroEngine, step: int) -> None:
+  """`checkpoint.save`; one the disk refuses (full, over quota, read-only,
+  failing) closes the engine and stops the run with a UserError naming the
+  reason and the checkpoint to continue from."""
+  try:
+    checkpoint.save(manager, engine, step)
+  except checkpoint.CheckpointWriteError as e:
+    engine.close()
+    then = ("--resume continues from it" if e.latest is not None
+            else "--resume --fresh-start-ok starts the run again at step 0")
+    raise UserError(f"{e}: {then}") from e
+
+
 def damaged_folder(out: pathlib.Path) -> pathlib.Path:
   """Where unreadable checkpoints go when a run trains on without them."""
   return out.absolute() / "checkpoints-unreadable"
