@@ -5,6 +5,8 @@ XLA's own autotuning, its own) train a GPT bit for bit alike. CPU steps are
 deterministic as they are: the option leaves their programs unchanged."""
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,21 @@ def test_the_recipe_flag_sets_the_engine_option():
   for argv, wanted in ([], False), (["--deterministic"], True):
     cfg = config_lib.parse(TrainConfig, ["--model", "tiny", *argv])
     assert recipe_options.engine_options(cfg, "blocks").deterministic is wanted
+
+
+def test_a_resumed_run_keeps_the_flag(tmp_path):
+  """--resume refuses to continue a --deterministic run without it (and the
+  other way round): the steps after the checkpoint would not be the run's."""
+  def train_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "jzo.train", "--model", "tiny", "--steps", "2",
+                           "--seq-len", "16", "--batch-size", "2", "--sample-tokens", "0",
+                           "--out", str(tmp_path / "run"), *argv],
+                          capture_output=True, text=True, timeout=300)
+  assert train_cli("--deterministic").returncode == 0
+  refused = train_cli("--resume", "--steps", "3")
+  assert refused.returncode == 2
+  assert refused.stderr.strip().splitlines()[-1] == (
+      f"error: checkpoint in {tmp_path / 'run'} was made with --deterministic True, not False")
 
 
 def test_cpu_steps_are_the_same_with_the_option():

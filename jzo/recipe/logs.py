@@ -176,10 +176,6 @@ def plot(history: list[dict], path: pathlib.Path) -> None:
   fig.savefig(path, dpi=120)
 
 
-# Options a resumed run must share with the saved one: they fix the state's
-# shapes, the optimizer's layout or the batch order. Others (steps, learning
-
-
 def matmul_tflops(device, n: int = 8192, repeats: int = 20) -> float:
   """Measured bf16 TFLOPS of an n x n x n matmul on `device` (warm, median of 3)."""
   a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)

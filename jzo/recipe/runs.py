@@ -21,15 +21,20 @@ from jzo.parallel import distributed
 from jzo.recipe.options import TrainConfig, UserError
 
 
+# Options a resumed run must share with the saved one: they fix the state's
+# shapes, the optimizer's layout, the batch order, or (--deterministic) that
+# the steps after the checkpoint are those of the uninterrupted run.
 RUN_KEYS = ("model", "init_from", "tokenizer", "data", "seq_len", "batch_size", "micro_batch",
-            "seed", "stage", "offload", "precision")
+            "seed", "stage", "offload", "precision", "deterministic")
 
 
 def check_same_run(cfg: TrainConfig, out: pathlib.Path) -> None:
-  """Refuses to continue the run in `out` (its config.json) with other RUN_KEYS."""
+  """Refuses to continue the run in `out` (its config.json) with other RUN_KEYS
+  (one missing there, from a run made before it existed, had its default)."""
   saved_cfg = json.loads((out / "config.json").read_text())
+  defaults = TrainConfig()
   for key in RUN_KEYS:
-    if saved_cfg.get(key) != getattr(cfg, key):
+    if saved_cfg.get(key, getattr(defaults, key)) != getattr(cfg, key):
       raise UserError(f"checkpoint in {out} was made with --{key.replace('_', '-')} "
                       f"{saved_cfg.get(key)!r}, not {getattr(cfg, key)!r}")
 
