@@ -42,6 +42,9 @@
 #                      optax; int8 against fp32 moments
 #   moments-quality    gpt2-124m's loss with fp32, bf16 and int8 moments, 2000 steps
 #   checkpoint-io      save and restore of gpt2-10b's int8 state and gpt2-4b's fp32 state
+#   soak               gpt2-1.5b, offload + delayed update, 9 minutes of the recipe with a
+#                      checkpoint every minute, then SIGTERM: host RSS, GPU memory and steps/s
+#                      over time (soak.py)
 #   generate           llama-3.1-8b in bfloat16, a 2,048-token prompt then 256 tokens: jzo's
 #                      KV-cache decoding against transformers' generate, 3 rounds in turn
 #   smoke-jzo          each jzo benchmark (train_gpt, train_llama, largest_model, zero_stages,
@@ -143,6 +146,9 @@ for part in "$@"; do
     checkpoint-io)
       bench $part $part checkpoint_io.py --model gpt2-10b --offload true --moments int8
       bench $part $part-fp32 checkpoint_io.py --model gpt2-4b --offload true --moments fp32 ;;
+    soak)  # one checkpoint kept (16 GiB of fp32 state a checkpoint), a second while one is written
+      bench $part $part soak.py --model gpt2-1.5b --minutes 9 --checkpoint-minutes 1 --offload \
+        --delayed-update --batch-size 16 --seq-len 1024 --micro-batch auto --keep-checkpoints 1 ;;
     generate)
       bench $part $part generate_speed.py --shape llama-3.1-8b --prompt 2048 --new-tokens 256 \
         --rounds 3 ;;

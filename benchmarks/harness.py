@@ -1,5 +1,6 @@
 """What every benchmark shares: its command line, the machine it ran on,
-children in processes of their own, rounds taken in turn, and JSON records.
+children in processes of their own, rounds taken in turn, the memory a
+process holds (host and GPU), and JSON records.
 
 A benchmark is a script with a module docstring (its --help), a `--json PATH`
 flag, and points: dicts of what one configuration measured. A point that did
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -125,7 +127,9 @@ def child_result(points) -> None:
   print(json.dumps(points), flush=True)
 
 
-def _failure_status(returncode: int, output: str) -> str:
+def failure_status(returncode: int, output: str) -> str:
+  """Why a process that exited with `returncode`, having printed `output`, failed:
+  "killed", "refused", "oom" or "error" (the module docstring says which is which)."""
   if returncode < 0:
     return "killed"
   tail = output[-4000:]
@@ -162,7 +166,7 @@ def run_child(cmd: Sequence[str], *, timeout_s: float, env: dict[str, str] | Non
       return result if isinstance(result, list) else [result]
     except (IndexError, json.JSONDecodeError):
       status = "error"
-  status = status or _failure_status(proc.returncode, out + err)
+  status = status or failure_status(proc.returncode, out + err)
   detail = (err or out).strip().splitlines()[-3:]
   return [{"status": status, "exit": proc.returncode, "detail": detail}]
 
@@ -208,6 +212,60 @@ def host_rss_gib() -> float:
 def host_peak_rss_gib() -> float:
   """This process's largest resident set so far (GiB)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def process_tree(pid: int) -> list[int]:
+  """`pid` and its descendants (from /proc/PID/task/TID/children); [] once it is gone."""
+  pids, todo = [], [pid]
+  while todo:
+    pid = todo.pop()
+    try:
+      for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+          todo += [int(child) for child in f.read().split()]
+    except OSError:  # exited meanwhile
+      continue
+    pids.append(pid)
+  return pids
+
+
+def process_rss_gib(pids: Sequence[int]) -> float:
+  """The resident sets of `pids` together (VmRSS of /proc/PID/status, GiB);
+  a process gone or a zombie adds 0."""
+  kib = 0
+  for pid in pids:
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        kib += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+      pass
+  return kib / 2**20
+
+
+def nvidia_smi(query: str) -> list[list[str]]:
+  """The rows of `nvidia-smi --query-QUERY` (e.g. "gpu=name"), each a list of
+  its fields; [] where nvidia-smi is missing or fails."""
+  try:
+    out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line]
+
+
+def gpu_memory_gib(pids: Sequence[int]) -> tuple[float | None, str | None]:
+  """(GiB of GPU memory, where the figure comes from) by nvidia-smi: the
+  memory `pids` hold ("process"), or where nvidia-smi lists none of them (a
+  container's own process ids) the memory used on every GPU ("device");
+  (None, None) without nvidia-smi (no NVIDIA GPU)."""
+  if not shutil.which("nvidia-smi"):
+    return None, None
+  mib = [float(row[1]) for row in nvidia_smi("compute-apps=pid,used_memory")
+         if len(row) == 2 and row[0].isdigit() and int(row[0]) in pids and row[1].isdigit()]
+  if mib:
+    return sum(mib) / 1024, "process"
+  mib = [float(row[0]) for row in nvidia_smi("gpu=memory.used") if row[0].isdigit()]
+  return (sum(mib) / 1024, "device") if mib else (None, None)
 
 
 def device_peak_gib(device=None) -> float:

@@ -1,11 +1,11 @@
 """The GPU benchmarks (benchmarks/train_gpt.py, train_llama.py,
 peers_gpt.py, peers_hf.py, figures.py, largest_model.py, zero_stages.py,
-generate_speed.py, plot.py) at the tiny size on the CPU, and the GPU driver benchmarks/gpu.sh:
-each script's --help, a run of each in a subprocess whose JSON record is
-checked (status ok, the fields plot.py and docs/results.md read there, the
-figures positive), every figure drawn from benchmarks/records/, and every
-part gpu.sh's header names has a case. Benchmarks report figures; these
-tests only keep them from rotting.
+generate_speed.py, soak.py, plot.py) at the tiny size on the CPU, and the
+GPU driver benchmarks/gpu.sh: each script's --help, a run of each in a
+subprocess whose JSON record is checked (status ok, the fields plot.py and
+docs/results.md read there, the figures positive), every figure drawn from
+benchmarks/records/, and every part gpu.sh's header names has a case.
+Benchmarks report figures; these tests only keep them from rotting.
 
 The runs start together, each a process of its own, and share one tiny
 configuration (and the session's compilation cache), so the file's time is
@@ -42,6 +42,9 @@ RUNS = {  # name: (script, arguments)
     "generate_speed": ("generate_speed.py", ["--shape", "llama-tiny", "--prompt", "16",
                                              "--new-tokens", "8", "--rounds", "2", "--caches",
                                              "dynamic", "--device", "cpu"]),
+    "soak": ("soak.py", ["--model", "tiny", "--minutes", "0.3", "--checkpoint-minutes", "0.05",
+                         "--window-s", "6", "--calibration-steps", "6", "--batch-size", "2",
+                         "--seq-len", "32", "--delayed-update"]),
 }
 SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py"})
 # The fields of a train_gpt.py / train_llama.py point that plot.py and docs/results.md read.
@@ -163,6 +166,31 @@ def test_generate_speed_against_transformers(records):
   check_positive(ours, ("param_bytes", "copy_bandwidth_gb_s", "decode_limit_tokens_per_s"))
   ratio = ours["decode_vs_transformers_dynamic_cache"]
   assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+
+
+def test_soak_samples_memory_and_steps_across_checkpoints_to_the_stop(records):
+  """The recipe trained --minutes with a checkpoint every few steps, then
+  stopped by SIGTERM: its RSS sampled, each checkpoint seen, steps/s per window."""
+  (point,) = points(records, "soak")
+  assert point["status"] == "ok" and point["model"] == "tiny", point
+  every = point["checkpoint_every"]
+  assert point["calibration"]["step_s"] > 0 and every >= 1
+  saved = point["checkpoints"]
+  assert len(saved) >= 2 and all(c["step"] % every == 0 and c["rss_gib"] > 0 for c in saved)
+  assert [c["step"] for c in saved] == list(range(every, every * len(saved) + 1, every))
+  rss = point["host_rss"]
+  assert 0 < rss["first_checkpoint_gib"] == saved[0]["rss_gib"] <= rss["max_gib"], rss
+  assert point["gpu_memory"] is None and point["allocator_peak"] is None  # a CPU
+  assert point["trained_s"] >= 0.3 * 60 - 0.1 and point["steps_done"] >= saved[-1]["step"]
+  steps = point["step_series"]["rows"]
+  assert [row[0] for row in steps] == list(range(1, point["steps_done"] + 1))
+  assert all(step_s > 0 for _, _, step_s in steps)
+  windows = point["windows"]
+  assert len(windows) >= 3 and all(w["steps"] > 0 and w["steps_per_s"] > 0 for w in windows)
+  assert point["steps_per_s_last_vs_first"] > 0
+  rows = point["series"]["rows"]
+  assert len(rows) >= 4 and all(row[1] > 0 for row in rows), rows
+  assert point["stop"]["exit"] == 143 and point["stop"]["checkpoint"] == point["steps_done"]
 
 
 def test_plot_draws_every_figure_from_the_records(tmp_path):
