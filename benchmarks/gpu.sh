@@ -42,6 +42,13 @@
 #                      optax; int8 against fp32 moments
 #   moments-quality    gpt2-124m's loss with fp32, bf16 and int8 moments, 2000 steps
 #   checkpoint-io      save and restore of gpt2-10b's int8 state and gpt2-4b's fp32 state
+#   reproducibility    the GPU case of tests/test_deterministic.py; runs of the recipe with
+#                      --deterministic against each other, against one without it, and against
+#                      runs stopped by SIGKILL and SIGTERM then resumed, on one GPU (and with a
+#                      process per GPU on 2 when GPUS names 2); the cost of deterministic steps
+#                      at gpt2-1.5b and llama-3.1-8b's layer shape (reproducibility.py)
+#   short-runs         20 steps of gpt2-10b and of gpt2-20b from scratch with the recipe's
+#                      default learning rate and warm-up (docs/getting-started.md's commands)
 #   soak               gpt2-1.5b, offload + delayed update, 9 minutes of the recipe with a
 #                      checkpoint every minute, then SIGTERM: host RSS, GPU memory and steps/s
 #                      over time (soak.py)
@@ -146,6 +153,22 @@ for part in "$@"; do
     checkpoint-io)
       bench $part $part checkpoint_io.py --model gpt2-10b --offload true --moments int8
       bench $part $part-fp32 checkpoint_io.py --model gpt2-4b --offload true --moments fp32 ;;
+    reproducibility)
+      JAX_PLATFORMS=cuda,cpu pytests $part-tests 300 tests/test_deterministic.py
+      bench $part $part-bitwise reproducibility.py bitwise
+      if [[ " $GPUS " == *" 2 "* ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
+        bench $part $part-bitwise-2 reproducibility.py bitwise --processes 2
+      fi
+      bench $part $part-cost reproducibility.py cost --rounds 5 ;;
+    short-runs)  # the recipe's metrics.jsonl of each run is its record
+      for args in "gpt2-10b --stage 3 --grads-in-params" \
+                  "gpt2-20b --stage 3 --grads-in-params --moments int8"; do
+        model=${args%% *}
+        python3 -m jzo.train --model $args --batch-size 32 --seq-len 1024 --steps 20 \
+          --log-every 1 --checkpoint-every 0 --sample-tokens 0 --out "$OUT/$part-$model" \
+          >>"$OUT/$part.log" 2>&1
+        echo "$part: $model: exit $?"
+      done ;;
     soak)  # one checkpoint kept (16 GiB of fp32 state a checkpoint), a second while one is written
       bench $part $part soak.py --model gpt2-1.5b --minutes 9 --checkpoint-minutes 1 --offload \
         --delayed-update --batch-size 16 --seq-len 1024 --micro-batch auto --keep-checkpoints 1 ;;

@@ -1,6 +1,6 @@
 """The GPU benchmarks (benchmarks/train_gpt.py, train_llama.py,
 peers_gpt.py, peers_hf.py, figures.py, largest_model.py, zero_stages.py,
-generate_speed.py, soak.py, plot.py) at the tiny size on the CPU, and the
+generate_speed.py, soak.py, reproducibility.py, plot.py) at the tiny size on the CPU, and the
 GPU driver benchmarks/gpu.sh: each script's --help, a run of each in a
 subprocess whose JSON record is checked (status ok, the fields plot.py and
 docs/results.md read there, the figures positive), every figure drawn from
@@ -45,6 +45,10 @@ RUNS = {  # name: (script, arguments)
     "soak": ("soak.py", ["--model", "tiny", "--minutes", "0.3", "--checkpoint-minutes", "0.05",
                          "--window-s", "6", "--calibration-steps", "6", "--batch-size", "2",
                          "--seq-len", "32", "--delayed-update"]),
+    "reproducibility-cost": ("reproducibility.py", ["cost", "--smoke", "--rounds", "2",
+                                                    "--shapes", "gpt2-1.5b"]),
+    "reproducibility-bitwise": ("reproducibility.py", ["bitwise", "--smoke", "--steps", "8",
+                                                       "--runs", "sigkill"]),
 }
 SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py"})
 # The fields of a train_gpt.py / train_llama.py point that plot.py and docs/results.md read.
@@ -191,6 +195,25 @@ def test_soak_samples_memory_and_steps_across_checkpoints_to_the_stop(records):
   rows = point["series"]["rows"]
   assert len(rows) >= 4 and all(row[1] > 0 for row in rows), rows
   assert point["stop"]["exit"] == 143 and point["stop"]["checkpoint"] == point["steps_done"]
+
+
+def test_reproducibility_cost_times_both_engines_in_turn(records):
+  (point,) = points(records, "reproducibility-cost")
+  assert point["status"] == "ok" and point["shape"] == "tiny"
+  assert len(point["usual_rounds"]) == len(point["deterministic_rounds"]) == 2
+  check_positive(point, ("n_params",))
+  for name in ("usual_tflops", "deterministic_tflops", "ratio"):
+    assert point[name]["n"] == 2 and 0 < point[name]["min"] <= point[name]["max"], point
+
+
+def test_reproducibility_bitwise_resumes_a_killed_run_bit_for_bit(records):
+  """On the CPU the runs are deterministic: the killed and resumed run
+  equals the reference bit for bit."""
+  reference, killed = points(records, "reproducibility-bitwise")
+  assert reference["run"] == "reference" and reference["status"] == "ok", reference
+  assert killed["run"] == "sigkill" and killed["status"] == "ok", killed
+  assert killed["stop_exits"] == [-9] and 5 <= killed["stopped_after_step"] < 8
+  assert killed["steps_logged"] == 8 and killed["bitwise_losses"] and killed["bitwise_masters"]
 
 
 def test_plot_draws_every_figure_from_the_records(tmp_path):
