@@ -4,6 +4,7 @@ GPU operations; on a GPU two engines built apart (each compiled, and on
 XLA's own autotuning, its own) train a GPT bit for bit alike. CPU steps are
 deterministic as they are: the option leaves their programs unchanged."""
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -23,12 +24,15 @@ DETERMINISTIC = {"xla_gpu_deterministic_ops": True}
 # A GPT small enough for a CPU, with a head size cuDNN's flash attention takes
 # (its backward is one of the operations that needs the deterministic kernel).
 CONFIG = gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=128)
+# On the CPU devices of a machine with a GPU too, XLA's attention ("auto" asks the
+# default backend, the GPU, and would pick cuDNN's).
+CPU_CONFIG = dataclasses.replace(CONFIG, attention="xla")
 
 
-def engine(devices, **options) -> jzo.ZeroEngine:
+def engine(devices, config=CONFIG, **options) -> jzo.ZeroEngine:
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  return jzo.ZeroEngine(functools.partial(gpt.loss_fn, CONFIG),
-                        gpt.init_params(CONFIG, jax.random.PRNGKey(0)),
+  return jzo.ZeroEngine(functools.partial(gpt.loss_fn, config),
+                        gpt.init_params(config, jax.random.PRNGKey(0)),
                         jzo.cpu_adamw(1e-3, weight_decay=0.1),
                         jzo.EngineOptions(max_grad_norm=1.0, **options), mesh=mesh)
 
@@ -40,7 +44,8 @@ def batches(n: int, rows: int) -> list[dict]:
 
 
 def train(devices, steps: int = 4, **options) -> tuple[list[float], list[np.ndarray]]:
-  """Losses of `steps` steps and the float32 masters after them."""
+  """Losses of `steps` steps and the float32 masters after them (options:
+  `engine`'s)."""
   e = engine(devices, **options)
   losses = [float(e.step(b).loss) for b in batches(steps, 2 * len(devices))]
   masters = [np.asarray(x) for x in jax.tree.leaves(e.params)]
@@ -51,11 +56,11 @@ def train(devices, steps: int = 4, **options) -> tuple[list[float], list[np.ndar
 def test_the_option_is_checked_and_reaches_the_gpu_programs_only():
   with pytest.raises(ValueError, match="deterministic must be True or False, got 1"):
     jzo.EngineOptions(deterministic=1)
-  plan = engine(jax.devices()[:2], offload=True, deterministic=True).plan
+  plan = engine(jax.devices("cpu")[:2], CPU_CONFIG, offload=True, deterministic=True).plan
   assert plan.deterministic
   assert step_lib.compiler_options(plan, "gpu") == DETERMINISTIC
   assert step_lib.compiler_options(plan, "cpu") is None
-  usual = engine(jax.devices()[:2], offload=True).plan
+  usual = engine(jax.devices("cpu")[:2], CPU_CONFIG, offload=True).plan
   assert not usual.deterministic and step_lib.compiler_options(usual, "gpu") is None
 
 
@@ -82,7 +87,8 @@ def test_a_resumed_run_keeps_the_flag(tmp_path):
 
 def test_cpu_steps_are_the_same_with_the_option():
   cpus = jax.devices("cpu")[:2]
-  plain, deterministic = train(cpus, offload=True), train(cpus, offload=True, deterministic=True)
+  plain, deterministic = (train(cpus, offload=True, config=CPU_CONFIG),
+                          train(cpus, offload=True, deterministic=True, config=CPU_CONFIG))
   assert plain[0] == deterministic[0]
   for a, b in zip(plain[1], deterministic[1]):
     np.testing.assert_array_equal(a, b)

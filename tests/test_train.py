@@ -68,19 +68,24 @@ def test_learning_rate_and_warmup_suit_the_model():
   """Each preset starts from its published rate and warm-up (gpt2-10b: GPT-3's
   1e-4 for 13B, not the tiny demo's 3e-3, whose loss jumped from 11.5 to
   26.5 at step 3); fine-tuning from a checkpoint warms up over 3% of the
-  steps at the fine-tuning rate; the options win over both. No warm-up is
-  shorter than 20 steps, or half of a shorter run (gpt2-10b's loss went
-  11.6, 27.2, 30.6 over three steps without one)."""
+  steps at the fine-tuning rate; the options win over both. From scratch
+  no warm-up is shorter than 100 steps, past the run's end if it is
+  shorter (gpt2-10b's loss went from 11.6 to 27.6 after one update at a
+  tenth of its peak rate); fine-tuning's is at least 20 or half the run."""
   tiny = models.PRESETS["tiny"]
   cfg = config_lib.parse(train.TrainConfig, ["--steps", "3"])  # test_cli.py trains so
   options.check(cfg)
-  assert cfg.warmup is None and options.warmup_steps(cfg, tiny) == 1
-  schedule = options.lr_schedule(cfg, tiny)
-  assert float(schedule(0)) == 0 and float(schedule(1)) == pytest.approx(3e-3)
+  assert cfg.warmup is None and options.warmup_steps(cfg, tiny) == 0  # the demo's: a tenth
+  assert float(options.lr_schedule(cfg, tiny)(0)) == pytest.approx(3e-3)  # no warm-up
   assert options.warmup_steps(train.TrainConfig(steps=300), tiny) == 30
-  assert options.warmup_steps(train.TrainConfig(steps=100), tiny) == 20
+  small = train.TrainConfig(model="gpt2-124m", steps=300)
+  assert options.warmup_steps(small, models.PRESETS["gpt2-124m"]) == 100
+  assert options.warmup_steps(dataclasses.replace(small, steps=3000),
+                              models.PRESETS["gpt2-124m"]) == 300
   short = train.TrainConfig(model="gpt2-20b", steps=20, batch_size=32, seq_len=1024)
-  assert options.warmup_steps(short, models.PRESETS["gpt2-20b"]) == 10
+  assert options.warmup_steps(short, models.PRESETS["gpt2-20b"]) == 100
+  assert float(options.lr_schedule(short, models.PRESETS["gpt2-20b"])(19)) == pytest.approx(
+      0.19 * options.peak_lr(short, models.PRESETS["gpt2-20b"]))
   big = models.PRESETS["gpt2-10b"]
   cfg = train.TrainConfig(model="gpt2-10b", steps=1000, batch_size=32, seq_len=1024)
   assert options.peak_lr(cfg, big) == 1e-4

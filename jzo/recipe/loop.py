@@ -28,7 +28,8 @@ from jzo.recipe.logs import (Throughput, banner, log_line, peak_tflops, plot, st
                              tensorboard_log)
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
                                 check_for_model, engine_options, lr_schedule,
-                                offload_placement, resident_count, weights_placement)
+                                offload_placement, resident_count, warmup_line,
+                                weights_placement)
 from jzo.recipe.runs import (EngineChanged, barrier, check_checkpoint_to_continue,
                              check_disk_for_checkpoints, check_no_earlier_run, keep_model_files,
                              remove_partial_checkpoints, restore_run, save_checkpoint, start_log,
@@ -311,6 +312,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
       if cfg.offload_params and not engine.plan.offload_params:
         print(ALL_WEIGHTS_FIT)
       print(micro_line)
+      print(warmup_line(cfg, model))
     schedule = lr_schedule(cfg, model)
     meter = Throughput(cfg, model, peak * len(devices))
     last = {}

@@ -49,7 +49,7 @@ class TrainConfig:
   lr: float | None = None
   """peak learning rate, warm-up then cosine decay to a tenth (None: the model's own)"""
   warmup: int | None = None
-  """warm-up steps (None: the model's, at most a tenth of --steps; with --init-from 3% of them; at least 20, or half of a shorter run)"""
+  """warm-up steps, which may outlast the run (None: from scratch the model's published warm-up, at most a tenth of --steps but at least 100, the tiny demo's a tenth; with --init-from 3% of them, at least 20 or half of a shorter run)"""
   weight_decay: float = 0.1
   """AdamW weight decay"""
   max_grad_norm: float = 1.0
@@ -146,8 +146,8 @@ def check(cfg: TrainConfig) -> None:
   if cfg.micro_batch != "auto" and not (cfg.micro_batch.isdigit() and int(cfg.micro_batch) > 0):
     raise UserError(f"--micro-batch must be auto or a whole number >= 1, got "
                     f"{cfg.micro_batch!r}")
-  if cfg.warmup is not None and not 0 <= cfg.warmup < cfg.steps:
-    raise UserError(f"--warmup must be in [0, --steps), got {cfg.warmup} with {cfg.steps} steps")
+  if cfg.warmup is not None and cfg.warmup < 0:
+    raise UserError(f"--warmup must be >= 0, got {cfg.warmup}")
   if cfg.model is not None and cfg.init_from:
     raise UserError(f"--model {cfg.model} and --init-from {cfg.init_from}: give one (the "
                     "checkpoint's config.json names its model)")
@@ -286,31 +286,46 @@ def peak_lr(cfg: TrainConfig, model: models.Model) -> float:
   return model.defaults.finetune_lr if cfg.init_from else model.defaults.lr
 
 
-# The fewest warm-up steps a run takes unless --warmup says (half of a
-# shorter run): Adam's first updates are about the learning rate in every
-# weight at once, and at a large model's peak rate they diverge. With none,
-# gpt2-10b's loss went 11.6, 27.2, 30.6 over its first three steps.
-WARMUP_FLOOR = 20
+# Training from scratch, the fewest warm-up steps a run takes unless
+# --warmup says, where the model's published warm-up is longer, even past
+# the run's end: Adam's first updates move every weight by about the
+# learning rate at once, which at a large model's peak rate overshoots far
+# (gpt2-10b at 1e-4 peak: one update at 1e-5 took its loss from 11.6 to
+# 27.6; at 1e-6 it fell).
+WARMUP_FLOOR = 100
+# Fine-tuning, the fewest warm-up steps (or half of a shorter run).
+FINETUNE_WARMUP_FLOOR = 20
 
 
 def warmup_steps(cfg: TrainConfig, model: models.Model) -> int:
-  """--warmup, by default 3% of the steps fine-tuning, else the model's
-  published warm-up in this run's tokens, at most a tenth of the steps;
-  either at least WARMUP_FLOOR steps, or half of a shorter run."""
+  """--warmup; by default, fine-tuning, 3% of the steps, at least
+  FINETUNE_WARMUP_FLOOR or half of a shorter run; from scratch the model's
+  published warm-up in this run's tokens, at most a tenth of the steps but
+  at least WARMUP_FLOOR (a shorter run ends inside its warm-up)."""
   if cfg.warmup is not None:
     return cfg.warmup
   if cfg.init_from:
-    usual = math.ceil(models.FINETUNE_WARMUP_FRACTION * cfg.steps)
-  elif model.defaults.warmup_tokens is None:
-    usual = cfg.steps // 10
-  else:
-    published = math.ceil(model.defaults.warmup_tokens / (cfg.batch_size * cfg.seq_len))
-    usual = min(published, cfg.steps // 10)
-  return max(usual, min(WARMUP_FLOOR, cfg.steps // 2))
+    return max(math.ceil(models.FINETUNE_WARMUP_FRACTION * cfg.steps),
+               min(FINETUNE_WARMUP_FLOOR, cfg.steps // 2))
+  if model.defaults.warmup_tokens is None:
+    return cfg.steps // 10
+  published = math.ceil(model.defaults.warmup_tokens / (cfg.batch_size * cfg.seq_len))
+  return min(published, max(cfg.steps // 10, WARMUP_FLOOR))
+
+
+def warmup_line(cfg: TrainConfig, model: models.Model) -> str:
+  """What the run's learning rate does, in one line."""
+  lr, warmup = peak_lr(cfg, model), warmup_steps(cfg, model)
+  if warmup < cfg.steps:
+    start = f"{warmup} warm-up steps to {lr:.2g}" if warmup else f"{lr:.2g} from the first step"
+    return f"learning rate: {start}, then a cosine decay to {0.1 * lr:.2g}"
+  return (f"learning rate: the run ends inside its {warmup}-step warm-up, at "
+          f"{lr * (cfg.steps - 1) / warmup:.2g} (peak {lr:.2g}; --warmup sets the warm-up)")
 
 
 def lr_schedule(cfg: TrainConfig, model: models.Model) -> optax.Schedule:
   """Linear warm-up from 0, then cosine decay to a tenth of the peak at the last step."""
-  lr = peak_lr(cfg, model)
-  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps(cfg, model), cfg.steps,
+  lr, warmup = peak_lr(cfg, model), warmup_steps(cfg, model)
+  # A run that ends inside its warm-up never decays.
+  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(cfg.steps, warmup + 1),
                                             end_value=0.1 * lr)
