@@ -13,6 +13,7 @@ not, so nothing is left behind and nothing hangs past TIMEOUT.
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,11 @@ from test_engine import HIDDEN, LAYERS, mesh_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds a pair may take, start-up and compilation included
+# What a pair's processes must not print, as they run or as they end (cleanly, on a signal,
+# or after another's death): tracebacks, errors, and the C++ logs of JAX's coordination
+# service and gRPC (E/F/W lines, CANCELLED and UNAVAILABLE, "Terminating process", stack traces).
+ALARMING = re.compile(r"Traceback|Error|error:|^[EFW]\d{4} |CANCELLED|UNAVAILABLE|WatchTasks|"
+                      r"Terminating process|Source Location Trace|[Cc]heck fail", re.M)
 
 
 def free_port() -> int:
@@ -264,6 +270,8 @@ def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
   assert all(np.isfinite(line["loss"]) for line in lines)
   assert (run / "checkpoints" / "4").is_dir()
   assert "step 4: loss" in outputs[0] and "step 4: loss" not in outputs[1]
+  for output in outputs:
+    assert not ALARMING.search(output.replace("\r", "\n")), output[-3000:]
 
 
 # Process 0 of a pair starts the peer watch, whose other process never connects.

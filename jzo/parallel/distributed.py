@@ -31,6 +31,7 @@ ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_AUTO = "JZO_DISTRIBUTED"
+_ABSL_FATAL = 3  # absl's severities: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL
 
 
 def initialize_from_environment(address: str | None = None, processes: int | None = None,
@@ -66,6 +67,36 @@ def initialize_from_environment(address: str | None = None, processes: int | Non
   # What is still None, JAX's cluster detection fills in (or names as missing).
   jax.distributed.initialize(address, processes, process_id)
   return True
+
+
+def quiet_native_logs() -> None:
+  """From now on, drops the C++ log lines of JAX's runtime below FATAL
+  (absl's INFO, WARNING and ERROR; lines already printed stay). For a
+  process on its way out: the coordination service's shutdown and a
+  peer's end make its agent print warnings, errors and gRPC traces that
+  say nothing the run's own lines do not."""
+  try:
+    from jax._src.lib import utils  # no public switch; checked against jaxlib 0.10.2
+    utils.absl_set_min_log_level(_ABSL_FATAL)
+  except Exception:  # another jaxlib: its lines stay, as before
+    pass
+
+
+def shut_down_client() -> None:
+  """This process's part of JAX's multi-process shutdown at exit: its
+  client enters the shutdown barrier (returning once every process's has)
+  and leaves. What JAX's exit handler does after it stays to it: in
+  process 0, stopping the coordination service, once nobody talks to it
+  (jzo.parallel.peer_watch waits for the other processes to exit first).
+  Failures are dropped: the run has ended, and JAX's handler would only
+  report them as an exception at exit."""
+  from jax._src import distributed  # checked against jax 0.10.2: global_state.client
+  client, distributed.global_state.client = distributed.global_state.client, None
+  try:
+    if client is not None:
+      client.shutdown()
+  except Exception:  # the barrier failed (a process that exited without it): nothing to add
+    pass
 
 
 def _int_from_env(name: str) -> int | None:

@@ -17,12 +17,20 @@ ended without a word: killed, or out of memory). It exits with `os._exit`:
 its main thread may be blocked in a collective that will never complete. The
 last complete checkpoint stays, and `--resume` continues from it.
 
+The end is quiet: a process that stops (`leaving`, a peer's stop, or
+`finished`) first silences the C++ logs of JAX's runtime, whose agent would
+report the other processes' ends and the coordination service's shutdown
+as warnings, errors and gRPC traces. At a clean end process 0 exits last:
+JAX's service lives in it, and stopping it while another process's agent
+still talks to it is what makes that agent complain.
+
 Process 0 relays: it hears from every other process and tells the rest. A
 message is one line: "hello <id>", "done", or "stop <status> <reason>".
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import selectors
 import socket
@@ -32,11 +40,14 @@ import time
 
 import jax
 
+from jzo.parallel import distributed
+
 # The key under which process 0 publishes its port (JAX's key-value store).
 _PORT_KEY = "jzo/peer_watch/port"
 # How long the others may take to connect, and to hear a stop before process 0 exits.
 _CONNECT_S = 300
 _DRAIN_S = 2.0
+_LAST_OUT_S = 10.0  # at a clean end, how long process 0 waits for the others to exit
 _DIED = 1  # the status of a process whose peer ended without a word
 
 
@@ -47,6 +58,9 @@ class PeerWatch:
     self.me = me
     self._sockets = sockets  # process id -> connection (process 0: every other; else {0: hub})
     self._done: set[int] = set()  # processes that said "done"
+    self._gone = threading.Condition()  # notified as each peer's connection closes
+    self._closed: set[int] = set()  # processes whose connection closed
+    self._finished = False  # this process said "done"
     self._closing = False  # this process said "done" or "stop": peers' ends are no news
     # Reentrant: `leaving` may run in a signal handler that interrupted `_say_all`.
     self._lock = threading.RLock()
@@ -98,17 +112,24 @@ class PeerWatch:
       sockets = {0: hub}
     for conn in sockets.values():
       conn.settimeout(None)
-    return cls(me, sockets)
+    watch = cls(me, sockets)
+    if me == 0:  # runs before JAX's own exit handler, registered when jax was imported
+      atexit.register(watch._exit_last)
+    return watch
 
   def finished(self) -> None:
     """Every process reached the end (past the last collective): a peer
-    that closes from now on has finished too."""
+    that closes from now on has finished too. From here JAX's C++ logs
+    are dropped (its shutdown's race), and process 0 exits last."""
+    distributed.quiet_native_logs()
+    self._finished = True
     self._say_all("done")
 
   def leaving(self, status: int, reason: str) -> None:
     """This process stops alone with `status`: the others stop too, naming
     `reason` (one line). Process 0 waits up to a few seconds for them to
     hear it first: when it exits, JAX's service in it goes too."""
+    distributed.quiet_native_logs()
     self._say_all(f"stop {status} process {self.me}: {_one_line(reason)}")
     if self.me == 0:
       self._drain()
@@ -136,6 +157,9 @@ class PeerWatch:
           data = b""
         if not data:  # closed: after "done" the end of a run, else a death
           selector.unregister(key.fileobj)
+          with self._gone:
+            self._closed.add(peer)
+            self._gone.notify_all()
           if peer not in self._done:
             self._peer_stopped(_DIED, f"process {peer} ended without a word (killed, or out "
                                      "of memory?)")
@@ -157,11 +181,23 @@ class PeerWatch:
     with self._lock:
       if self._closing:  # this process is on its way out anyway
         return
+    distributed.quiet_native_logs()  # JAX's agent would report the peer's end too
     if self.me == 0:  # the others hear it from the hub
       self._say_all(f"stop {status} {reason}")
       self._drain()
     _exit(status, f"jzo: {reason}; stopping process {self.me} too (--resume continues "
                   "from the last complete checkpoint)")
+
+  def _exit_last(self) -> None:
+    """Process 0 at exit, after `finished`: enters JAX's shutdown barrier,
+    waits (seconds at most) until every other process has exited, past its
+    own client's shutdown; JAX's exit handler, which runs next, then stops
+    the coordination service with nobody left to miss it."""
+    if not self._finished:
+      return
+    distributed.shut_down_client()
+    with self._gone:
+      self._gone.wait_for(lambda: len(self._closed) == len(self._sockets), _LAST_OUT_S)
 
   def _drain(self) -> None:
     """Process 0: waits (a few seconds at most) until the others closed."""
