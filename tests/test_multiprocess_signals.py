@@ -222,14 +222,14 @@ def test_a_killed_process_stops_the_other_and_resume_continues_bit_for_bit(
     pytest.fail(f"process {other} still ran {STOPPED_WITHIN} s after {killed} was killed:\n"
                 + pair.tails())
   assert time.monotonic() - killed_at < STOPPED_WITHIN
-  assert pair.procs[killed].poll() == -signal.SIGKILL and pair.procs[other].poll() != 0
+  assert pair.procs[killed].poll() == -signal.SIGKILL
+  assert pair.procs[other].poll() == 1, pair.tails()
+  # Process 0 hosts JAX's coordination service: its death reaches the other's
+  # JAX agent too, which would report it (and end the process) before the
+  # watch, but for jzo.parallel.hold_open.
   said = f"process {killed} ended without a word (killed, or out of memory?)"
-  if killed == 1:
-    assert said in pair.text(other), pair.tails()
-    pair.assert_quiet(other)
-  else:  # process 0 hosts JAX's coordination service: its death may be
-    # reported by JAX first (it terminates the others at once, naming "another task").
-    assert said in pair.text(other) or "another task died" in pair.text(other), pair.tails()
+  assert said in pair.text(other), pair.tails()
+  pair.assert_quiet(other)
 
   resumed = pairs(tmp_path, env, "--resume", name="-resumed")
   assert resumed.exits() == [0, 0], resumed.tails()

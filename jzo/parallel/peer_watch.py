@@ -40,7 +40,7 @@ import time
 
 import jax
 
-from jzo.parallel import distributed
+from jzo.parallel import distributed, hold_open
 
 # The key under which process 0 publishes its port (JAX's key-value store).
 _PORT_KEY = "jzo/peer_watch/port"
@@ -100,6 +100,9 @@ class PeerWatch:
             f"{connect_s:g} s ({type(e).__name__}: {e})") from e
       finally:
         listener.close()
+      # Every process is connected to JAX's service in this one: should this one die
+      # at once, the others hear it from this watch first (jzo.parallel.hold_open).
+      hold_open.start(_coordinator_port())
     else:
       port = int(client.blocking_key_value_get(_PORT_KEY, int(connect_s * 1000)))
       host = _coordinator_host()
@@ -246,3 +249,8 @@ def _coordinator_host() -> str:
   from jax._src import distributed
   host = distributed.global_state.coordinator_address.rsplit(":", 1)[0]
   return host.strip("[]")
+
+
+def _coordinator_port() -> int:
+  from jax._src import distributed
+  return int(distributed.global_state.coordinator_address.rsplit(":", 1)[1])
