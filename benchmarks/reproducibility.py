@@ -233,16 +233,23 @@ def bitwise(args) -> list[dict]:
   # After the first checkpoint, before the end.
   stop_at = {name: pick.randint(every + 1, steps - 2) for name in names if name.startswith("sig")}
   points = {name: {"run": name, "processes": args.processes} for name in names}
-  while any(p.poll() is None for run in runs.values() for p in run.procs):
+  stopping = set()  # signalled, not yet exited (never waited for here: others run on)
+  while stopping or any(p.poll() is None for run in runs.values() for p in run.procs):
     for name, at in list(stop_at.items()):
       run = runs[name]
       if run.steps_logged() >= at or any(p.poll() is not None for p in run.procs):
         run.procs[0].send_signal(signal.SIGKILL if name == "sigkill" else signal.SIGTERM)
-        points[name].update(stopped_after_step=run.steps_logged(), stop_exits=run.wait())
+        points[name]["stopped_after_step"] = run.steps_logged()
+        stopping.add(name)
+        del stop_at[name]
+    for name in list(stopping):
+      exits = [p.poll() for p in runs[name].procs]
+      if None not in exits:
+        points[name]["stop_exits"] = exits
         runs[name] = Run(root / name, flags[name] + ["--resume"], args.processes, "resumed",
                          share)
-        del stop_at[name]
-    time.sleep(0.05)
+        stopping.remove(name)
+    time.sleep(0.02)
   for name, run in runs.items():
     point, exits = points[name], run.wait()
     point.update(exits=exits, wall_s=time.perf_counter() - start)

@@ -49,7 +49,7 @@ class TrainConfig:
   lr: float | None = None
   """peak learning rate, warm-up then cosine decay to a tenth (None: the model's own)"""
   warmup: int | None = None
-  """warm-up steps, which may outlast the run (None: from scratch the model's published warm-up, at most a tenth of --steps but at least 100, the tiny demo's a tenth; with --init-from 3% of them, at least 20 or half of a shorter run)"""
+  """warm-up steps, which may outlast the run (None: from scratch the model's published warm-up, at most a tenth of --steps but at least 1000, the tiny demo's a tenth; with --init-from 3% of them, at least 20 or half of a shorter run)"""
   weight_decay: float = 0.1
   """AdamW weight decay"""
   max_grad_norm: float = 1.0
@@ -289,10 +289,11 @@ def peak_lr(cfg: TrainConfig, model: models.Model) -> float:
 # Training from scratch, the fewest warm-up steps a run takes unless
 # --warmup says, where the model's published warm-up is longer, even past
 # the run's end: Adam's first updates move every weight by about the
-# learning rate at once, which at a large model's peak rate overshoots far
-# (gpt2-10b at 1e-4 peak: one update at 1e-5 took its loss from 11.6 to
-# 27.6; at 1e-6 it fell).
-WARMUP_FLOOR = 100
+# learning rate at once, and a large model's loss leaps. gpt2-10b (peak
+# 1e-4) over a 100-step warm-up: 11.6 at step 1, 16.4 after one update at
+# 1e-6, 13.1 at step 9; over 1000 steps never above 11.6, and 6.2 at step
+# 10 (7.0 at step 8 either way).
+WARMUP_FLOOR = 1000
 # Fine-tuning, the fewest warm-up steps (or half of a shorter run).
 FINETUNE_WARMUP_FLOOR = 20
 
