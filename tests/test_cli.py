@@ -549,6 +549,7 @@ TRAIN_MISTAKES = [
      "--offload-params needs --offload (the host kernel updates the weights in host memory where "
      "they are), got --offload-fraction 0.5"),
     ("overlap_forward", ["--overlap-forward", "no"], "Unrecognized options: no"),
+    ("deterministic", ["--deterministic", "yes"], "Unrecognized options: yes"),
     ("precision", ["--precision", "fp8"], "invalid choice 'fp8' for argument '--precision'"),
     # conftest.py gives this process 8 CPU devices.
     ("devices", ["--devices", "99"], "--devices 99: this machine has 8 cpu device(s)"),
