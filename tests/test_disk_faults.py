@@ -40,7 +40,7 @@ from jzo.checkpoint import checksums
 from test_checkpoint import assert_same, copy, trained
 from test_resilience import (PLAIN, ROOT, Run, assert_same_weights, complete_steps, finish,
                              losses, partial_writes, resumed_from, start)
-from test_resilience import env, plain_run  # noqa: F401  (fixtures: the recipe's environment, its run)
+from test_resilience import env, plain_run  # noqa: F401  (fixtures)
 
 # A file-size limit that the run's own small files stay under (its log line
 # appends, config.json) and a checkpoint's array files do not (100 KiB to 1 MiB).
@@ -187,7 +187,7 @@ def test_a_refused_save_mid_run_or_on_sigint_stops_in_one_line(tmp_path, env, pl
 
 
 SAVE_SCRIPT = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, os, resource, subprocess, sys
     import numpy as np
     from jzo import checkpoint
 
@@ -195,34 +195,47 @@ SAVE_SCRIPT = textwrap.dedent("""
       def state_dict(self, streamed=False):
         return {"w": np.arange(200_000, dtype=np.float32), "step": np.int32(3)}
 
-    with checkpoint.open_manager(sys.argv[1]) as manager:
+    folder, fault, where = sys.argv[1:]
+    with checkpoint.open_manager(folder) as manager:
       checkpoint.save(manager, Engine(), 1)
-      resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+      if fault == "file size":
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(where), resource.RLIM_INFINITY))
+      else:  # the filesystem made read-only under the run
+        subprocess.run(["mount", "-o", "remount,ro", where], check=True)
       try:
         checkpoint.save(manager, Engine(), 2)
       except checkpoint.CheckpointWriteError as e:
         print(json.dumps({"error": str(e), "reason": e.reason, "latest": e.latest,
                           "step": e.step, "steps": manager.all_steps(),
-                          "left": sorted(os.listdir(sys.argv[1]))}))
+                          "left": sorted(os.listdir(folder))}))
 """)
 
 
-def test_a_save_the_disk_refuses_raises_one_error_and_keeps_the_earlier(tmp_path):
-  """jzo.checkpoint.save under a file-size limit: CheckpointWriteError with
-  the OS's words, the earlier checkpoint kept, nothing partial left, and
-  none of orbax's tracebacks."""
-  folder = tmp_path / "ckpt"
-  done = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, str(folder), str(FILE_LIMIT)],
-                        capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert done.returncode == 0, done.stderr[-3000:]
-  got = json.loads(done.stdout.strip().splitlines()[-1])
-  assert re.fullmatch(rf"checkpoint 2 could not be written to {re.escape(str(folder))}: File "
-                      r"too large \([\d.]+ [MG]iB free there\); checkpoint 1 there is intact",
-                      got["error"]), got
-  assert (got["reason"], got["latest"], got["step"]) == ("File too large", 1, 2)
-  assert got["steps"] == [1] and got["left"] == ["1"]
-  assert "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
+@pytest.mark.parametrize("fault, reason", [("file size", "File too large"),
+                                           ("read-only", "Read-only file system")])
+def test_a_save_the_disk_refuses_raises_one_error_and_keeps_the_earlier(tmp_path, fault, reason):
+  """jzo.checkpoint.save under a file-size limit, or on a filesystem made
+  read-only (a tmpfs of the test's own): CheckpointWriteError with the OS's
+  words, the earlier checkpoint kept, nothing partial left, and none of
+  orbax's tracebacks."""
+  with contextlib.ExitStack() as stack:
+    if fault == "file size":
+      inside, folder, view, where = [], tmp_path / "ckpt", tmp_path / "ckpt", str(FILE_LIMIT)
+    else:
+      disk = tmp_path / "disk"
+      inside, view = stack.enter_context(small_disk(disk, "16m"))
+      folder, where, view = disk / "ckpt", str(disk), view / "ckpt"
+    done = subprocess.run([*inside, sys.executable, "-c", SAVE_SCRIPT, str(folder), fault, where],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert re.fullmatch(rf"checkpoint 2 could not be written to {re.escape(str(folder))}: "
+                        rf"{reason} \([\d.]+ [MG]iB free there\); checkpoint 1 there is intact",
+                        got["error"]), got
+    assert (got["reason"], got["latest"], got["step"]) == (reason, 1, 2)
+    assert got["steps"] == [1] and got["left"] == ["1"] == sorted(os.listdir(view))
+    assert "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr[-3000:]
 
 
 def test_os_errors_are_named_in_the_oss_words():

@@ -8,7 +8,9 @@ Each chunk an array is written in (a span of jzo.checkpoint.spans, or a
 whole host array) has the CRC32 of its values as they are in memory (C
 order, before compression). Each process writes those of the chunks it
 wrote to `<item folder>/jzo_checksums/` inside orbax's temporary folder, so
-that they are renamed into place with the checkpoint. A restore reads each
+that they are renamed into place with the checkpoint. (Arrays that orbax's
+own handlers write, the global jax.Arrays of several processes' int8 scales
+and other optimizers' state, have none.) A restore reads each
 chunk it needs whole and checks it before any value is used; a span that
 covers part of a chunk reads the chunk (tensorstore decodes whole chunks
 anyway). Checkpoints written before the checksums have no such folder and
@@ -36,11 +38,11 @@ import numpy as np
 
 from jzo.checkpoint import spans as spans_lib
 
-# The folder, in an item's folder, of the checksums' files (one or more a process).
+# The folder, in an item's folder, of the checksums' files (one a process).
 FOLDER = "jzo_checksums"
-# What the item's custom metadata holds when the save wrote checksums: a
-# restore that finds it and no checksums refuses the checkpoint.
-MARK = {"jzo_checksums": 1}
+# The key of the item's custom metadata that says how many processes wrote
+# checksums: a restore that finds fewer refuses the checkpoint.
+MARK = "jzo_checksums"
 
 
 class ChecksumError(ValueError):
@@ -203,6 +205,12 @@ class Recorder:
       json.dump(record, f)
       f.flush()
       os.fsync(f.fileno())
+
+
+def processes(item_folder: pathlib.Path) -> int:
+  """How many processes' checksums files an item folder holds."""
+  names = (p.name for p in (pathlib.Path(item_folder) / FOLDER).glob("process_*.json"))
+  return len({n.split(".")[0] for n in names})
 
 
 def read(item_folder: pathlib.Path) -> dict[str, ArraySums] | None:

@@ -37,21 +37,18 @@ checkpoint like any other.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import logging
 import math
 import os
 import pathlib
-import re
 import shutil
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jzo.checkpoint import checksums, handler
+from jzo.checkpoint import checksums, disk, handler
 from jzo.checkpoint.expected import expected, streamed_entries
 from jzo.checkpoint.load import StateChanged
 from jzo.checkpoint.outline import misfit, outline
@@ -69,6 +66,8 @@ _MAX_DETAIL = 300
 # state, 1.29-2.11 GiB for int8 states of 1.5B to 10.28B parameters; the
 # spans in flight and the threads' arenas bound it, not the model.
 SAVE_HOST_BYTES = int(2.5 * 2**30)
+# Seconds a failed save waits for orbax's threads of it to end.
+SAVE_THREADS_TIMEOUT_S = 30
 
 
 class CheckpointError(ValueError):
@@ -165,38 +164,31 @@ def save(manager: ocp.CheckpointManager, engine, step: int) -> None:
     CheckpointWriteError: the disk refused the checkpoint (an OS error:
       no space left, over quota, read-only, I/O error).
   """
+  folder = folder_of(manager)
+  try:
+    disk.write_probe(folder)
+  except OSError as e:
+    raise _write_failed(manager, step, os.strerror(e.errno) if e.errno else str(e)) from e
   saved = engine.state_dict(streamed=True)
-  with _orbax_errors_held() as held:
+  with disk.orbax_errors_held() as held:
+    running = disk.orbax_threads()
     try:
-      written = manager.save(step, args=ocp.args.PyTreeSave(saved,
-                                                            custom_metadata=checksums.MARK))
+      marked = {checksums.MARK: jax.process_count()}
+      written = manager.save(step, args=ocp.args.PyTreeSave(saved, custom_metadata=marked))
       if written:
         manager.wait_until_finished()
     except Exception as e:  # orbax re-raises tensorstore's errors as ValueErrors
-      reason = os_error_text(e)
+      reason = disk.os_error_text(e)
       if reason is None:  # not the disk's: as it came, with orbax's logs
         raise
-      held.clear()  # said once, by the error
+      # Its threads log the failure on their way out: once, by the error.
+      disk.join(disk.orbax_threads() - running, SAVE_THREADS_TIMEOUT_S)
+      held.clear()
       raise _write_failed(manager, step, reason) from e
   if not written:
-    raise CheckpointError(f"checkpoint {step} in {folder_of(manager)} was not written: the "
-                          f"latest there is step {manager.latest_step()}",
-                          folder_of(manager), step)
+    raise CheckpointError(f"checkpoint {step} in {folder} was not written: the latest there "
+                          f"is step {manager.latest_step()}", folder, step)
   release_freed_memory()
-
-
-def os_error_text(e: BaseException) -> str | None:
-  """The OS's words for the error at the root of `e` (an OSError, or
-  tensorstore's status that carries one: "... [os_error_code='28']"), e.g.
-  "No space left on device"; None where it is no OS error."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno:
-      return os.strerror(e.errno)
-    found = re.search(r"os_error_code='?(\d+)", str(e))
-    if found:
-      return os.strerror(int(found.group(1)))
-    e = e.__cause__ or e.__context__
-  return None
 
 
 def _write_failed(manager: ocp.CheckpointManager, step: int,
@@ -209,7 +201,7 @@ def _write_failed(manager: ocp.CheckpointManager, step: int,
     for partial in folder.glob(f"{step}.orbax-checkpoint-tmp*"):
       shutil.rmtree(partial, ignore_errors=True)  # the rest, if any: the next start's
   try:
-    free = f" ({_size(shutil.disk_usage(folder).free)} free there)"
+    free = f" ({disk.size_text(shutil.disk_usage(folder).free)} free there)"
   except OSError:
     free = ""
   latest = manager.latest_step()
@@ -217,32 +209,6 @@ def _write_failed(manager: ocp.CheckpointManager, step: int,
             else "there is no earlier checkpoint")
   return CheckpointWriteError(f"checkpoint {step} could not be written to {folder}: {reason}"
                               f"{free}; {before}", folder, step, reason, latest)
-
-
-def _size(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-@contextlib.contextmanager
-def _orbax_errors_held():
-  """Holds back the errors orbax logs (with their tracebacks, from each of
-  its threads) while a save runs, then logs those left in the list it
-  gives: a save the disk refuses clears it, to be reported once, by
-  CheckpointWriteError."""
-  logger, held = logging.getLogger("absl"), []
-
-  def hold(record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR:
-      return True
-    held.append(record)
-    return False
-  logger.addFilter(hold)
-  try:
-    yield held
-  finally:
-    logger.removeFilter(hold)
-    for record in held:
-      logger.handle(record)
 
 
 def restore(manager: ocp.CheckpointManager, engine, step: int | None = None) -> int:
@@ -450,10 +416,13 @@ def _complete_step(manager: ocp.CheckpointManager, step: int | None) -> int:
 
 def _check_sums_kept(metadata, folder: pathlib.Path, step: int) -> None:
   """Refuses checkpoint `step` (its item metadata given) where its save
-  wrote checksums and they are gone."""
-  marked = (getattr(metadata, "custom_metadata", None) or {}).keys() >= checksums.MARK.keys()
-  if marked and not any((folder / str(step)).glob(f"*/{checksums.FOLDER}")):
-    raise checksums.ChecksumError(f"its checksums ({checksums.FOLDER}) are missing")
+  wrote checksums and some processes' are gone."""
+  wrote = (getattr(metadata, "custom_metadata", None) or {}).get(checksums.MARK)
+  found = max((checksums.processes(item) for item in (folder / str(step)).iterdir()
+               if item.is_dir()), default=0)
+  if wrote and found < wrote:
+    raise checksums.ChecksumError(f"its checksums ({checksums.FOLDER}) are missing: of "
+                                  f"{wrote} process(es), {found} found")
 
 
 def _unreadable(e: Exception, folder: pathlib.Path, step: int,

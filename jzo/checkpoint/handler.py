@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import weakref
 
 import numpy as np
@@ -20,9 +21,24 @@ import tensorstore as ts
 from jzo.checkpoint import checksums, spans as spans_lib
 from jzo.checkpoint.saved_leaf import SavedLeaf
 
-# The checksums of the save under way, for the writes orbax's numpy handler starts.
-_recording: contextvars.ContextVar[checksums.Recorder | None] = contextvars.ContextVar(
-    "jzo_checksums", default=None)
+
+
+@dataclasses.dataclass
+class _Saving:
+  """A save under way: its checksums, and the failures of its writes. Once
+  one fails, no leaf starts another span, and the save fails when those
+  started have ended (none writes into its folder after orbax gave up)."""
+  sums: checksums.Recorder = dataclasses.field(default_factory=checksums.Recorder)
+  failures: list[Exception] = dataclasses.field(default_factory=list)
+
+
+class _Stopped(Exception):
+  """Another write of the save failed: no more spans."""
+
+
+# The save under way, for the writes orbax's numpy handler starts.
+_saving: contextvars.ContextVar[_Saving | None] = contextvars.ContextVar("jzo_saving",
+                                                                         default=None)
 
 
 class SpanHandler(ocp.type_handlers.NumpyHandler):
@@ -40,8 +56,16 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     self._in_flight = weakref.WeakKeyDictionary()
 
   async def _open_and_write(self, value, tspec, ts_context):
-    recorder = _recording.get()
-    sums = recorder and recorder.array(_array_name(tspec), value.shape, value.dtype)
+    saving = _saving.get()
+    if saving is None:
+      return await self._write_one(value, tspec, ts_context, None)
+    try:
+      await self._write_one(value, tspec, ts_context,
+                            saving.sums.array(_array_name(tspec), value.shape, value.dtype))
+    except Exception as e:  # raised once every leaf's writes have ended
+      saving.failures.append(e)
+
+  async def _write_one(self, value, tspec, ts_context, sums) -> None:
     if not isinstance(value, spans_lib.StreamedArray):
       # A host array, whole: one chunk for the checksums, whatever orbax's.
       write = super()._open_and_write(value, tspec, ts_context)
@@ -66,7 +90,11 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     permits = lambda nbytes: min(spans_lib.SPANS_IN_FLIGHT,
                                  max(1, -(-nbytes // spans_lib.SPAN_BYTES)))
 
+    saving = _saving.get()
+
     async def reserve(nbytes: int) -> None:
+      if saving is not None and saving.failures:
+        raise _Stopped()
       async with taking:
         for _ in range(permits(nbytes)):
           await in_flight.acquire()
@@ -78,13 +106,24 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
         _, crc = await asyncio.gather(store[index].write(values), _crc32(values))
         start, stop = checksums.flat_range(index, value.shape)
         sums.add(start, stop - start, crc)
+      except Exception as e:
+        if saving is not None:
+          saving.failures.append(e)
+        raise
       finally:  # on the loop's thread: never after the loop has closed
         for _ in range(permits(values.nbytes)):
           in_flight.release()
     writes = []
-    async for index, values in value.spans(before_each=reserve):
-      writes.append(asyncio.ensure_future(written(index, values)))
-    await asyncio.gather(*writes)
+    try:
+      async for index, values in value.spans(before_each=reserve):
+        writes.append(asyncio.ensure_future(written(index, values)))
+    except _Stopped:
+      pass
+    finally:  # the writes started end first, whatever stopped the spans
+      ended = await asyncio.gather(*writes, return_exceptions=True)
+    failed = [e for e in ended if isinstance(e, BaseException)]
+    if failed:
+      raise failed[0]
 
   async def _background_serialize(self, values, infos, args=None):
     # Orbax's numpy handler writes on the first process alone; every
@@ -93,15 +132,19 @@ class SpanHandler(ocp.type_handlers.NumpyHandler):
     mine = [isinstance(v, spans_lib.StreamedShards) for v in values]
     pick = lambda xs, want: [x for x, m in zip(xs, mine) if m == want]
     others = pick(values, False)
-    recorder = checksums.Recorder()
-    _recording.set(recorder)  # this task's: the writes it starts inherit it
+    saving = _Saving()
+    _saving.set(saving)  # this task's: the writes it starts inherit it
     if others:
       await super()._background_serialize(others, pick(infos, False), pick(args, False))
-    await asyncio.gather(*(self._write_shards(v, i, a, recorder) for v, i, a in
-                           zip(pick(values, True), pick(infos, True), pick(args, True))))
-    if infos and recorder.arrays:
+    ended = await asyncio.gather(*(self._write_shards(v, i, a, saving.sums) for v, i, a in
+                                   zip(pick(values, True), pick(infos, True), pick(args, True))),
+                                 return_exceptions=True)
+    saving.failures += [e for e in ended if isinstance(e, Exception)]
+    if saving.failures:
+      raise saving.failures[0]
+    if infos:  # every process, with checksums or none: a restore counts them
       await infos[0].await_path_creation()
-      await asyncio.to_thread(recorder.write, infos[0].parent_dir,
+      await asyncio.to_thread(saving.sums.write, infos[0].parent_dir,
                               ocp.multihost.process_index())
 
   async def _write_shards(self, value: spans_lib.StreamedShards, info, arg,
@@ -163,13 +206,10 @@ async def _open_saved(info) -> ts.TensorStore:
 
 
 def _sums_of(written: dict | None, name: str) -> checksums.ArraySums | None:
-  """Array `name`'s checksums; None where the checkpoint has none
-  (written before them); ChecksumError where it has others' alone."""
-  if written is None:
-    return None
-  if name not in written:
-    raise checksums.ChecksumError(f"no checksum was written for {name}")
-  return written[name]
+  """Array `name`'s checksums; None where the checkpoint has none (written
+  before them) or the array has none (one of orbax's own handlers wrote it;
+  jzo.checkpoint.files counts the processes' files)."""
+  return None if written is None else written.get(name)
 
 
 async def _crc32(values: np.ndarray) -> int:
