@@ -87,7 +87,7 @@ class TrainConfig:
   seed: int = 0
   """seed of the initial weights and the batch order"""
   deterministic: bool = False
-  """GPU runs bitwise equal run to run on one machine and GPU count (XLA's deterministic GPU operations, no autotuning: slower, see docs/performance.md); CPU runs are without it"""
+  """GPU runs bitwise equal run to run on one machine and GPU count (XLA's deterministic GPU operations, no autotuning: slower, see docs/performance.md); CPU runs are so without it"""
   log_every: int = 25
   """steps between log lines"""
   tensorboard: bool = False
