@@ -1,84 +1,75 @@
-"""Hugging Face checkpoints in and out for jzo.models.llama, one leaf at a time.
+"""Hugging Face checkpoints in and out, for every family that has a Hugging
+Face form (jzo.models.llama_hf: Llama, Mistral, Qwen2/3; jzo.models.gemma_hf:
+Gemma 2 and 3), one leaf at a time.
 
 `param_sources(folder)` reads a folder that transformers' `save_pretrained`
 wrote (config.json and model.safetensors, or shards listed by
-model.safetensors.index.json) as a LlamaConfig and a tree of `jzo.HostLeaf`
-shaped like `llama.init_params`: nothing is read until the engine draws a
-leaf, and each leaf is then assembled from its per-layer tensors, memory-mapped
-from the files, in the files' dtype, so the host never holds more than one
-leaf. `save_pretrained(folder, config, params)` writes the reverse, one tensor
-at a time, for `transformers.AutoModelForCausalLM.from_pretrained`. The
-files themselves are jzo.models.hf_files' (shared with GPT-2's converter).
+model.safetensors.index.json) as its family's config and a tree of
+`jzo.HostLeaf` shaped like the family's `init_params`: nothing is read until
+the engine draws a leaf, and each leaf is then assembled from its per-layer
+tensors, memory-mapped from the files, in the files' dtype, so the host never
+holds more than one leaf. `save_pretrained(folder, config, params)` writes the
+reverse, one tensor at a time, for `transformers.AutoModelForCausalLM
+.from_pretrained`. config.json's model_type picks the family; the files
+themselves are jzo.models.hf_files' (shared with GPT-2's converter).
 """
 
 from __future__ import annotations
 
 import functools
-import re
+import types
 
 from jzo.host.leaf import HostLeaf
-from jzo.models import hf_files
-from jzo.models.hf_files import CONFIG, DTYPES, INDEX, SINGLE, Leaf
-from jzo.models.llama import LlamaConfig
+from jzo.models import hf_files, llama_hf
+from jzo.models.hf_files import CONFIG, DTYPES, INDEX, SINGLE
 
-__all__ = ["CONFIG", "DTYPES", "INDEX", "SINGLE", "read_config", "param_sources",
-           "save_pretrained"]
+__all__ = ["CONFIG", "DTYPES", "INDEX", "SINGLE", "ARCHITECTURES", "config_from_hf",
+           "family", "read_config", "param_sources", "save_pretrained"]
 
-# Buffers some checkpoints carry that the model recomputes (RoPE's frequencies).
-_HARMLESS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-
-
-def _leaves(config: LlamaConfig) -> dict[tuple[str, ...], Leaf]:
-  """The jzo params' leaves (key paths as in llama.init_params) and the
-  Hugging Face tensors each is made of."""
-  D, V, F, hd = config.d_model, config.vocab_size, config.d_ff, config.head_dim
-  Q, KV = config.n_head * hd, config.n_kv_head * hd
-  p = "model.layers.{i}."
-  once = lambda name, shape: Leaf(((name, shape),), False, False)
-  layer = lambda parts, transpose=False: Leaf(tuple((p + n, s) for n, s in parts), transpose,
-                                              True)
-  out = {
-      ("embed",): once("model.embed_tokens.weight", (V, D)),
-      ("layers", "attn_norm", "scale"): layer([("input_layernorm.weight", (D,))]),
-      ("layers", "qkv", "kernel"): layer([("self_attn.q_proj.weight", (Q, D)),
-                                          ("self_attn.k_proj.weight", (KV, D)),
-                                          ("self_attn.v_proj.weight", (KV, D))], True),
-      ("layers", "o", "kernel"): layer([("self_attn.o_proj.weight", (D, Q))], True),
-      ("layers", "mlp_norm", "scale"): layer([("post_attention_layernorm.weight", (D,))]),
-      ("layers", "gate_up", "kernel"): layer([("mlp.gate_proj.weight", (F, D)),
-                                              ("mlp.up_proj.weight", (F, D))], True),
-      ("layers", "down", "kernel"): layer([("mlp.down_proj.weight", (D, F))], True),
-      ("norm", "scale"): once("model.norm.weight", (D,)),
-  }
-  if config.qkv_bias:
-    out["layers", "qkv", "bias"] = layer([("self_attn.q_proj.bias", (Q,)),
-                                          ("self_attn.k_proj.bias", (KV,)),
-                                          ("self_attn.v_proj.bias", (KV,))])
-  if config.o_bias:
-    out["layers", "o", "bias"] = layer([("self_attn.o_proj.bias", (D,))])
-  if config.qk_norm:
-    out["layers", "q_norm", "scale"] = layer([("self_attn.q_norm.weight", (hd,))])
-    out["layers", "k_norm", "scale"] = layer([("self_attn.k_norm.weight", (hd,))])
-  if not config.tie_embeddings:
-    out["lm_head",] = once("lm_head.weight", (V, D))
-  return out
+CONVERTERS = (llama_hf,)
+# Every Hugging Face model_type jzo reads -> the class transformers builds for it.
+ARCHITECTURES = {t: a for c in CONVERTERS for t, a in c.ARCHITECTURES.items()}
 
 
-def read_config(folder: str, **overrides) -> LlamaConfig:
-  """The LlamaConfig of `folder`/config.json; `overrides` set jzo's own
-  fields (remat, attention).
+def _converter(model_type) -> types.ModuleType:
+  for converter in CONVERTERS:
+    if model_type in converter.ARCHITECTURES:
+      return converter
+  raise ValueError(f"model_type {model_type!r} is not supported (only "
+                   f"{', '.join(ARCHITECTURES)})")
+
+
+def config_from_hf(hf: dict, **overrides):
+  """The config of a Hugging Face config.json (as a dict), in the family its
+  model_type names; `overrides` set jzo's own fields (remat, attention).
+
+  Raises:
+    ValueError: an unknown model_type, or a config field its family cannot
+      compute, named.
+  """
+  return _converter(hf.get("model_type")).config_from_hf(hf, **overrides)
+
+
+def family(config) -> types.ModuleType:
+  """The model module (init_params, forward, loss_fn, ...) of a config
+  read from a Hugging Face folder."""
+  return _converter(config.model_type).MODEL
+
+
+def read_config(folder: str, **overrides):
+  """The config of `folder`/config.json; `overrides` as config_from_hf's.
 
   Raises:
     FileNotFoundError: no config.json.
-    ValueError: not JSON, or a config LlamaConfig.from_hf refuses.
+    ValueError: not JSON, or a config its family refuses.
   """
-  return LlamaConfig.from_hf(hf_files.read_config(folder), **overrides)
+  return config_from_hf(hf_files.read_config(folder), **overrides)
 
 
-def param_sources(folder: str, **overrides) -> tuple[LlamaConfig, dict]:
+def param_sources(folder: str, **overrides) -> tuple[object, dict]:
   """(config, params) of a Hugging Face folder: params is a nested dict
-  shaped like `llama.init_params(config, ...)` whose leaves are `HostLeaf`s
-  in the checkpoint's dtype (bf16, fp16 or fp32): pass it to
+  shaped like the family's `init_params(config, ...)` whose leaves are
+  `HostLeaf`s in the checkpoint's dtype (bf16, fp16 or fp32): pass it to
   `ZeroEngine(params=...)`, which loads one leaf at a time, or call a
   leaf's `load()`. Every tensor's name, shape and dtype is checked here,
   from the files' headers, before anything is loaded.
@@ -86,7 +77,7 @@ def param_sources(folder: str, **overrides) -> tuple[LlamaConfig, dict]:
   Args:
     folder: holds config.json and model.safetensors or
       model.safetensors.index.json with its shards.
-    overrides: LlamaConfig fields set over config.json's (remat, attention).
+    overrides: config fields set over config.json's (remat, attention).
 
   Raises:
     FileNotFoundError: the config, the weights or a shard is missing, named.
@@ -95,13 +86,10 @@ def param_sources(folder: str, **overrides) -> tuple[LlamaConfig, dict]:
       unsupported dtype, in one line naming it (and the shapes).
   """
   config = read_config(folder, **overrides)
+  converter = _converter(config.model_type)
   tensors = hf_files.tensors(folder)
-  leaves = _leaves(config)
-  # A tied model's lm_head.weight, where a checkpoint has one, goes unused
-  # (transformers ties it to the embedding too).
-  unused = {"lm_head.weight"} if config.tie_embeddings else set()
-  hf_files.check(folder, tensors, leaves, config.n_layer,
-                 lambda name: name in unused or bool(_HARMLESS.fullmatch(name)),
+  leaves = converter.leaves(config)
+  hf_files.check(folder, tensors, leaves, config.n_layer, converter.unused(config),
                  f"a {config.model_type} model of this config.json")
   params = {}
   for path, leaf in leaves.items():
@@ -111,10 +99,10 @@ def param_sources(folder: str, **overrides) -> tuple[LlamaConfig, dict]:
   return config, hf_files.nest(params)
 
 
-def save_pretrained(folder: str, config: LlamaConfig, params: dict, dtype: str = "bfloat16",
+def save_pretrained(folder: str, config, params: dict, dtype: str = "bfloat16",
                     max_shard_bytes: int = 5 * 2**30) -> None:
-  """Writes `params` (jzo's layout, numpy arrays: what ZeroEngine.params
-  returns) as a Hugging Face folder that
+  """Writes `params` (the family's layout, numpy arrays: what
+  ZeroEngine.params returns) as a Hugging Face folder that
   `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json,
   then model.safetensors, or shards model-0000k-of-0000n.safetensors with
   model.safetensors.index.json when the tensors pass `max_shard_bytes`.
@@ -131,6 +119,6 @@ def save_pretrained(folder: str, config: LlamaConfig, params: dict, dtype: str =
       of another shape than the config's, or a config its model_type
       cannot express.
   """
-  hf_config = config.to_hf()
-  hf_files.write(folder, hf_config, _leaves(config), config.n_layer, params, dtype,
+  converter = _converter(config.model_type)
+  hf_files.write(folder, config.to_hf(), converter.leaves(config), config.n_layer, params, dtype,
                  max_shard_bytes, f"a {config.model_type} model of this config")
