@@ -108,31 +108,48 @@ def kv_cache(n_layer: int, batch: int, length: int, kv_heads: int, head_dim: int
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def prefill_layers(layers: nnx.Module, x: jax.Array, cache: dict, *args) -> tuple[jax.Array, dict]:
+def prefill_layers(layers: nnx.Module, x, cache: dict, *args,
+                   attention: Callable | None = None) -> tuple[jax.Array, dict]:
   """x (B, T, D), prompts from position 0, through the stacked `layers`
   (each has attention_inputs(x, *args) -> q, k, v and after_attention(x,
-  att)): attention is causal over the prompt itself (flash attention where
-  the model's `attention` allows), and each layer's keys and values are
-  written to `cache` (kv_cache's, T <= its length) at positions 0..T-1."""
+  att); x may be a tree the layers carry): attention is causal over the
+  prompt itself (flash attention where the model's `attention` allows), and
+  each layer's keys and values are written to `cache` (kv_cache's, T <= its
+  length) at positions 0..T-1.
+
+  attention: for models whose layers attend otherwise (sliding windows,
+  soft-capped scores), `attention(config, q, k, v, layer)` -> the layer's
+  (B, T, H, hd) over the prompt's own keys; `layer`: its index (int32).
+  """
   def attend(config, q, k, v, cache, layer):
-    impl = attention_implementation(config.attention, q.shape[-1], q.dtype)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if attention is None:
+      impl = attention_implementation(config.attention, q.shape[-1], q.dtype)
+      att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    else:
+      att = attention(config, q, k, v, layer)
     start = (layer, 0, 0, 0, 0)
     return att, {"k": jax.lax.dynamic_update_slice(cache["k"], k[None], start),
                  "v": jax.lax.dynamic_update_slice(cache["v"], v[None], start)}
   return _cached_layers(layers, x, cache, attend, False, *args)
 
 
-def decode_layers(layers: nnx.Module, x: jax.Array, cache: dict, positions: jax.Array,
-                  *args) -> tuple[jax.Array, dict]:
+def decode_layers(layers: nnx.Module, x, cache: dict, positions: jax.Array, *args,
+                  attention: Callable | None = None) -> tuple[jax.Array, dict]:
   """x (B, 1, D), one token a row at `positions` (B,) int, through the
   stacked `layers` as prefill_layers: each layer writes the token's key and
-  value to `cache` at its position and attends over the cache up to it."""
-  rows = jnp.arange(x.shape[0])
+  value to `cache` at its position and attends over the cache up to it.
+
+  attention: as prefill_layers', `attention(config, q, k, v, layer,
+  positions)` -> (B, 1, H, hd) over the layer's whole cache k, v (B, S, K,
+  hd), of which each row reads keys 0..its position.
+  """
+  rows = jnp.arange(positions.shape[0])
 
   def attend(config, q, k, v, cache, layer):
     cache = {"k": cache["k"].at[layer, rows, positions].set(k[:, 0]),
              "v": cache["v"].at[layer, rows, positions].set(v[:, 0])}
+    if attention is not None:
+      return attention(config, q, cache["k"][layer], cache["v"][layer], layer, positions), cache
     att = jax.nn.dot_product_attention(q, cache["k"][layer], cache["v"][layer],
                                        key_value_seq_lengths=positions + 1, implementation="xla")
     return att, cache

@@ -55,9 +55,11 @@ def loss_bytes(n_tokens: int, vocab_size: int, d_model: int, itemsize: int = 2) 
 
 
 def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
-                  weight: jax.Array | None = None, *, chunk: int | None = None) -> jax.Array:
+                  weight: jax.Array | None = None, *, chunk: int | None = None,
+                  softcap: float | None = None) -> jax.Array:
   """Mean over all B T positions of weight x cross-entropy of the logits
-  hidden @ head.T against targets; float32 scalar.
+  hidden @ head.T (soft-capped where `softcap` is given) against targets;
+  float32 scalar.
 
   Args:
     hidden: (B, T, D), the model's last hidden states (compute dtype).
@@ -67,6 +69,8 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
       cross-entropy is multiplied by it before the mean.
     chunk: positions per chunk (all B T: the logits at once); default the
       way that takes fewer bytes (`loss_bytes`).
+    softcap: c: the logits are c tanh(logits / c) (Gemma 2's
+      final_logit_softcapping), in float32; None: as they are.
   """
   B, T, D = hidden.shape
   if head.ndim != 2 or head.shape[1] != D:
@@ -81,14 +85,19 @@ def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array,
     chunked = _chunked_bytes(n, V, D, itemsize) < _plain_bytes(n, V, itemsize)
     chunk = chunk_tokens(V, n) if chunked else n
   if chunk >= n:
-    logits = (hidden @ head.T).astype(jnp.float32)  # (B, T, V)
+    logits = _capped((hidden @ head.T).astype(jnp.float32), softcap)  # (B, T, V)
     loss = jax.nn.logsumexp(logits, axis=-1) - _target_logit(logits, targets)
     return (loss if weight is None else loss * weight).mean()
   weight = jnp.ones((B, T), jnp.float32) if weight is None else weight.astype(jnp.float32)
   dtypes = (hidden.dtype, head.dtype)
-  loss = _chunked(chunk, dtypes, hidden.reshape(n, D), head, targets.reshape(n),
+  loss = _chunked(chunk, dtypes, softcap, hidden.reshape(n, D), head, targets.reshape(n),
                   weight.reshape(n))
   return loss / n
+
+
+def _capped(logits, softcap):
+  """Float32 logits soft-capped to (-softcap, softcap), or as they are (None)."""
+  return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def _target_logit(logits, targets):
@@ -111,35 +120,39 @@ def _chunk_at(i, chunk, hidden, targets, weight):
   return start, rows(hidden), rows(targets), jnp.where(fresh, rows(weight), 0.0)
 
 
-def _chunk_loss(h, head, targets, weight):
-  """A chunk's logits (float32), their log-sum-exp and its weighted loss sum."""
-  logits = jnp.dot(h, head.T, preferred_element_type=jnp.float32)  # (C, V)
+def _chunk_loss(h, head, targets, weight, softcap):
+  """A chunk's logits (float32, soft-capped), their log-sum-exp and its
+  weighted loss sum."""
+  logits = _capped(jnp.dot(h, head.T, preferred_element_type=jnp.float32), softcap)  # (C, V)
   lse = jax.nn.logsumexp(logits, axis=-1)
   return logits, lse, jnp.sum((lse - _target_logit(logits, targets)) * weight)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked(chunk, dtypes, hidden, head, targets, weight):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked(chunk, dtypes, softcap, hidden, head, targets, weight):
   """Sum over positions of weight x cross-entropy; hidden (n, D). dtypes:
-  hidden's and head's, for their gradients."""
+  hidden's and head's, for their gradients; softcap: cross_entropy's."""
   del dtypes
   def one(total, i):
     _, h, t, w = _chunk_at(i, chunk, hidden, targets, weight)
-    return total + _chunk_loss(h, head, t, w)[2], None
+    return total + _chunk_loss(h, head, t, w, softcap)[2], None
   return jax.lax.scan(one, jnp.float32(0), jnp.arange(-(-hidden.shape[0] // chunk)))[0]
 
 
-def _chunked_forward(chunk, dtypes, hidden, head, targets, weight):
+def _chunked_forward(chunk, dtypes, softcap, hidden, head, targets, weight):
   del dtypes
   n = hidden.shape[0]
 
   def one(acc, i):
     total, d_head, d_hidden = acc
     start, h, t, w = _chunk_at(i, chunk, hidden, targets, weight)
-    logits, lse, loss = _chunk_loss(h, head, t, w)
+    logits, lse, loss = _chunk_loss(h, head, t, w, softcap)
     # d(loss sum)/d(logits), rounded once to the matmuls' dtype.
     is_target = jnp.arange(logits.shape[-1]) == t[:, None]
-    d_logits = ((jnp.exp(logits - lse[:, None]) - is_target) * w[:, None]).astype(head.dtype)
+    d_logits = (jnp.exp(logits - lse[:, None]) - is_target) * w[:, None]
+    if softcap is not None:  # through the cap: tanh' = 1 - tanh^2
+      d_logits = d_logits * (1 - jnp.square(logits / softcap))
+    d_logits = d_logits.astype(head.dtype)
     d_h = jnp.dot(d_logits, head, preferred_element_type=jnp.float32)
     d_head = d_head + jnp.dot(d_logits.T, h, preferred_element_type=jnp.float32)
     d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, d_h, start, 0)
@@ -155,8 +168,8 @@ def _chunked_forward(chunk, dtypes, hidden, head, targets, weight):
   return total, (d_hidden, d_head)
 
 
-def _chunked_backward(chunk, dtypes, saved, g):
-  del chunk
+def _chunked_backward(chunk, dtypes, softcap, saved, g):
+  del chunk, softcap
   (d_hidden, d_head), (hidden_dtype, head_dtype) = saved, dtypes
   return (g * d_hidden).astype(hidden_dtype), (g * d_head).astype(head_dtype), None, None
 

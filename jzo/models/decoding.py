@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzo.models import gpt, llama
+from jzo.models import gemma, gpt, llama
 
 # A config's type -> the module of its family (prefill, decode, init_cache, context_length).
-FAMILIES = {gpt.GPTConfig: gpt, llama.LlamaConfig: llama}
+FAMILIES = {gpt.GPTConfig: gpt, llama.LlamaConfig: llama, gemma.GemmaConfig: gemma}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,13 +20,13 @@ import functools
 import types
 
 from jzo.host.leaf import HostLeaf
-from jzo.models import hf_files, llama_hf
+from jzo.models import gemma_hf, hf_files, llama_hf
 from jzo.models.hf_files import CONFIG, DTYPES, INDEX, SINGLE
 
 __all__ = ["CONFIG", "DTYPES", "INDEX", "SINGLE", "ARCHITECTURES", "config_from_hf",
            "family", "read_config", "param_sources", "save_pretrained"]
 
-CONVERTERS = (llama_hf,)
+CONVERTERS = (llama_hf, gemma_hf)
 # Every Hugging Face model_type jzo reads -> the class transformers builds for it.
 ARCHITECTURES = {t: a for c in CONVERTERS for t, a in c.ARCHITECTURES.items()}
 
