@@ -11,9 +11,9 @@ By default (`--format hf`) DIR is a Hugging Face folder that
 config.json, model.safetensors (or shards with model.safetensors.index.json)
 and a tokenizer, whatever model the run trained:
 
-  Llama family   (llama, mistral, qwen2, qwen3: fine-tuned from a Hugging
-                 Face checkpoint or trained from a preset) in its own
-                 format (jzo.models.hf)
+  a Hugging Face family (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Phi-3,
+                 Gemma 2/3: fine-tuned from a Hugging Face checkpoint or
+                 trained from a preset) in its own format (jzo.models.hf)
   jzo's GPT      as transformers' GPT-2, GPT2LMHeadModel (jzo.models.gpt2_hf,
                  which reads it back too: read_config, load_params)
 
@@ -79,7 +79,7 @@ from flax import traverse_util
 
 from jzo import checkpoint
 from jzo.recipe import config as config_lib
-from jzo.models import gpt, gpt2_hf, hf, llama
+from jzo.models import gpt, gpt2_hf, hf
 from jzo.recipe import runs, tokens
 
 FORMATS = ("hf", "jzo")
@@ -126,7 +126,7 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   Raises:
     ExportError: no such run or checkpoint, an unreadable one, one that does
       not fit the run's model, an unknown dtype or format, "jzo" for a run of
-      the Llama family, a tokenizer the run kept that does not read, or an
+      a Hugging Face family, a tokenizer the run kept that does not read, or an
       `out_dir` in the way.
   """
   if dtype not in DTYPES:
@@ -136,11 +136,11 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   run, out = pathlib.Path(run_dir).absolute(), pathlib.Path(out_dir).absolute()
   _check_out(out, overwrite)
   hf_config = runs.model_folder(run) / "config.json"
-  llama_run = hf_config.is_file()  # a GPT run keeps no Hugging Face config
-  if format == "jzo" and llama_run:
-    raise ExportError(f"{run} trained a model of the Llama family: jzo's own form is a GPT's; "
-                      "--format hf (the default) writes it in Hugging Face's format")
-  step, config, params = read_run(run, step, hf_config if llama_run else None)
+  hf_run = hf_config.is_file()  # a GPT run keeps no Hugging Face config
+  if format == "jzo" and hf_run:
+    raise ExportError(f"{run} trained a {_hf_model(hf_config).model_type} model: jzo's own form "
+                      "is a GPT's; --format hf (the default) writes it in Hugging Face's format")
+  step, config, params = read_run(run, step, hf_config if hf_run else None)
   if format == "jzo":
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,16 +175,16 @@ def load_run(run: str | pathlib.Path, step: int | None = None):
 
 def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None):
   """(step, model config, float32 params in full shapes, numpy) of a run's
-  checkpoint: a GPT's, or with `hf_config` (the run's model/config.json) a
-  Llama-family model's."""
+  checkpoint: a GPT's, or with `hf_config` (the run's model/config.json) the
+  model of a Hugging Face family it names."""
   if not run.is_dir():
     raise ExportError(f"no run folder {run}" + (" (a file)" if run.exists() else ""))
   try:
     step, masters = checkpoint.read_masters(run / "checkpoints", step)
   except checkpoint.CheckpointError as e:
     raise ExportError(str(e)) from e
-  family = gpt if hf_config is None else llama
   config = model_config(run, masters) if hf_config is None else _hf_model(hf_config)
+  family = gpt if hf_config is None else hf.family(config)
   # The key is made inside the trace: no device is touched.
   shapes = jax.eval_shape(lambda: family.init_params(config, jax.random.key(0)))
   try:
@@ -225,18 +225,18 @@ def _run_config(run: pathlib.Path) -> dict:
   return saved
 
 
-def _hf_model(path: pathlib.Path) -> llama.LlamaConfig:
-  """The LlamaConfig of a run's model/config.json."""
+def _hf_model(path: pathlib.Path):
+  """The config (its family's) of a run's model/config.json."""
   try:
-    return llama.LlamaConfig.from_hf(json.loads(path.read_text()))
+    return hf.config_from_hf(json.loads(path.read_text()))
   except (OSError, ValueError) as e:
     raise ExportError(f"{path} is not a model config jzo reads: {e}") from e
 
 
-def write_hf(folder: pathlib.Path, run: pathlib.Path, config: gpt.GPTConfig | llama.LlamaConfig,
-             params: dict, dtype: str) -> None:
+def write_hf(folder: pathlib.Path, run: pathlib.Path, config, params: dict,
+             dtype: str) -> None:
   """Writes a Hugging Face folder: config.json and the weights in `dtype`
-  (jzo.models.hf for the Llama family, jzo.models.gpt2_hf for a GPT), the
+  (jzo.models.hf for a Hugging Face family, jzo.models.gpt2_hf for a GPT), the
   files the run kept beside its model (the tokenizer's), or for a run on
   bytes the byte-level tokenizer."""
   kept = runs.model_folder(run)

@@ -69,7 +69,8 @@ def load_run(run: str | pathlib.Path, step: int | None = None,
 
 def load_hf(folder: str | pathlib.Path, tokenizer: str | None = None):
   """(model config, float32 params, tokenizer, eos ids) of a Hugging Face
-  folder: a Llama-family model or a GPT-2 (jzo's exports among them)."""
+  folder: a model of a Hugging Face family jzo reads, GPT-2 among them
+  (jzo's exports too)."""
   folder = pathlib.Path(folder)
   try:
     model_type = hf_files.read_config(str(folder)).get("model_type")

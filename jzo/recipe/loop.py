@@ -302,7 +302,7 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
     stop.defer()  # from here a signal waits for a step boundary, and a checkpoint
     history = start_log(cfg, out, first) if primary else []
     if primary and not first:
-      hf_config = model.config.to_hf() if model.family is models.LLAMA else None
+      hf_config = None if model.family is models.GPT else model.config.to_hf()
       keep_model_files(out, hf_config, [f for f in (data_lib.tokenizer_folder(cfg),
                                                     cfg.init_from) if f])
     peak = peak_tflops(cfg, devices)

@@ -14,9 +14,10 @@ Learning rates, where published (peak, before a cosine decay):
     section 2.2); its chat fine-tuning 2e-5 (section 3.1).
   Llama 3 pre-training 3e-4 for 8B, 8,000 warm-up steps; fine-tuning 1e-5
     (Llama Team 2024, sections 3.4.1 and 4.1.6).
-  Qwen2.5 fine-tuning from 7e-6 down to 7e-7 (Qwen team 2024, section 4.1).
-  Others (Mistral, Qwen pre-training: not published): 2e-5 to fine-tune,
-  3e-4 to pre-train.
+  Qwen2.5 fine-tuning from 7e-6 down to 7e-7 (Qwen team 2024, section 4.1),
+    for every Qwen model.
+  Others (Mistral, Mixtral, Phi, Gemma, Qwen pre-training: not published):
+  2e-5 to fine-tune, 3e-4 to pre-train.
 Fine-tuning warms up over 3% of the steps (Alpaca's and TRL's default).
 """
 
@@ -50,7 +51,7 @@ _GPT3_WARMUP = 375e6
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """What the recipe needs of a family module (jzo.models.gpt, .llama)."""
+  """What the recipe needs of a family module (jzo.models.gpt, .llama, ...)."""
   module: types.ModuleType
   layers: str  # dotted path of the stacked layers (stage 3 gathers one at a time)
   decays: Callable[[str], bool]  # weight decay on a leaf, by its last key
@@ -58,7 +59,7 @@ class Family:
 
 # Matrices and embeddings decay; norm scales and biases do not.
 GPT = Family(gpt, "blocks", lambda key: key in ("wte", "wpe", "kernel"))
-LLAMA = Family(llama, llama.LAYERS, lambda key: key in ("embed", "lm_head", "kernel"))
+LLAMA = Family(llama, llama.LAYERS, lambda key: key not in ("scale", "bias"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,8 @@ def _presets() -> dict[str, Model]:
 
 
 PRESETS = _presets()
+# A Hugging Face family's model module -> its Family.
+_HF_FAMILIES = {f.module: f for f in (LLAMA,)}
 
 
 def from_hf(folder: str) -> tuple[Model, Any]:
@@ -129,10 +132,10 @@ def from_hf(folder: str) -> tuple[Model, Any]:
   """
   from jzo.models import hf  # its readers matter only to fine-tuning
   config, params = hf.param_sources(folder)
-  if config.model_type in ("qwen2", "qwen3"):
+  if config.model_type.startswith("qwen"):
     defaults = _QWEN25
   elif config.model_type == "llama":
     defaults = _LLAMA3 if config.rope_type == "llama3" else _LLAMA2
   else:
     defaults = _OTHER
-  return Model(folder, LLAMA, config, defaults), params
+  return Model(folder, _HF_FAMILIES[hf.family(config)], config, defaults), params
