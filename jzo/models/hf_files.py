@@ -6,7 +6,9 @@ tensors it is made of, per layer or once. Here, whatever the family:
 `tensors(folder)` reads the files' headers (one model.safetensors, or the
 shards model.safetensors.index.json lists), `check` holds them against the
 leaves, `load` assembles one leaf from its tensors, memory-mapped one at a
-time, and `write` does the reverse, one tensor at a time, in shards.
+time, and `write` does the reverse, one tensor at a time, in shards. A
+leaf may also stack a mixture's experts, one checkpoint tensor (or group of
+them) per layer and expert.
 
 The safetensors format (a little-endian u64 header length, a JSON header of
 {name: {dtype, shape, data_offsets}}, then the raw data) is parsed here
@@ -50,25 +52,47 @@ class Leaf:
   """How one jzo leaf is made of checkpoint tensors: per layer (names with
   `{i}`) or once, the parts concatenated along their first axis, then
   transposed where `transpose` (torch's Linear stores (out, in), jzo's
-  kernels are (in, out))."""
+  kernels are (in, out)).
+
+  With `experts` E > 0 (a mixture's stacked experts), the parts are E
+  equal groups in expert order (names with the expert's number in them),
+  each group concatenated and transposed as above into its expert's slab:
+  the leaf gains an expert axis after the layer axis ((L, E, ...))."""
   parts: tuple[tuple[str, tuple[int, ...]], ...]  # (name, its shape in the checkpoint)
   transpose: bool
   stacked: bool  # one per layer: the leaf gains a leading layer axis
+  experts: int = 0
+
+  def _rows(self) -> int:
+    """One slab's length along the parts' concatenated (first) axis."""
+    return sum(s[0] for _, s in self.parts) // max(self.experts, 1)
 
   def shape(self, n_layer: int) -> tuple[int, ...]:
     """The jzo leaf's shape."""
-    first = self.parts[0][1]
-    shape = (sum(s[0] for _, s in self.parts),) + first[1:]
+    shape = (self._rows(),) + self.parts[0][1][1:]
     shape = shape[::-1] if self.transpose else shape
+    shape = (self.experts,) + shape if self.experts else shape
     return (n_layer,) + shape if self.stacked else shape
 
   def names(self, n_layer: int) -> Iterator[tuple[int, int, str, tuple[int, ...]]]:
-    """(layer, offset along the first axis, name, shape) of each of its tensors."""
+    """(layer, offset along the first axis, name, shape) of each of its
+    tensors; with experts, the offset runs on through the groups (expert e's
+    slab starts at e times its length)."""
     for i in range(n_layer if self.stacked else 1):
       start = 0
       for name, shape in self.parts:
         yield i, start, name.format(i=i), shape
         start += shape[0]
+
+  def slab(self, leaf: np.ndarray, layer: int, start: int) -> tuple[np.ndarray, int]:
+    """Where a tensor that `names` yields lies in the leaf's array: (the
+    slab it is part of, a view of `leaf`: its layer's row, and its
+    expert's, and its offset along the slab's concatenated axis)."""
+    row = leaf[layer] if self.stacked else leaf
+    if not self.experts:
+      return row, start
+    expert, start = divmod(start, self._rows())
+    return row[expert], start
 
 
 def read_config(folder: str) -> dict:
@@ -192,7 +216,7 @@ def load(leaf: Leaf, n_layer: int, dtype, found: dict[str, Tensor]) -> np.ndarra
   for i, start, name, part_shape in leaf.names(n_layer):
     t = found[name]
     w = np.memmap(t.file, DTYPES[t.code], "r", t.offset, t.shape)
-    row = out[i] if leaf.stacked else out
+    row, start = leaf.slab(out, i, start)
     end = start + part_shape[0]
     if leaf.transpose:
       row[:, start:end] = w.T
@@ -304,7 +328,6 @@ def _write_shard(path: str, shard: list, params: dict, leaves: dict, dtype: np.d
     f.write(struct.pack("<Q", len(raw)) + raw)
     for _, name, shape, leaf_path, i, start in shard:
       leaf = leaves[leaf_path]
-      x = np.asarray(params[leaf_path])
-      x = x[i] if leaf.stacked else x
+      x, start = leaf.slab(np.asarray(params[leaf_path]), i, start)
       x = x[:, start:start + shape[0]].T if leaf.transpose else x[start:start + shape[0]]
       np.ascontiguousarray(x, dtype).tofile(f)

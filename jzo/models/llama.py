@@ -1,19 +1,23 @@
-"""The Llama family (Llama 2 and 3, Mistral, Qwen2 and Qwen3) in Flax NNX.
+"""The Llama family (Llama 2 and 3, Mistral, Qwen2 and Qwen3, Phi-3 and
+Phi-4, Qwen3-MoE and Mixtral) in Flax NNX.
 
 `Llama` is the module; `init_params`, `forward` and `loss_fn` are the same
 model as functions of a nested dict of arrays, which is what the ZeRO engine
 partitions and trains (jzo.models.common's functional view). Pre-RMSNorm
 blocks with rotary position embeddings, grouped-query causal attention
 through jax.nn.dot_product_attention (cuDNN flash attention on GPU) and a
-SwiGLU MLP; tied or untied output embeddings; Qwen2's q/k/v biases and
-Qwen3's per-head q/k norms. The layers are stored stacked (leading axis =
-layer, under `LAYERS`) and run by `jzo.scan_layers` with a choice of rematerialization;
-each scan step passes its layer's params through `jzo.gather_layer`, so ZeRO
-stage 3 gathers one layer at a time.
+SwiGLU MLP, or a mixture of SwiGLU experts (jzo.models.moe); tied or untied
+output embeddings; Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+Phi-3's longrope and partial rotation (jzo.models.rope). The layers are
+stored stacked (leading axis = layer, under `LAYERS`) and run by
+`jzo.scan_layers` with a choice of rematerialization; each scan step passes
+its layer's params through `jzo.gather_layer`, so ZeRO stage 3 gathers one
+layer at a time (a mixture's experts with it).
 
 Layout: q, k and v are one matrix `qkv` (D, (H + 2 K) hd) and the MLP's gate
 and up one matrix `gate_up` (D, 2 F), so each runs as one matmul; kernels
-are (in, out). The config (LlamaConfig, PRESETS) is jzo.models.llama_config's,
+are (in, out); a mixture's experts are `moe` {router (D, E), gate_up (E, D,
+2 I), down (E, I, D)}. The config (LlamaConfig, PRESETS) is jzo.models.llama_config's,
 re-exported here; jzo.models.hf converts to and from Hugging Face's tensors.
 """
 
@@ -23,13 +27,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzo.models import common, cross_entropy, rope
+from jzo.models import common, cross_entropy, moe, rope
 from jzo.models.common import REMAT_POLICIES, attention_implementation
 from jzo.models.llama_config import ARCHITECTURES, PRESETS, LlamaConfig
 
 __all__ = ["ARCHITECTURES", "LAYERS", "PRESETS", "REMAT_POLICIES", "LlamaConfig",
            "activation_bytes", "context_length", "decode", "forward", "init_cache",
-           "init_params", "loss_fn", "prefill"]
+           "init_params", "loss_fn", "prefill", "router_aux_loss"]
 
 # Dotted path of the stacked layers in the params (ZeroEngine's `layers=`).
 LAYERS = "layers"
@@ -52,17 +56,32 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   gradient (2 F). The same count as gpt.activation_bytes. On an H100,
   llama-3.1-8b at micro-batch 4 of 4096 with offload auto peaked at 70.50
   GiB against a plan of 70.71 (docs/results.md).
+
+  A mixture of experts (k a token, width I, E of them) replaces the MLP's
+  4 F with the k copies of each token's row (sorted by expert, the experts'
+  outputs, back in token order: 3 k D), their gate_up, silu and product
+  (4 k I) and the router's logits (E), plus float32 probabilities, top-k
+  weights and int32 sort indices (4 (E + 4 k) bytes); dots saves only the
+  router's logits of it (ragged_dot is not a dot the policy saves), and the
+  backward's gradient is of the k gate_ups (2 k I). This assumes a grouped
+  matmul that computes each row once (jax lowers ragged_dot on CPU by
+  masking every expert's copy).
   """
   T = seq_len or config.seq_len
   tokens = batch * T
   D, F = config.d_model, config.d_ff
   Q, KV = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-  everything = 6 * D + 3 * Q + 3 * KV + 4 * F
-  saved_per_layer = {"full": D, "dots": 3 * D + Q + 2 * KV + 2 * F,
-                     "none": everything}[config.remat]
-  saved = config.n_layer * tokens * saved_per_layer * itemsize
+  if config.n_experts:
+    k, I, E = config.experts_per_token, config.d_expert, config.n_experts
+    mlp, mlp_dots, mlp_grad, wide = 3 * k * D + 4 * k * I + E, E, 2 * k * I, 4 * (E + 4 * k)
+  else:
+    mlp, mlp_dots, mlp_grad, wide = 4 * F, D + 2 * F, 2 * F, 0
+  everything = 6 * D + 3 * Q + 3 * KV + mlp
+  saved_per_layer = {"full": D * itemsize, "dots": (2 * D + Q + 2 * KV + mlp_dots) * itemsize,
+                     "none": everything * itemsize + wide}[config.remat]
+  saved = config.n_layer * tokens * saved_per_layer
   loss = cross_entropy.loss_bytes(tokens, config.vocab_size, D, itemsize)
-  layer = tokens * (everything + 2 * F) * itemsize
+  layer = tokens * ((everything + mlp_grad) * itemsize + wide)
   return common.layers_first_bytes(saved, tokens * D * itemsize, accumulation) + max(loss, layer)
 
 
@@ -98,19 +117,28 @@ class Block(nnx.Module):
     self.o = linear(config.n_head * hd, D, config.o_bias)
     if config.qk_norm:
       self.q_norm, self.k_norm = RMSNorm(hd, eps), RMSNorm(hd, eps)
-    self.gate_up, self.down = linear(D, 2 * config.d_ff), linear(config.d_ff, D)
+    if config.n_experts:
+      self.moe = moe.MoE(config, rngs=rngs)
+    else:
+      self.gate_up, self.down = linear(D, 2 * config.d_ff), linear(config.d_ff, D)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:  # (B, T, D)
+  def __call__(self, carry, cos: jax.Array, sin: jax.Array):
+    """The block's output (B, T, D) for its input x (B, T, D); where the
+    carry is (x, statistics) (a mixture of experts, training), also the
+    load-balancing statistics (2, E) with this layer's added."""
+    x, stats = carry if isinstance(carry, tuple) else (carry, None)
     q, k, v = self.attention_inputs(x, cos, sin)
     # K/V keep their K heads: dot_product_attention groups the H query heads over them.
     impl = attention_implementation(self.config.attention, self.config.head_dim, x.dtype)
     att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    return self.after_attention(x, att)
+    x, layer_stats = self.attention_out(x, att)
+    return x if stats is None else (x, stats + layer_stats)
 
   def attention_inputs(self, x: jax.Array, cos: jax.Array,
                        sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q (B, T, H, hd), k and v (B, T, K, hd) of x (B, T, D), q and k
-    rotated by cos, sin ((T, hd / 2), or (B, T, hd / 2) per row)."""
+    rotated by cos, sin ((T, r / 2), or (B, T, r / 2) per row; r: the
+    config's rotary_dim)."""
     config = self.config
     B, T, _ = x.shape
     H, K, hd = config.n_head, config.n_kv_head, config.head_dim
@@ -122,10 +150,18 @@ class Block(nnx.Module):
 
   def after_attention(self, x: jax.Array, att: jax.Array) -> jax.Array:
     """The block's output (B, T, D) from its input x and the attention's (B, T, H, hd)."""
+    return self.attention_out(x, att)[0]
+
+  def attention_out(self, x: jax.Array, att: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """(the block's output (B, T, D), the experts' load-balancing statistics
+    (2, E), or None for a dense MLP) from its input x and the attention's."""
     B, T, _ = x.shape
     x = x + self.o(att.reshape(B, T, self.config.n_head * self.config.head_dim))  # (B, T, D)
+    if self.config.n_experts:
+      out, stats = self.moe(self.mlp_norm(x))
+      return x + out, stats
     gate, up = jnp.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)  # each (B, T, F)
-    return x + self.down(jax.nn.silu(gate) * up)
+    return x + self.down(jax.nn.silu(gate) * up), None
 
 
 class Llama(nnx.Module):
@@ -156,6 +192,13 @@ class Llama(nnx.Module):
   def hidden(self, tokens: jax.Array) -> jax.Array:
     """The last hidden states (B, T, D), after the final RMSNorm: the logits
     are these times `head()`, transposed."""
+    return self.hidden_and_balance(tokens, False)[0]
+
+  def hidden_and_balance(self, tokens: jax.Array,
+                         balance: bool = True) -> tuple[jax.Array, jax.Array | None]:
+    """(the last hidden states (B, T, D), as `hidden`; a mixture of experts'
+    load-balancing statistics (2, E) summed over the layers, carried through
+    the scan beside x, or None where not `balance` or dense)."""
     config = self.config
     T = tokens.shape[1]
     if T > config.seq_len:
@@ -163,23 +206,34 @@ class Llama(nnx.Module):
     if config.sliding_window is not None and T > config.sliding_window:
       raise ValueError(f"sequence of {T} tokens is longer than the model's sliding window of "
                        f"{config.sliding_window}, which jzo does not implement")
-    cos, sin = rope.cos_sin(config, jnp.arange(T, dtype=jnp.float32))  # each (T, hd / 2)
+    cos, sin = rope.cos_sin(config, jnp.arange(T, dtype=jnp.float32))  # each (T, r / 2)
     x = self.embed[...][tokens]  # (B, T, D)
-    return self.norm(common.scan_layers(self.layers, x, config.remat, cos, sin))
+    if not (balance and config.n_experts):
+      return self.norm(common.scan_layers(self.layers, x, config.remat, cos, sin)), None
+    stats = jnp.zeros((2, config.n_experts), jnp.float32)
+    x, stats = common.scan_layers(self.layers, (x, stats), config.remat, cos, sin)
+    return self.norm(x), stats
 
   def prefill(self, tokens: jax.Array, last: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """Float32 logits (B, V) at positions `last` (B,) of prompts `tokens`
     (B, T) from position 0, and `cache` (common.kv_cache's) holding their
-    keys and values."""
-    cos, sin = rope.cos_sin(self.config, jnp.arange(tokens.shape[1], dtype=jnp.float32))
+    keys and values. longrope's factors are each row's, by its prompt's
+    length (last + 1)."""
+    cos, sin = rope.cos_sin(self.config, jnp.arange(tokens.shape[1], dtype=jnp.float32),
+                            (last + 1)[:, None])
     x, cache = common.prefill_layers(self.layers, self.embed[...][tokens], cache, cos, sin)
     return self.logits(x[jnp.arange(x.shape[0]), last]), cache
 
   def decode(self, tokens: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """Float32 logits (B, V) after one token a row, `tokens` (B,) at
-    `positions` (B,), and `cache` with their keys and values added."""
-    # cos, sin: each (B, 1, hd / 2)
-    cos, sin = rope.cos_sin(self.config, positions[:, None].astype(jnp.float32))
+    `positions` (B,), and `cache` with their keys and values added.
+
+    longrope rotates a token past rope_original_seq_len by its long factors,
+    as transformers does; the keys cached before it keep their short
+    rotation (transformers recomputes them when a generation crosses it)."""
+    # cos, sin: each (B, 1, r / 2)
+    cos, sin = rope.cos_sin(self.config, positions[:, None].astype(jnp.float32),
+                            (positions + 1)[:, None])
     x = self.embed[...][tokens[:, None]]  # (B, 1, D)
     x, cache = common.decode_layers(self.layers, x, cache, positions, cos, sin)
     return self.logits(x[:, 0]), cache
@@ -213,11 +267,30 @@ def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
       before the mean over all B T positions (a 0/1 answer mask scaled by
       positions / answer tokens of the whole step puts the loss on answer
       tokens, normalised across devices and micro-batches).
+
+  A mixture of experts adds router_aux_loss_coef times its load-balancing
+  loss (`router_aux_loss`) over the B T input tokens, whatever loss_weight
+  says. transformers adds it only when output_router_logits is true; jzo
+  trains with it always, at the config's coefficient (0 turns it off).
   """
-  tokens = batch["tokens"]
+  tokens = batch["tokens"][:, :-1]
   model = common.bind(Llama, config, params)
-  return cross_entropy.cross_entropy(model.hidden(tokens[:, :-1]), model.head(), tokens[:, 1:],
+  balance = bool(config.n_experts and config.router_aux_loss_coef)
+  hidden, stats = model.hidden_and_balance(tokens, balance)
+  loss = cross_entropy.cross_entropy(hidden, model.head(), batch["tokens"][:, 1:],
                                      batch.get("loss_weight"))
+  if not balance:
+    return loss
+  return loss + config.router_aux_loss_coef * moe.load_balancing_loss(
+      stats, config.n_layer * tokens.size)
+
+
+def router_aux_loss(config: LlamaConfig, params: dict, tokens: jax.Array) -> jax.Array:
+  """A mixture of experts' load-balancing loss (float32 scalar, without
+  router_aux_loss_coef) for int tokens (B, T): transformers' aux_loss, over
+  every layer's router logits for all B T tokens (moe.load_balancing_loss)."""
+  _, stats = common.bind(Llama, config, params).hidden_and_balance(tokens)
+  return moe.load_balancing_loss(stats, config.n_layer * tokens.size)
 
 
 def prefill(config: LlamaConfig, params: dict, tokens: jax.Array, last: jax.Array,
