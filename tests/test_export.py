@@ -383,7 +383,7 @@ def test_a_llama_run_exports_to_hugging_face_by_default(tmp_path):
   np.testing.assert_allclose(_torch_logits(model, x), want, rtol=0, atol=1e-4)
   assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))("\u00e9")[
       "input_ids"] == [0xC3, 0xA9]
-  with pytest.raises(export.ExportError, match="Llama family: jzo's own form is a GPT's; "
+  with pytest.raises(export.ExportError, match="trained a llama model: jzo's own form is a GPT's; "
                                                "--format hf"):
     export.export(folder, tmp_path / "jzo", format="jzo")
 
