@@ -6,6 +6,12 @@ Both generations alternate sliding-window and global attention layers
 (`layer_types`); Gemma 2 soft-caps the attention scores and the logits,
 Gemma 3 normalises each head of q and k and gives its sliding layers a RoPE
 base of their own (and its global ones, from 4B up, linear scaling).
+
+Gemma 3 from 4B up is published as an image-text model (model_type gemma3,
+Gemma3ForConditionalGeneration, its text model's config under
+"text_config"): jzo reads its text model (model_type "gemma3" in the config
+says where its tensors are), and writes it back as a text model
+(gemma3_text) only.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import dataclasses
 from jzo.models.common import REMAT_POLICIES
 
 # Hugging Face model_type -> the class transformers builds for it.
-ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "gemma3": "Gemma3ForConditionalGeneration"}
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults where config.json leaves a key out: one sliding layer
 # in `pattern` (the last of each `pattern` layers is global), the context, the
@@ -26,6 +33,11 @@ _DEFAULTS = {
     "gemma3_text": dict(pattern=6, seq_len=131072, attn_softcap=None, final_softcap=None,
                         thetas=(1e6, 10000.0)),
 }
+_DEFAULTS["gemma3"] = _DEFAULTS["gemma3_text"]
+# Gemma3TextConfig's defaults for the sizes, which the image-text models'
+# text_config leaves out where they equal them.
+_GEMMA3_TEXT = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                "num_hidden_layers": 26, "num_attention_heads": 8}
 ROPE_TYPES = ("default", "linear")
 
 
@@ -66,7 +78,8 @@ class GemmaConfig:
   rope_local_factor: float = 1.0
   norm_eps: float = 1e-6  # RMSNorm's epsilon (rms_norm_eps)
   tie_embeddings: bool = True  # logits through the input embedding (no lm_head)
-  # gemma2 or gemma3_text (which adds the per-head q/k norms).
+  # gemma2, gemma3_text (which adds the per-head q/k norms) or gemma3 (the
+  # text model of Gemma 3's image-text checkpoints, exported as gemma3_text).
   model_type: str = "gemma2"
   bos_token_id: int | None = 2
   eos_token_id: int | tuple[int, ...] | None = 1
@@ -105,7 +118,7 @@ class GemmaConfig:
   @property
   def qk_norm(self) -> bool:
     """Whether each head of q and k is RMS-normalised before RoPE (Gemma 3)."""
-    return self.model_type == "gemma3_text"
+    return self.model_type != "gemma2"
 
   @property
   def n_params(self) -> int:
@@ -129,8 +142,9 @@ class GemmaConfig:
   @classmethod
   def from_hf(cls, hf: dict, **overrides) -> GemmaConfig:
     """The config of a Hugging Face config.json (as a dict) of model_type
-    gemma2 or gemma3_text; `overrides` set jzo's own fields (remat,
-    attention). Missing optional keys take transformers' defaults. Gemma 3's
+    gemma2 or gemma3_text, or gemma3 (an image-text model, whose text
+    model is read); `overrides` set jzo's own fields (remat, attention).
+    Missing optional keys take transformers' defaults. Gemma 3's
     attn_logit_softcapping is not read: transformers does not apply it.
 
     Raises:
@@ -139,8 +153,12 @@ class GemmaConfig:
     """
     model_type = hf.get("model_type")
     if model_type == "gemma3":
-      raise ValueError("model_type 'gemma3' (Gemma3ForConditionalGeneration, text and vision) "
-                       "is not supported: only its text model type gemma3_text is read")
+      if not isinstance(hf.get("text_config"), dict):
+        raise ValueError("a gemma3 config has no text_config")
+      # The outer config's token ids and tying are the model's.
+      outer = {k: hf[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
+               if k in hf}
+      hf = _GEMMA3_TEXT | hf["text_config"] | outer | {"model_type": model_type}
     if model_type not in ARCHITECTURES:
       raise ValueError(f"model_type {model_type!r} is not supported (only "
                        f"{', '.join(ARCHITECTURES)})")
@@ -154,7 +172,7 @@ class GemmaConfig:
     layer_types = hf.get("layer_types")
     if layer_types is None:
       pattern = defaults["pattern"]
-      if model_type == "gemma3_text":
+      if model_type != "gemma2":
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or pattern
       layer_types = layer_pattern(n_layer, pattern)
     window = hf.get("sliding_window", 4096)
@@ -204,7 +222,11 @@ class GemmaConfig:
         "num_hidden_layers": self.n_layer, "num_attention_heads": self.n_head,
         "num_key_value_heads": self.n_kv_head, "head_dim": self.head_dim,
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": self.norm_eps,
-        "initializer_range": 0.02, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+        "initializer_range": 0.02,
+        # An int where it is one: transformers 5 checks the field's type.
+        "query_pre_attn_scalar": (int(self.query_pre_attn_scalar)
+                                  if float(self.query_pre_attn_scalar).is_integer()
+                                  else self.query_pre_attn_scalar),
         "attn_logit_softcapping": self.attn_softcap,
         "final_logit_softcapping": self.final_softcap, "sliding_window": self.sliding_window,
         "layer_types": list(self.layer_types), "rope_theta": self.rope_theta,
@@ -212,6 +234,9 @@ class GemmaConfig:
         "attention_bias": False, "attention_dropout": 0.0, "pad_token_id": 0,
         "bos_token_id": self.bos_token_id, "eos_token_id": eos, "use_cache": True,
     }
+    if self.model_type == "gemma3":
+      raise ValueError("a gemma3 model (image-text) is written as its text model alone: "
+                       "dataclasses.replace(config, model_type='gemma3_text')")
     if self.model_type == "gemma2":
       if local != full:
         raise ValueError(f"model_type gemma2 has one RoPE for every layer: sliding {local} "

@@ -5,6 +5,9 @@ writes the folders). A converter as jzo.models.llama_hf describes.
 Gemma's four norms per layer map by position, not by name: transformers'
 post_attention_layernorm norms the attention's output (jzo's
 attn_post_norm), and pre_feedforward_layernorm the MLP's input (mlp_norm).
+Gemma 3's image-text checkpoints (model_type gemma3) hold the same tensors
+under "language_model.", beside the vision tower and its projector, which
+are passed over.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ MODEL = gemma
 ARCHITECTURES = gemma.ARCHITECTURES
 
 # Buffers some checkpoints carry that the model recomputes (RoPE's frequencies).
-_HARMLESS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_HARMLESS = re.compile(
+    r"(language_model\.)?model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# What an image-text checkpoint holds besides its text model.
+_VISION = re.compile(r"(vision_tower|multi_modal_projector)\..*")
+
+
+def _prefix(config: GemmaConfig) -> str:
+  """What the text model's tensor names start with."""
+  return "language_model." if config.model_type == "gemma3" else ""
 
 
 def leaves(config: GemmaConfig) -> dict[tuple[str, ...], Leaf]:
@@ -28,8 +39,9 @@ def leaves(config: GemmaConfig) -> dict[tuple[str, ...], Leaf]:
   Hugging Face tensors each is made of."""
   D, V, F, hd = config.d_model, config.vocab_size, config.d_ff, config.head_dim
   Q, KV = config.n_head * hd, config.n_kv_head * hd
-  p = "model.layers.{i}."
-  once = lambda name, shape: Leaf(((name, shape),), False, False)
+  top = _prefix(config)
+  p = top + "model.layers.{i}."
+  once = lambda name, shape: Leaf(((top + name, shape),), False, False)
   layer = lambda parts, transpose=False: Leaf(tuple((p + n, s) for n, s in parts), transpose,
                                               True)
   norm = lambda name: layer([(name + ".weight", (D,))])
@@ -64,6 +76,9 @@ def config_from_hf(hf: dict, **overrides) -> GemmaConfig:
 
 def unused(config: GemmaConfig) -> Callable[[str], bool]:
   """Whether a checkpoint tensor that no leaf takes may be passed over:
-  RoPE's saved frequencies, and a tied model's lm_head.weight."""
-  return lambda name: ((config.tie_embeddings and name == "lm_head.weight")
-                       or bool(_HARMLESS.fullmatch(name)))
+  RoPE's saved frequencies, a tied model's lm_head.weight, and an
+  image-text model's vision tower and projector."""
+  head = _prefix(config) + "lm_head.weight"
+  return lambda name: ((config.tie_embeddings and name == head)
+                       or bool(_HARMLESS.fullmatch(name))
+                       or (config.model_type == "gemma3" and bool(_VISION.fullmatch(name))))
