@@ -52,7 +52,7 @@ def is_sliding(config: GemmaConfig, layer: jax.Array) -> jax.Array:
 def _ropes(config: GemmaConfig, positions: jax.Array):
   """((cos, sin) of the sliding layers, (cos, sin) of the global ones), each
   (..., hd / 2), at float32 `positions` (...)."""
-  def cos_sin(theta, factor):
+  def cos_sin(theta, factor):  # linear scaling by 1 is plain RoPE
     spec = types.SimpleNamespace(head_dim=config.head_dim, rope_theta=theta,
                                  rope_type="linear", rope_factor=factor)
     return rope.cos_sin(spec, positions)
