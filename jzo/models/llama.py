@@ -271,7 +271,10 @@ def loss_fn(config: LlamaConfig, params: dict, batch: dict) -> jax.Array:
   A mixture of experts adds router_aux_loss_coef times its load-balancing
   loss (`router_aux_loss`) over the B T input tokens, whatever loss_weight
   says. transformers adds it only when output_router_logits is true; jzo
-  trains with it always, at the config's coefficient (0 turns it off).
+  trains with it always, at the config's coefficient (0 turns it off). The
+  balance is that of the batch given here, in the ZeRO engine one device's
+  micro-batch (as each replica's under transformers' data parallelism): not
+  linear in the tokens, it is not the whole step's.
   """
   tokens = batch["tokens"][:, :-1]
   model = common.bind(Llama, config, params)
