@@ -122,7 +122,7 @@ def parse_offload(text: str) -> bool | float | str:
 class EstimateConfig:
   """`python -m jzo.estimate`'s options; the docstring under each field is its --help."""
   model: Preset
-  """a preset of jzo.models (GPT-2 shapes, Llama, Mistral, Qwen)"""
+  """a preset of jzo.models (GPT-2 shapes, Llama, Mistral, Qwen, Phi, mixtures of experts, Gemma)"""
   devices: int = 1
   """GPUs on the data axis"""
   batch_size: int = 8

@@ -28,7 +28,7 @@ import math
 import types
 from typing import Any, Callable
 
-from jzo.models import gpt, llama
+from jzo.models import gemma, gpt, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Family:
 # Matrices and embeddings decay; norm scales and biases do not.
 GPT = Family(gpt, "blocks", lambda key: key in ("wte", "wpe", "kernel"))
 LLAMA = Family(llama, llama.LAYERS, lambda key: key not in ("scale", "bias"))
+GEMMA = Family(gemma, gemma.LAYERS, lambda key: key not in ("scale", "bias"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,8 @@ def _gpt_defaults(config: gpt.GPTConfig) -> Defaults:
 
 _LLAMA_DEFAULTS = {"llama-3.2-1b": _LLAMA3, "llama-3.2-3b": _LLAMA3, "llama-3.1-8b": _LLAMA3,
                    "llama-2-13b": _LLAMA2, "mistral-7b": _OTHER, "qwen2.5-7b": _QWEN25,
-                   "qwen2.5-14b": _QWEN25}
+                   "qwen2.5-14b": _QWEN25, "phi-4": _OTHER, "qwen3-30b-a3b": _QWEN25,
+                   "mixtral-8x7b": _OTHER}
 
 
 def _presets() -> dict[str, Model]:
@@ -115,12 +117,14 @@ def _presets() -> dict[str, Model]:
     out[name] = Model(name, GPT, config, defaults)
   for name, config in llama.PRESETS.items():
     out[name] = Model(name, LLAMA, config, _LLAMA_DEFAULTS.get(name, Defaults(3e-3, None, 2e-5)))
+  for name, config in gemma.PRESETS.items():
+    out[name] = Model(name, GEMMA, config, _OTHER)
   return out
 
 
 PRESETS = _presets()
 # A Hugging Face family's model module -> its Family.
-_HF_FAMILIES = {f.module: f for f in (LLAMA,)}
+_HF_FAMILIES = {f.module: f for f in (LLAMA, GEMMA)}
 
 
 def from_hf(folder: str) -> tuple[Model, Any]:
@@ -132,6 +136,9 @@ def from_hf(folder: str) -> tuple[Model, Any]:
   """
   from jzo.models import hf  # its readers matter only to fine-tuning
   config, params = hf.param_sources(folder)
+  if config.model_type == "gemma3":
+    # An image-text Gemma 3's text model trains; it is kept, and exported, as one.
+    config = dataclasses.replace(config, model_type="gemma3_text")
   if config.model_type.startswith("qwen"):
     defaults = _QWEN25
   elif config.model_type == "llama":
