@@ -202,7 +202,11 @@ def peak_tflops(cfg: TrainConfig, devices) -> float:
 def banner(cfg: TrainConfig, model: Model, n_tokens: int, devices, peak: float) -> str:
   """The line that opens a run: model, data, devices, ZeRO setup, kernel, peak."""
   processes = (f" in {jax.process_count()} processes" if jax.process_count() > 1 else "")
-  return (f"jzo: {model.name} ({model.config.n_params / 1e6:.2f}M params), {n_tokens:,} tokens, "
+  params = f"{model.config.n_params / 1e6:.2f}M params"
+  active = getattr(model.config, "n_active_params", model.config.n_params)
+  if active != model.config.n_params:  # a mixture of experts: TFLOPS count the active ones
+    params += f", {active / 1e6:.2f}M active a token (TFLOPS count these)"
+  return (f"jzo: {model.name} ({params}), {n_tokens:,} tokens, "
           f"{len(devices)} {devices[0].platform} device(s){processes}, stage {cfg.stage}"
           f"{' + offload' if cfg.offload else ''}, kernel {jzo.kernels.simd_level()}"
           + (f", peak {peak:.0f} TFLOPS/device{'' if cfg.peak_tflops else ' (measured)'}"
