@@ -149,9 +149,10 @@ def test_both_rope_spellings_read_the_same_and_presets_round_trip():
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "gpt_neox"},
-     "model_type 'gpt_neox' is not supported (only llama, mistral, qwen2, qwen3)"),
+     "model_type 'gpt_neox' is not supported (only llama, mistral, qwen2, qwen3, phi3, "
+     "qwen3_moe, mixtral)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     "rope type 'yarn' is not supported (only default, linear, llama3)"),
+     "rope type 'yarn' is not supported (only default, linear, llama3, longrope)"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope type 'dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias is not supported"),

@@ -261,7 +261,8 @@ _BASE = {"model_type": "qwen3_moe", "vocab_size": 96, "hidden_size": 64, "interm
     ({"attention_dropout": 0.1}, "attention_dropout 0.1 is not supported"),
     ({"num_experts_per_tok": 5}, "needs 1 <= experts_per_token <= n_experts"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported for qwen3_moe"),
+    ({"partial_rotary_factor": 0.5},
+     r"partial_rotary_factor is not supported for qwen3_moe \(only 1.0, got 0.5\)"),
 ])
 def test_refused_fields_are_named(change, message):
   with pytest.raises(ValueError, match=message) as e:

@@ -196,7 +196,7 @@ _BASE = dict(model_type="phi3", vocab_size=96, hidden_size=64, intermediate_size
     ({"partial_rotary_factor": 0.2}, "the rotated part of each head .* must be even"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5},
-     "partial_rotary_factor 0.5 is not supported for llama"),
+     "partial_rotary_factor is not supported for llama"),
 ])
 def test_refused_fields_are_named(change, message):
   with pytest.raises(ValueError, match=message) as e:

@@ -301,8 +301,8 @@ def _rope_from_hf(hf: dict) -> dict:
     raise ValueError(f"rope type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
   partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if partial != 1.0 and model_type != "phi3":
-    raise ValueError(f"partial_rotary_factor {partial} is not supported for {model_type} "
-                     "(only 1.0)")
+    raise ValueError(f"partial_rotary_factor is not supported for {model_type} (only 1.0, "
+                     f"got {partial})")
   theta = hf.get("rope_theta") or hf.get("rope_parameters", {}).get(
       "rope_theta", 1e6 if model_type == "mixtral" else 10000.0)
   fields = {"rope_theta": float(theta), "rope_type": rope_type,
