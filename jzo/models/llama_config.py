@@ -141,10 +141,13 @@ class LlamaConfig:
     return self._params(self.experts_per_token)
 
   def _params(self, experts: int) -> int:
+    """The parameter count with `experts` of a mixture's experts."""
     D, hd = self.d_model, self.head_dim
     qkv = (self.n_head + 2 * self.n_kv_head) * hd
-    mlp = D * self.n_experts + experts * 3 * D * self.d_expert if self.n_experts else \
-        3 * D * self.d_ff
+    if self.n_experts:  # the router and the experts
+      mlp = D * self.n_experts + experts * 3 * D * self.d_expert
+    else:
+      mlp = 3 * D * self.d_ff
     layer = 2 * D + D * qkv + self.n_head * hd * D + mlp
     layer += qkv * self.qkv_bias + D * self.o_bias + 2 * hd * self.qk_norm
     embeddings = self.vocab_size * D * (1 if self.tie_embeddings else 2)
@@ -269,9 +272,11 @@ class LlamaConfig:
     if self.model_type in ("mistral", "phi3", "mixtral"):
       hf["sliding_window"] = self.sliding_window
     if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
-      # Window on every layer (max_window_layers 0): what forward's refusal assumes.
       hf.update(use_sliding_window=self.sliding_window is not None,
-                sliding_window=self.sliding_window, max_window_layers=0)
+                sliding_window=self.sliding_window)
+    if self.model_type in ("qwen2", "qwen3"):
+      # Window on every layer (max_window_layers 0): what forward's refusal assumes.
+      hf["max_window_layers"] = 0
     if self.model_type == "phi3":
       hf.update(partial_rotary_factor=self.partial_rotary_factor, resid_pdrop=0.0,
                 embd_pdrop=0.0, original_max_position_embeddings=self.rope_original_seq_len)
