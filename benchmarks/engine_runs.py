@@ -30,10 +30,13 @@ class Family:
   seq_len: int
   batch: int
   configs: tuple[str, ...]
+  others: tuple[str, ...] = ()  # more modules whose presets it takes
 
 
 GPT = Family("jzo.models.gpt", "blocks", "gpt2-1.5b", 1024, 8, tuple(CONFIGS))
-LLAMA = Family("jzo.models.llama", "layers", "llama-3.1-8b", 4096, 1, ("auto_dpu",))
+# Every family with a Hugging Face form: the Llama family and Gemma.
+LLAMA = Family("jzo.models.llama", "layers", "llama-3.1-8b", 4096, 1, ("auto_dpu",),
+               ("jzo.models.gemma",))
 
 
 def add_flags(parser, family: Family):
@@ -83,19 +86,23 @@ def model_config(args, family: Family):
   """(module, config, params): the preset (or Hugging Face folder) at
   --seq-len, --remat and --n-layer; params None (drawn from the preset) or a
   folder's tree of HostLeaf."""
-  models = importlib.import_module(family.module)
   if os.path.isdir(args.model):
     from jzo.models import hf
     config, params = hf.param_sources(args.model, remat=args.remat)
     if args.n_layer:
       raise SystemExit("--n-layer cuts a preset, not a Hugging Face folder")
-    return models, dataclasses.replace(config, seq_len=args.seq_len), params
-  if args.model not in models.PRESETS:
+    return hf.family(config), dataclasses.replace(config, seq_len=args.seq_len), params
+  modules = [importlib.import_module(m) for m in (family.module, *family.others)]
+  models = next((m for m in modules if args.model in m.PRESETS), None)
+  if models is None:
     raise SystemExit(f"--model {args.model}: not a preset of {family.module} "
-                     f"({', '.join(models.PRESETS)})")
+                     f"({', '.join(p for m in modules for p in m.PRESETS)})")
   config = models.PRESETS[args.model]
+  cut = {}
+  if args.n_layer and hasattr(config, "layer_types"):  # Gemma: the first layers' types
+    cut = {"layer_types": config.layer_types[:args.n_layer]}
   config = dataclasses.replace(config, seq_len=args.seq_len, remat=args.remat,
-                               n_layer=args.n_layer or config.n_layer)
+                               n_layer=args.n_layer or config.n_layer, **cut)
   return models, config, None
 
 

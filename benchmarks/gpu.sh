@@ -29,6 +29,10 @@
 #                      fine-tunes) against transformers' model under PyTorch alone, 3 rounds
 #                      in turn (figures.py llama-1b)
 #   llama-finetune     llama-3.1-8b (micro-batch 4 x 4096) and qwen2.5-14b (bf16 moments) in jzo
+#   families           gemma-2-9b and phi-4 at 4096 tokens on an H200 held to 75.6 GiB (an 80 GB
+#                      card): model TFLOPS, GPU and host memory against the plan
+#   moe                Qwen3-30B-A3B on 2 GPUs (stage 3, int8 moments on the host) in jzo, and
+#                      transformers' Qwen3MoeForCausalLM under DeepSpeed ZeRO-3 + CPU offload
 #   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
 #                      full shape
 #   global-batch-32    gpt2-10b (fp32 moments) and gpt2-13b (bf16) at global batch 32, stage 3
@@ -124,6 +128,20 @@ for part in "$@"; do
         --configs auto_dpu --steps 8
       bench $part $part-qwen train_llama.py --model qwen2.5-14b --seq-len 4096 --batch 1 2 \
         --moments bf16 --configs auto --steps 5 ;;
+    families)
+      # An 80 GB card's 75.6 GiB of an H200: gemma-2-9b and phi-4 at 4096 tokens.
+      for model in gemma-2-9b phi-4; do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.538 bench $part $part-$model train_llama.py \
+          --model $model --seq-len 4096 --batch 1 2 --stage 3 --grads-in-params \
+          --moments int8 --configs auto --steps 5 --compiled-memory
+      done ;;
+    moe)
+      # Qwen3-30B-A3B on 2 GPUs with int8 moments on the host, beside DeepSpeed ZeRO-3 with
+      # its optimizer on the CPU training transformers' model of the same shape.
+      bench $part $part-jzo train_llama.py --model qwen3-30b-a3b --gpus 2 --seq-len 4096 \
+        --batch 1 2 --stage 3 --grads-in-params --moments int8 --configs auto --steps 5
+      bench $part $part-deepspeed peers_hf.py --shape qwen3-30b-a3b --system deepspeed \
+        --zero-stage 3 --gpus 2 --seq-len 4096 --micro-batch 1 --steps 4 --timeout 900 ;;
     deepspeed-llama8b)
       bench $part $part-jzo train_llama.py --model llama-3.1-8b --n-layer 14 --seq-len 4096 \
         --batch 4 --configs auto_dpu --steps 10

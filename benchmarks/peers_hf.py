@@ -74,6 +74,15 @@ SHAPES = {
         vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
         num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
         rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen3-moe-tiny": ("qwen3_moe", dict(
+        _TINY, rms_norm_eps=1e-6, rope_theta=1e6, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True)),
 }
 
 
@@ -87,22 +96,29 @@ def head_dim(config: dict) -> int:
   return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-def count_params(family: str, config: dict) -> int:
+def count_params(family: str, config: dict, active: bool = False) -> int:
   """Parameters of the model of `config`, from its shape (a tied output
-  embedding counted once, as torch's parameters() counts it)."""
+  embedding counted once, as torch's parameters() counts it); `active`: a
+  mixture of experts' routed experts only (num_experts_per_tok a token)."""
   D, V, L = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
-  q, kv = (config["num_attention_heads"] * head_dim(config),
-           config["num_key_value_heads"] * head_dim(config))
+  hd = head_dim(config)
+  q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
   bias = q + 2 * kv if family == "qwen2" else 0  # Qwen2's q, k, v projections have biases
-  layer = D * q + 2 * D * kv + bias + q * D + 3 * D * config["intermediate_size"] + 2 * D
+  if family == "qwen3_moe":  # q/k norms, the router, the experts' SwiGLUs
+    experts = config["num_experts_per_tok"] if active else config["num_experts"]
+    mlp = 2 * hd + D * config["num_experts"] + experts * 3 * D * config["moe_intermediate_size"]
+  else:
+    mlp = 3 * D * config["intermediate_size"]
+  layer = D * q + 2 * D * kv + bias + q * D + mlp + 2 * D
   return V * D * (1 if config["tie_word_embeddings"] else 2) + L * layer + D
 
 
-def flops_per_token(config: dict, n_params: int, seq_len: int) -> float:
+def flops_per_token(config: dict, n_active: int, seq_len: int) -> float:
   """jzo's model FLOPs of a training token: 6 N for the matmuls of forward
-  and backward, 12 L (H head_dim) T for attention; recomputation not counted."""
+  and backward (N a mixture of experts' active parameters), 12 L (H
+  head_dim) T for attention; recomputation not counted."""
   width = config["num_attention_heads"] * head_dim(config)
-  return 6 * n_params + 12 * config["num_hidden_layers"] * width * seq_len
+  return 6 * n_active + 12 * config["num_hidden_layers"] * width * seq_len
 
 
 def causal_lm_module(family: str, config: dict, dtype, device: str):
@@ -113,7 +129,9 @@ def causal_lm_module(family: str, config: dict, dtype, device: str):
   import torch.nn.functional as F
   import transformers
   cls, config_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
-                     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[family]
+                     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                     "qwen3_moe": (transformers.Qwen3MoeForCausalLM,
+                                   transformers.Qwen3MoeConfig)}[family]
   hf_config = config_cls(**config, attn_implementation="sdpa", use_cache=False)
   default = torch.get_default_dtype()
   torch.set_default_dtype(dtype)  # what from_config(dtype=...) does: no float32 copy first
@@ -177,6 +195,8 @@ def measure(args) -> dict:
   import torch
   import transformers
   device = args.device or torch_peers.default_device()
+  if device == "cuda":
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
   watch = HostWatch(int(args.min_available_gb * 2**30))
   family, config = shape_config(args.shape, args.n_layer)
   torch.manual_seed(0)
@@ -186,7 +206,8 @@ def measure(args) -> dict:
   n_params = sum(p.numel() for p in module.parameters())
   if n_params != count_params(family, config):  # the FLOPs' N must be the model's
     raise AssertionError(f"{n_params} parameters built, {count_params(family, config)} counted")
-  step, info = torch_peers.make_step(args.system, module, args.micro_batch, device)
+  step, info = torch_peers.make_step(args.system, module, args.micro_batch, device,
+                                     args.zero_stage)
   generator = torch.Generator().manual_seed(1)
   tokens = torch.randint(0, config["vocab_size"], (args.micro_batch, args.seq_len + 1),
                          generator=generator).to(device)
@@ -195,10 +216,12 @@ def measure(args) -> dict:
                                     device=device)
   except torch.OutOfMemoryError as e:
     return dict(torch_peers.out_of_memory(e), host_rss_peak_gib=watch.stop())
-  tokens_per_s = args.micro_batch * args.seq_len / timed["step_s"]
-  flops = flops_per_token(config, n_params, args.seq_len)
+  gpus = torch_peers.world()
+  tokens_per_s = gpus * args.micro_batch * args.seq_len / timed["step_s"]
+  flops = flops_per_token(config, count_params(family, config, active=True), args.seq_len)
   return dict(timed, status="ok", tokens_per_s=tokens_per_s, flops_per_token=flops,
-              tflops=tokens_per_s * flops / 1e12, host_rss_gib=harness.host_rss_gib(),
+              tflops=tokens_per_s / gpus * flops / 1e12, gpus=gpus,
+              host_rss_gib=harness.host_rss_gib(),
               host_rss_peak_gib=watch.stop(), transformers=transformers.__version__,
               attention=module.model.config._attn_implementation, **info)
 
@@ -208,7 +231,10 @@ def main():
   parser.add_argument("--shape", default="llama-3.1-8b", choices=list(SHAPES))
   parser.add_argument("--system", choices=torch_peers.SYSTEMS, default="deepspeed")
   parser.add_argument("--seq-len", type=int, default=4096)
-  parser.add_argument("--micro-batch", type=int, default=1, help="sequences a step")
+  parser.add_argument("--micro-batch", type=int, default=1, help="sequences a GPU a step")
+  parser.add_argument("--gpus", type=int, default=1, help="processes, one a GPU (DeepSpeed)")
+  parser.add_argument("--zero-stage", type=int, choices=[2, 3], default=2,
+                      help="DeepSpeed's ZeRO stage (3: the weights partitioned too)")
   parser.add_argument("--n-layer", type=int, help="decoder layers, instead of the shape's")
   parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
   parser.add_argument("--warmup", type=int, default=2)
@@ -219,13 +245,21 @@ def main():
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   torch_peers.require(args.system)
+  if args.gpus > 1 and args.system != "deepspeed":
+    parser.error("--gpus > 1 is for DeepSpeed (PyTorch alone trains on one GPU)")
   if args.child:
-    harness.child_result(measure(args))
+    others = torch_peers.start_ranks(args.gpus)
+    point = measure(args)
+    for proc in others:
+      proc.wait()
+    if torch_peers.rank() == 0:
+      harness.child_result(point)
     return
   family, config = shape_config(args.shape, args.n_layer)
   about = {"system": args.system, "shape": args.shape, "family": family,
            "n_layer": config["num_hidden_layers"], "n_params": count_params(family, config),
-           "micro_batch": args.micro_batch, "seq_len": args.seq_len}
+           "micro_batch": args.micro_batch, "seq_len": args.seq_len, "gpus": args.gpus,
+           "zero_stage": args.zero_stage}
   torch_peers.run_and_record(args, "peers_hf", about, args.shape)
 
 if __name__ == "__main__":

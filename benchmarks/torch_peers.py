@@ -5,7 +5,7 @@ that returns its loss, a process per GPU, and the timed steps.
 Both systems: lr 3e-4, weight decay 0.1, global-norm clip 1.0, one
 micro-batch a step. PyTorch alone: float32 weights, bf16 autocast, fused
 AdamW where the weights are. DeepSpeed: bf16 weights on the GPU, ZeRO stage
-2, offload_optimizer cpu with pinned memory, contiguous gradients,
+2 (or 3 where asked), offload_optimizer cpu with pinned memory, contiguous gradients,
 overlapped reduction, its AdamW (DeepSpeedCPUAdam, built on first use).
 """
 
@@ -58,8 +58,8 @@ def world() -> int:
   return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def deepspeed_step(module, micro_batch: int, device: str):
-  """DeepSpeed ZeRO-2 + offload_optimizer cpu over `module`: (step, info)."""
+def deepspeed_step(module, micro_batch: int, device: str, zero_stage: int = 2):
+  """DeepSpeed ZeRO-2 (or 3) + offload_optimizer cpu over `module`: (step, info)."""
   import deepspeed
   for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "RANK": "0",
                      "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
@@ -73,7 +73,7 @@ def deepspeed_step(module, micro_batch: int, device: str):
       "bf16": {"enabled": True},
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
       "zero_optimization": {
-          "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+          "stage": zero_stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
           "contiguous_gradients": True, "overlap_comm": True,
           "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
       "steps_per_print": 10**9,
@@ -106,8 +106,8 @@ def torch_step(module, device: str):
   return step, {"optimizer": "torch.optim.AdamW(fused=True)"}
 
 
-def make_step(system: str, module, micro_batch: int, device: str):
-  return (deepspeed_step(module, micro_batch, device) if system == "deepspeed"
+def make_step(system: str, module, micro_batch: int, device: str, zero_stage: int = 2):
+  return (deepspeed_step(module, micro_batch, device, zero_stage) if system == "deepspeed"
           else torch_step(module, device))
 
 

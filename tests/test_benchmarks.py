@@ -33,6 +33,11 @@ RUNS = {  # name: (script, arguments)
                                    "--device", "cpu", *TINY]),
     "peers_hf": ("peers_hf.py", ["--shape", "llama-tiny", "--system", "torch", "--warmup", "1",
                                  "--device", "cpu", *TINY]),
+    "train_gemma": ("train_llama.py", ["--model", "gemma-tiny", "--batch", "2", "--configs",
+                                       "offload", "--no-breakdown", "--stage", "3",
+                                       "--grads-in-params", *TINY]),
+    "peers_hf_moe": ("peers_hf.py", ["--shape", "qwen3-moe-tiny", "--system", "torch",
+                                     "--warmup", "1", "--device", "cpu", *TINY]),
     "figures": ("figures.py", ["llama-1b", "--smoke", "--rounds", "2"]),
     "largest_model": ("largest_model.py", ["--base", "tiny", "--seq-len", "32", "--batch", "2",
                                            "--gpus", "1", "--device-gb", "0.02", "--host-gb", "3",
@@ -78,7 +83,7 @@ def records(tmp_path_factory):
 
 def points(records, name: str) -> list[dict]:
   record, _ = records[name]
-  assert record["benchmark"] == name
+  assert record["benchmark"] in (name, RUNS[name][0].removesuffix(".py"))
   assert record["machine"]["cores"] > 0 and record["machine"]["date"]
   assert record["command"].startswith(f"benchmarks/{RUNS[name][0]}")
   assert record["points"]
@@ -115,12 +120,21 @@ def test_train_llama_offload(records):
   assert "device_step_s" not in point  # --no-breakdown
 
 
-@pytest.mark.parametrize("name", ["peers_gpt", "peers_hf"])
+def test_train_gemma_at_stage_3(records):
+  (point,) = points(records, "train_gemma")
+  assert point["status"] == "ok" and point["model"] == "gemma-tiny", point
+  assert point["stage"] == 3 and point["grads_in_params"]
+  check_positive(point, ENGINE_FIELDS + ("flops_per_token",))
+
+
+@pytest.mark.parametrize("name", ["peers_gpt", "peers_hf", "peers_hf_moe"])
 def test_pytorch_alone(records, name):
   (point,) = points(records, name)
   assert point["status"] == "ok" and point["system"] == "torch", point
   check_positive(point, ("step_s", "tokens_per_s", "tflops", "n_params", "host_rss_peak_gib"))
   assert point["device"] == "cpu" and len(point["losses"]) >= 2
+  if name == "peers_hf_moe":  # the FLOPs count the routed experts alone
+    assert point["flops_per_token"] < 6 * point["n_params"]
 
 
 @pytest.mark.skipif(DEEPSPEED, reason="DeepSpeed is installed here")

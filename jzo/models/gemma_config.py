@@ -305,6 +305,10 @@ _GEMMA2 = dict(vocab_size=256000, seq_len=8192, head_dim=256, sliding_window=409
 _GEMMA3 = dict(vocab_size=262208, seq_len=131072, head_dim=256, sliding_window=1024,
                rope_theta=1e6, rope_factor=8.0, model_type="gemma3_text")
 PRESETS = {
+    # A CPU's: a sliding and a global layer, soft-capped as Gemma 2.
+    "gemma-tiny": GemmaConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_kv_head=2,
+                              d_model=128, d_ff=384, head_dim=32, sliding_window=16,
+                              attn_softcap=50.0, final_softcap=30.0, model_type="gemma2"),
     "gemma-2-2b": GemmaConfig(n_layer=26, n_head=8, n_kv_head=4, d_model=2304, d_ff=9216,
                               **_GEMMA2),
     "gemma-2-9b": GemmaConfig(n_layer=42, n_head=16, n_kv_head=8, d_model=3584, d_ff=14336,

@@ -46,6 +46,9 @@ _LLAMA3 = Defaults(lr=3e-4, warmup_tokens=8000 * 4e6, finetune_lr=1e-5)
 _LLAMA2 = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=2e-5)
 _QWEN25 = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=7e-6)
 _OTHER = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=2e-5)
+# The tiny presets train from scratch on bytes in minutes on a CPU: a small
+# model takes a large rate.
+_TINY = Defaults(lr=3e-3, warmup_tokens=None, finetune_lr=2e-5)
 _GPT3_WARMUP = 375e6
 
 
@@ -112,13 +115,11 @@ _LLAMA_DEFAULTS = {"llama-3.2-1b": _LLAMA3, "llama-3.2-3b": _LLAMA3, "llama-3.1-
 def _presets() -> dict[str, Model]:
   out = {}
   for name, config in gpt.PRESETS.items():
-    # tiny trains from scratch on bytes in minutes on a CPU: a small model takes a large rate.
-    defaults = Defaults(3e-3, None, 2e-5) if name == "tiny" else _gpt_defaults(config)
-    out[name] = Model(name, GPT, config, defaults)
+    out[name] = Model(name, GPT, config, _TINY if name == "tiny" else _gpt_defaults(config))
   for name, config in llama.PRESETS.items():
-    out[name] = Model(name, LLAMA, config, _LLAMA_DEFAULTS.get(name, Defaults(3e-3, None, 2e-5)))
+    out[name] = Model(name, LLAMA, config, _LLAMA_DEFAULTS.get(name, _TINY))
   for name, config in gemma.PRESETS.items():
-    out[name] = Model(name, GEMMA, config, _OTHER)
+    out[name] = Model(name, GEMMA, config, _TINY if name == "gemma-tiny" else _OTHER)
   return out
 
 
