@@ -2,8 +2,8 @@
 models made by transformers' own classes, their logits, losses (cross-entropy
 plus the load-balancing loss) and greedy generation against transformers',
 the export back into transformers, training through the ZeRO engine with the
-optimizer on the host, the grouped expert matmuls against each token's
-experts one by one, the planner's counts, and one-line refusals."""
+optimizer on the host, the grouped expert matmuls against every expert on
+every token, the planner's counts, and one-line refusals."""
 
 import dataclasses
 import json
@@ -112,7 +112,9 @@ def test_export_loads_unchanged_in_transformers(checkpoint, tmp_path):
 
 
 def test_greedy_generation_equals_transformers(checkpoint):
-  _, model, config, params = checkpoint
+  folder, model, config, params = checkpoint
+  if "unnormalised" in folder:
+    pytest.skip("the routers' weights differ alone: the other two generate here")
   theirs = []
   for prompt in PROMPTS:
     with torch.no_grad():
@@ -132,8 +134,8 @@ def test_gradients_written_over_the_layers_equal_jax_grad(checkpoint):
   """The load-balancing statistics ride the layers' scan beside x: written
   over the layers (grads_in_params' backward), the gradients are jax.grad's."""
   folder, _, config, params = checkpoint
-  if "unnormalised" in folder:
-    pytest.skip("Qwen3-MoE's and Mixtral's routers are checked here")
+  if "mixtral" not in folder:
+    pytest.skip("Qwen3-MoE's gradients are jax.grad's in the engine's test")
   batch, loss = _batch(config), lambda p, b: llama.loss_fn(config, p, b)
   plain = jax.jit(jax.grad(loss))(params, batch)
 
@@ -188,10 +190,11 @@ def optax_norm(tree) -> float:
 
 
 @pytest.mark.parametrize("float32_weights", [False, True], ids=["qwen3", "mixtral"])
-def test_grouped_experts_equal_each_tokens_experts_one_by_one(float32_weights):
-  """moe.experts_mlp (sorted rows, jax.lax.ragged_dot) and its gradient
-  against every token's chosen experts applied one at a time."""
-  N, D, I, E, k = 5, 6, 5, 4, 2
+def test_grouped_experts_equal_each_tokens_experts(float32_weights):
+  """moe.experts_mlp (rows sorted by expert, jax.lax.ragged_dot) and its
+  gradient against every expert applied to every token, each token's
+  chosen ones then weighed and summed."""
+  N, D, I, E, k = 7, 6, 5, 4, 2
   keys = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(keys[0], (N, D))
   gate_up = jax.random.normal(keys[1], (E, D, 2 * I)) * 0.3
@@ -200,21 +203,17 @@ def test_grouped_experts_equal_each_tokens_experts_one_by_one(float32_weights):
   assert np.allclose(weights.sum(-1), 1) and experts.dtype == jnp.int32
   np.testing.assert_allclose(probs.sum(-1), 1, rtol=1e-6)
 
-  def one_by_one(x, gate_up, down):
-    out = []
-    for n in range(N):
-      row = 0
-      for j in range(k):
-        gate, up = jnp.split(x[n] @ gate_up[experts[n, j]], 2)
-        row = row + weights[n, j] * (jax.nn.silu(gate) * up) @ down[experts[n, j]]
-      out.append(row)
-    return jnp.stack(out)
+  def dense(x, gate_up, down):
+    gate, up = jnp.split(jnp.einsum("nd,edf->enf", x, gate_up), 2, axis=-1)
+    every = jnp.einsum("enf,efd->ned", jax.nn.silu(gate) * up, down)  # (N, E, D)
+    chosen = jnp.take_along_axis(every, experts[..., None], axis=1)  # (N, k, D)
+    return jnp.sum(weights[..., None] * chosen, axis=1)
   grouped = lambda *a: moe.experts_mlp(a[0], weights, experts, *a[1:], float32_weights)
-  np.testing.assert_allclose(jax.jit(grouped)(x, gate_up, down),
-                             jax.jit(one_by_one)(x, gate_up, down), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(*[jax.jit(f)(x, gate_up, down) for f in (grouped, dense)],
+                             rtol=1e-5, atol=1e-6)
   cotangent = jax.random.normal(jax.random.key(5), (N, D))
   grads = [jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2)))(
-      x, gate_up, down) for f in (grouped, one_by_one)]
+      x, gate_up, down) for f in (grouped, dense)]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
   stats = moe.balance_statistics(experts, probs)
   np.testing.assert_array_equal(stats[0], np.bincount(np.asarray(experts).ravel(), minlength=E))
