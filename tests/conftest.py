@@ -63,10 +63,12 @@ SLOWEST_FILES = ("test_docs.py",  # every example of README.md and docs/
                  "test_grads_in_params.py",  # ~195 s
                  "test_multiprocess_signals.py",  # ~180 s
                  "test_resilience.py",  # ~180 s
-                 "test_benchmarks.py",  # ~130 s
+                 "test_model_families.py",  # ~150 s
+                 "test_benchmarks.py",  # ~150 s
                  "test_accumulation.py",  # ~125 s
                  "test_engine.py",  # ~125 s
                  "test_cpu_adam.py",  # ~120 s
+                 "test_moe.py",  # ~105 s
                  "test_state_spans.py",  # ~105 s
                  "test_benchmarks_host.py",  # ~90 s
                  "test_placement.py",  # ~90 s
@@ -74,7 +76,9 @@ SLOWEST_FILES = ("test_docs.py",  # every example of README.md and docs/
                  "test_export.py",  # ~75 s
                  "test_quant8.py",  # ~70 s
                  "test_cross_entropy.py",  # ~65 s
+                 "test_gemma.py",  # ~60 s
                  "test_kernel_properties.py",  # ~55 s
+                 "test_phi3.py",  # ~55 s
                  "test_gpt.py",  # ~50 s
                  "test_streaming.py",  # ~50 s
                  "test_finetune.py")  # ~45 s

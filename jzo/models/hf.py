@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out, for every family that has a Hugging
-Face form (jzo.models.llama_hf: Llama, Mistral, Qwen2/3; jzo.models.gemma_hf:
-Gemma 2 and 3), one leaf at a time.
+Face form (jzo.models.llama_hf: Llama, Mistral, Qwen2/3, Phi-3/4, Qwen3-MoE,
+Mixtral; jzo.models.gemma_hf: Gemma 2 and 3), one leaf at a time.
 
 `param_sources(folder)` reads a folder that transformers' `save_pretrained`
 wrote (config.json and model.safetensors, or shards listed by
