@@ -19,6 +19,8 @@ import jzo
 from jzo.models import cross_entropy, decoding, gemma, hf
 from jzo.models.gemma import GemmaConfig
 
+from test_hf import _assert_close, _loaded, _torch_logits
+
 _SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
               max_position_embeddings=128)
@@ -43,19 +45,6 @@ PROMPTS = [[5, 17, 3, 44, 9], list(range(1, 12)), [60]]
 def highest_precision():
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def _assert_close(a, b, rtol=1e-4):
-  assert np.abs(a - b).max() <= rtol * np.abs(b).max()
-
-
-def _loaded(sources) -> dict:
-  return jax.tree.map(lambda leaf: leaf.load().astype(np.float32), sources)
-
-
-def _torch_logits(model, tokens=TOKENS) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
 
 
 def _jzo_logits(config, params, tokens=TOKENS) -> np.ndarray:
@@ -94,7 +83,7 @@ def test_logits_equal_transformers(checkpoint):
   shapes = jax.eval_shape(lambda: gemma.init_params(config, jax.random.key(0)))
   assert jax.tree.map(lambda x: x.shape, sources) == jax.tree.map(lambda x: x.shape, shapes)
   assert config.n_params == sum(p.numel() for p in model.parameters())  # tied once
-  theirs = _torch_logits(model)
+  theirs = _torch_logits(model, TOKENS)
   _assert_close(_jzo_logits(config, params), theirs)
   if config.final_softcap is not None:  # the cap is at work
     assert 0.9 * config.final_softcap < np.abs(theirs).max() < config.final_softcap
@@ -114,7 +103,7 @@ def test_export_loads_unchanged_in_transformers(checkpoint, tmp_path):
   model = transformers.AutoModelForCausalLM.from_pretrained(
       str(tmp_path), attn_implementation="eager", torch_dtype=torch.float32).eval()
   assert type(model).__name__ == gemma.ARCHITECTURES[family]
-  _assert_close(_torch_logits(model), _jzo_logits(config, params))
+  _assert_close(_torch_logits(model, TOKENS), _jzo_logits(config, params))
   again, sources = hf.param_sources(str(tmp_path))
   assert again == config
   jax.tree.map(np.testing.assert_array_equal, _loaded(sources), params)
@@ -248,7 +237,7 @@ def test_the_text_model_of_an_image_text_checkpoint(tmp_path):
   assert config.model_type == "gemma3" and config.layer_types == (SLIDING, SLIDING, FULL)
   params = _loaded(sources)
   ours = _jzo_logits(config, params)
-  _assert_close(ours, _torch_logits(model))
+  _assert_close(ours, _torch_logits(model, TOKENS))
   with pytest.raises(ValueError, match="written as its text model alone"):
     hf.save_pretrained(str(tmp_path / "out"), config, params)
   text_only = dataclasses.replace(config, model_type="gemma3_text")
@@ -256,4 +245,4 @@ def test_the_text_model_of_an_image_text_checkpoint(tmp_path):
   exported = transformers.AutoModelForCausalLM.from_pretrained(
       str(tmp_path / "text"), attn_implementation="eager").eval()
   assert type(exported).__name__ == "Gemma3ForCausalLM"
-  _assert_close(_torch_logits(exported), ours)
+  _assert_close(_torch_logits(exported, TOKENS), ours)

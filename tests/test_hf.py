@@ -50,6 +50,7 @@ def _jzo_logits(config, params, tokens=TOKENS) -> np.ndarray:
 
 
 def _assert_close(a, b, rtol=1e-4):
+  a, b = np.asarray(a), np.asarray(b)
   assert np.abs(a - b).max() <= rtol * np.abs(b).max()
 
 

@@ -21,6 +21,8 @@ import jzo
 from jzo.models import decoding, hf, llama, moe
 from jzo.parallel import layer_scan
 
+from test_hf import _assert_close, _torch_logits
+
 _SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
 # Qwen3-MoE with its top-k weights renormalised and not (k = 3 of 6), and
@@ -46,15 +48,6 @@ def highest_precision():
     yield
 
 
-def _assert_close(a, b, rtol=1e-4):
-  assert np.abs(np.asarray(a) - np.asarray(b)).max() <= rtol * np.abs(np.asarray(b)).max()
-
-
-def _torch_logits(model, tokens=TOKENS) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
   """(folder, transformers' float32 model, jzo config, float32 params): Mixtral saved in
@@ -78,7 +71,7 @@ def test_logits_equal_transformers(checkpoint):
   assert params["layers"]["moe"]["gate_up"].shape == (2, E, D, 2 * I)
   assert params["layers"]["moe"]["down"].shape == (2, E, I, D)
   assert sum(x.size for x in jax.tree.leaves(params)) == config.n_params
-  _assert_close(llama.forward(config, params, TOKENS), _torch_logits(model))
+  _assert_close(llama.forward(config, params, TOKENS), _torch_logits(model, TOKENS))
   if config.model_type == "mixtral":  # a window shorter than the sequence is refused
     with pytest.raises(ValueError, match="sliding window of 64"):
       llama.forward(config, params, np.zeros((1, 65), np.int32))
@@ -105,7 +98,7 @@ def test_export_loads_unchanged_in_transformers(checkpoint, tmp_path):
   model = transformers.AutoModelForCausalLM.from_pretrained(
       str(tmp_path), attn_implementation="eager", torch_dtype=torch.float32).eval()
   assert type(model).__name__ == llama.ARCHITECTURES[config.model_type]
-  _assert_close(_torch_logits(model), llama.forward(config, params, TOKENS))
+  _assert_close(_torch_logits(model, TOKENS), llama.forward(config, params, TOKENS))
   again, sources = hf.param_sources(str(tmp_path))
   assert again == config
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(lambda x: x.load(), sources), params)

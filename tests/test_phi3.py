@@ -19,6 +19,8 @@ from jax.sharding import Mesh
 import jzo
 from jzo.models import decoding, hf, llama
 
+from test_hf import _assert_close, _torch_logits
+
 _SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -48,15 +50,6 @@ PROMPTS = [[5, 17, 3, 44, 9], list(range(1, 12)), [60]]
 def highest_precision():
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def _assert_close(a, b, rtol=1e-4):
-  assert np.abs(np.asarray(a) - np.asarray(b)).max() <= rtol * np.abs(np.asarray(b)).max()
-
-
-def _torch_logits(model, tokens) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.tensor(tokens)).logits.numpy()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
