@@ -7,7 +7,8 @@ laptop CPU), then prints a sample of generated text. `--help` lists every
 option with its default.
 
 `--init-from DIR` fine-tunes a Hugging Face checkpoint (Llama, Mistral,
-Qwen2/3, Phi-3/4, Gemma 2/3, Qwen3-MoE, Mixtral: config.json and safetensors) on --data read with its tokenizer;
+Qwen2/3, Phi-3/4, Gemma 2/3, Qwen3-MoE, Mixtral: config.json and
+safetensors) on --data read with its tokenizer;
 `python -m jzo.export --format hf` gives the result back in that format.
 
 The recipe's pieces live in jzo.recipe: options, models (the presets and
