@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jzo.models import hf_files
 from jzo.models.common import REMAT_POLICIES
 
 # Hugging Face model_type -> the class transformers builds for it.
@@ -159,13 +160,7 @@ class GemmaConfig:
       outer = {k: hf[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id")
                if k in hf}
       hf = _GEMMA3_TEXT | hf["text_config"] | outer | {"model_type": model_type}
-    if model_type not in ARCHITECTURES:
-      raise ValueError(f"model_type {model_type!r} is not supported (only "
-                       f"{', '.join(ARCHITECTURES)})")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-      if key not in hf:
-        raise ValueError(f"config has no {key!r}")
+    hf_files.check_config(hf, ARCHITECTURES)
     _refuse_unimplemented(hf)
     defaults = _DEFAULTS[model_type]
     n_layer = hf["num_hidden_layers"]

@@ -115,6 +115,23 @@ def read_config(folder: str) -> dict:
   return config
 
 
+def check_config(hf: dict, model_types) -> None:
+  """Refuses a config.json dict whose model_type is not one of
+  `model_types`, or that lacks a size every decoder-only model has.
+
+  Raises:
+    ValueError: one line naming the model_type or the missing key.
+  """
+  model_type = hf.get("model_type")
+  if model_type not in model_types:
+    raise ValueError(f"model_type {model_type!r} is not supported (only "
+                     f"{', '.join(model_types)})")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+    if key not in hf:
+      raise ValueError(f"config has no {key!r}")
+
+
 def _read_header(path: str) -> dict[str, Tensor]:
   """The tensors of one safetensors file, from its header alone."""
   if not os.path.isfile(path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jzo.models import hf_files
 from jzo.models.common import REMAT_POLICIES
 
 # Hugging Face model_type -> the class transformers builds for it.
@@ -173,13 +174,7 @@ class LlamaConfig:
         in one line naming it.
     """
     model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-      raise ValueError(f"model_type {model_type!r} is not supported (only "
-                       f"{', '.join(ARCHITECTURES)})")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-      if key not in hf:
-        raise ValueError(f"config has no {key!r}")
+    hf_files.check_config(hf, ARCHITECTURES)
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias"):

@@ -62,8 +62,9 @@ class Family:
 
 # Matrices and embeddings decay; norm scales and biases do not.
 GPT = Family(gpt, "blocks", lambda key: key in ("wte", "wpe", "kernel"))
-LLAMA = Family(llama, llama.LAYERS, lambda key: key not in ("scale", "bias"))
-GEMMA = Family(gemma, gemma.LAYERS, lambda key: key not in ("scale", "bias"))
+_NOT_SCALE_OR_BIAS = lambda key: key not in ("scale", "bias")
+LLAMA = Family(llama, llama.LAYERS, _NOT_SCALE_OR_BIAS)
+GEMMA = Family(gemma, gemma.LAYERS, _NOT_SCALE_OR_BIAS)
 
 
 @dataclasses.dataclass(frozen=True)
