@@ -106,7 +106,8 @@ for part in "$@"; do
       for m in jzo.train jzo.estimate jzo.export jzo.generate; do
         python3 -m $m --help >/dev/null 2>&1; echo "$m --help: exit $?"
       done
-      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 300 tests/test_offload_gpu.py
+      JAX_PLATFORMS=cuda,cpu pytests tests-gpu 300 tests/test_offload_gpu.py \
+        tests/test_moe.py::test_grouped_matmul_kernels_equal_ragged_dot
       pytests tests-cpu 900 tests/test_transfer.py tests/test_streaming.py tests/test_offload.py \
         tests/test_accumulation.py tests/test_placement.py tests/test_engine.py \
         tests/test_cpu_adam.py tests/test_quant8.py tests/test_benchmarks.py \

@@ -18,7 +18,7 @@ import transformers
 from jax.sharding import Mesh
 
 import jzo
-from jzo.models import decoding, hf, llama, moe
+from jzo.models import decoding, grouped, hf, llama, moe
 from jzo.parallel import layer_scan
 
 from test_hf import _assert_close, _torch_logits
@@ -184,7 +184,7 @@ def optax_norm(tree) -> float:
 
 @pytest.mark.parametrize("float32_weights", [False, True], ids=["qwen3", "mixtral"])
 def test_grouped_experts_equal_each_tokens_experts(float32_weights):
-  """moe.experts_mlp (rows sorted by expert, jax.lax.ragged_dot) and its
+  """moe.experts_mlp (rows sorted by expert, grouped matmuls) and its
   gradient against every expert applied to every token, each token's
   chosen ones then weighed and summed."""
   N, D, I, E, k = 7, 6, 5, 4, 2
@@ -210,6 +210,34 @@ def test_grouped_experts_equal_each_tokens_experts(float32_weights):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
   stats = moe.balance_statistics(experts, probs)
   np.testing.assert_array_equal(stats[0], np.bincount(np.asarray(experts).ravel(), minlength=E))
+
+
+@pytest.mark.parametrize("rows, experts, K, N", [(1000, 8, 256, 512), (4096, 128, 2048, 1536)])
+def test_grouped_matmul_kernels_equal_ragged_dot(rows, experts, K, N):
+  """On a Hopper GPU, grouped_matmul's kernels and their gradients against
+  jax.lax.ragged_dot in float32, with an empty group and groups that share
+  the kernels' tiles of rows."""
+  x = jnp.zeros((rows, K), jnp.bfloat16)
+  if jax.default_backend() != "gpu" or not grouped.runs_kernels(x, x[None, :, :N]):
+    pytest.skip("needs a Hopper GPU: the Mosaic GPU kernels run only there (elsewhere "
+                "grouped_matmul is jax.lax.ragged_dot, which the other tests cover)")
+  keys = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(keys[0], (rows, K), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (experts, K, N)) * 0.05).astype(jnp.bfloat16)
+  cuts = jnp.sort(jax.random.randint(keys[2], (experts - 1,), 0, rows))
+  cuts = cuts.at[2].set(cuts[1])  # group 2 is empty
+  sizes = jnp.diff(cuts, prepend=0, append=rows).astype(jnp.int32)
+  cotangent = jax.random.normal(keys[3], (rows, N), jnp.float32)
+
+  def value_and_grads(f, dtype):
+    y, vjp = jax.vjp(lambda x, w: f(x.astype(dtype), w.astype(dtype), sizes), x, w)
+    return (y,) + vjp(cotangent.astype(y.dtype))
+  ours = jax.jit(lambda: value_and_grads(grouped.grouped_matmul, jnp.bfloat16))()
+  reference = jax.jit(lambda: value_and_grads(jax.lax.ragged_dot, jnp.float32))()
+  for name, a, b in zip(["product", "x's gradient", "w's gradient"], ours, reference):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    error = np.abs(a - b).max() / np.abs(b).max()
+    assert error < 1e-2, f"{name}: {error:.1e} of the largest value"  # bf16 rounding: 4e-3
 
 
 def test_presets_count_every_expert_and_the_active_ones():

@@ -62,10 +62,10 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int | None = None
   outputs, back in token order: 3 k D), their gate_up, silu and product
   (4 k I) and the router's logits (E), plus float32 probabilities, top-k
   weights and int32 sort indices (4 (E + 4 k) bytes); dots saves only the
-  router's logits of it (ragged_dot is not a dot the policy saves), and the
-  backward's gradient is of the k gate_ups (2 k I). This assumes a grouped
-  matmul that computes each row once (jax lowers ragged_dot on CPU by
-  masking every expert's copy).
+  router's logits of it (a grouped matmul is not a dot the policy saves),
+  and the backward's gradient is of the k gate_ups (2 k I). This assumes a
+  grouped matmul that computes each row once, as jzo.models.grouped's
+  kernels do (jax lowers ragged_dot on CPU by masking every expert's copy).
   """
   T = seq_len or config.seq_len
   tokens = batch * T

@@ -6,10 +6,10 @@ transformers' load_balancing_loss_func computes it).
 
 Shapes: N tokens (B T), E experts of hidden width I, k experts a token, D
 the model width. The (token, choice) pairs are sorted by expert, so each
-expert's rows are contiguous, and `jax.lax.ragged_dot` multiplies each group
-of rows by its expert's weights: no expert computes a row it was not given
-(where the backend lowers ragged_dot natively), and no Python loop runs
-over the experts.
+expert's rows are contiguous, and `grouped.grouped_matmul` multiplies each
+group of rows by its expert's weights: no expert computes a row it was not
+given (on Hopper GPUs, or where XLA lowers ragged_dot natively), and no
+Python loop runs over the experts.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jzo.models.grouped import grouped_matmul
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -50,8 +52,8 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: j
   # without collisions, deterministic on a GPU (unlike x[order // k]'s).
   rows = jnp.broadcast_to(x[:, None], (N, k, x.shape[-1])).reshape(N * k, -1)
   rows = rows.at[order].get(unique_indices=True)  # (N k, D), sorted by expert
-  gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)  # (N k, I) each
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)  # (N k, D)
+  gate, up = jnp.split(grouped_matmul(rows, gate_up, sizes), 2, axis=-1)  # (N k, I) each
+  out = grouped_matmul(jax.nn.silu(gate) * up, down, sizes)  # (N k, D)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=order.dtype),
                                                 unique_indices=True)
   out = out.at[inverse].get(unique_indices=True).reshape(N, k, -1)  # back in token order
