@@ -75,8 +75,8 @@ struct V {
         _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
     F value = _mm256_mul_ps(decade, _mm256_fmadd_ps(_mm256_set1_ps(0.9f), in_decade,
                                                     _mm256_set1_ps(-0.8f)));
-    const __m256i zero = _mm256_setzero_si256();
-    value = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(i, zero)), value);
+    const F is_zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(i, _mm256_setzero_si256()));
+    value = _mm256_blendv_ps(value, _mm256_set1_ps(map.code[0]), is_zero);
     const __m256i top = _mm256_cmpeq_epi32(i, _mm256_set1_epi32(kSigned ? 127 : 255));
     value = _mm256_blendv_ps(value, _mm256_set1_ps(1.0f), _mm256_castsi256_ps(top));
     if constexpr (kSigned)

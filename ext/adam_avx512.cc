@@ -66,12 +66,16 @@ struct V {
     const __m512i i = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(127)) : c;
     const __m512i bits = _mm512_castps_si512(
         _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(i, 1), _mm512_set1_epi32(1))));
-    // The decade from the exponent's low 4 bits: 15 (a zero entry) for i = 0.
+    // The decade from the exponent's low 4 bits: 15 (a zero entry) for i = 0,
+    // whose value is then the map's code 0 (nonzero for nu's map).
     const F decade = _mm512_permutexvar_ps(_mm512_srli_epi32(bits, 23), _mm512_loadu_ps(map.decade));
     const F in_decade = _mm512_castsi512_ps(_mm512_or_si512(
         _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x3f800000)));
     F value = _mm512_mul_ps(decade, _mm512_fmadd_ps(_mm512_set1_ps(0.9f), in_decade,
                                                     _mm512_set1_ps(-0.8f)));
+    if constexpr (!kSigned)
+      value = _mm512_mask_mov_ps(value, _mm512_cmpeq_epi32_mask(i, _mm512_setzero_si512()),
+                                 _mm512_set1_ps(map.code[0]));
     const __mmask16 top = _mm512_cmpeq_epi32_mask(i, _mm512_set1_epi32(kSigned ? 127 : 255));
     value = _mm512_mask_mov_ps(value, top, _mm512_set1_ps(1.0f));
     if constexpr (kSigned)

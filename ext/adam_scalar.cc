@@ -74,7 +74,7 @@ struct V {
     const uint32_t exponent = bits >> 23;  // 127 for i = 0, else 128 + decade
     bits = (bits & 0x7fffffu) | 0x3f800000u;
     std::memcpy(&r, &bits, 4);
-    F value = i == 0 ? 0.0f : map.decade[exponent & 15] * __builtin_fmaf(0.9f, r, -0.8f);
+    F value = i == 0 ? map.code[0] : map.decade[exponent & 15] * __builtin_fmaf(0.9f, r, -0.8f);
     if (i == top) value = 1.0f;
     if constexpr (kSigned) value = c & 128u ? -value : value;
     return value;

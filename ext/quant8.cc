@@ -88,6 +88,10 @@ Quant8Map build(bool is_signed) {
     map.mid[k] = static_cast<float>((double{mag[k]} + mag[k + 1]) / 2);
     mid_bits[k] = bits_of(map.mid[k]);
   }
+  // The second moment's code 0 stands for the middle of what it rounds
+  // (0 up to the first midpoint): decoded as 0, an element whose gradient
+  // stopped would divide its first moment by eps alone.
+  if (!is_signed) map.code[0] = map.mid[0] / 2;
   // For positive floats the bit patterns order as the values do.
   int below = 0;  // midpoints below the current range's start
   if (mid_bits[0] < kQuantIndexBase << 16)

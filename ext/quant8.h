@@ -14,7 +14,12 @@
 // absmax itself). So a code decodes in a few vector operations, no lookup.
 //   signed (mu):   code = sign << 7 | magnitude, 128 magnitudes in the
 //                  7 decades 10^-6 .. 10^0 (1, 2, 4, ..., 64 values).
-//   unsigned (nu): 256 magnitudes in the 8 decades 10^-7 .. 10^0.
+//   unsigned (nu): 256 magnitudes in the 8 decades 10^-7 .. 10^0; code 0
+//                  decodes to half the first midpoint (the middle of what
+//                  rounds to it), not 0: a second moment under 2.75e-8 of
+//                  its block's largest, decoded as 0, would leave an element
+//                  whose gradient stopped an update of m / eps, up to tens of
+//                  times the learning rate where Adam's is at most about 1.
 //
 // Quantizing x >= 0 (a magnitude divided by the scale, at most 1) picks the
 // nearest value: c = the number of midpoints between consecutive values that

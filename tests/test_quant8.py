@@ -35,11 +35,14 @@ def codes_of(signed):
 def test_the_maps_are_dynamic_trees():
   """Signed: sign and 128 magnitudes over 7 decades, 0 to 1; unsigned: 256
   over 8 decades; each decade holds twice the values of the one below it,
-  at the middles of equal steps."""
+  at the middles of equal steps. The unsigned code 0 is the middle of what
+  rounds to it, half the first midpoint, not 0."""
   signed = np.asarray(codes_of(True), np.float64)
   magnitudes = signed[:128]
   np.testing.assert_array_equal(signed[128:], -magnitudes)
   unsigned = np.asarray(codes_of(False), np.float64)
+  assert unsigned[0] == np.float32(np.float32(unsigned[1] / 2) / 2) > 0
+  unsigned[0] = 0
   for values, decades in ((magnitudes, 7), (unsigned, 8)):
     assert values[0] == 0 and values[-1] == 1 and np.all(np.diff(values) > 0)
     # Decades [10^-e, 10^(1-e)), e = decades .. 1 (1 itself is the last value).
@@ -171,6 +174,29 @@ def test_the_update_comes_from_the_unrounded_moments():
   kernels.adam_step_(want, g, zero.copy(), zero.copy(), count=1, **HYPER)
   np.testing.assert_array_equal(got, want)  # step 1 from zero moments: the same arithmetic
   np.testing.assert_array_equal(lowp, got.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["kernel", "xla"])
+def test_an_element_whose_gradient_stops_keeps_a_step_of_about_the_learning_rate(jit):
+  """Elements whose gradients are up to 10^4 times smaller than their
+  block's largest, zero on 70% of steps (a token absent from a batch, an
+  expert no token chose): Adam's steps stay within about the learning rate
+  with int8 moments as with float32 ones. (A second moment's code 0 decoded
+  as 0 let such an element step by m / eps: 28 times the learning rate.)"""
+  rng = np.random.default_rng(0)
+  n = 256 * 512
+  magnitude = 10.0 ** rng.uniform(-4, 0, n) * 1e-3
+  largest = {}
+  for name, moments in (("int8", dict(mu_dtype=INT8, nu_dtype=INT8)), ("fp32", {})):
+    tx = jzo.cpu_adamw(1.0, weight_decay=0.0, **moments)
+    update = jax.jit(tx.update) if jit else tx.update
+    params = jnp.zeros(n, jnp.float32)
+    state, draws, largest[name] = tx.init(params), np.random.default_rng(1), 0.0
+    for _ in range(20):
+      g = draws.standard_normal(n) * magnitude * (draws.random(n) < 0.3)
+      u, state = update(jnp.asarray(g, jnp.float32), state, params)
+      largest[name] = max(largest[name], float(jnp.abs(u).max()))
+  assert largest["fp32"] < 1.01 and largest["int8"] < 3, largest
 
 
 @contextlib.contextmanager
