@@ -30,7 +30,7 @@ from jzo.recipe import export
 from jzo.recipe import loop
 from jzo.recipe import tokens as tokens_lib
 from jzo.parallel.partition import LeafLayout
-from jzo.models import gpt, gpt2_hf, llama
+from jzo.models import gpt, gpt2_hf, hf, llama
 
 # Two steps of the tiny GPT, a checkpoint after each.
 RECIPE = ["--steps", "2", "--warmup", "0", "--checkpoint-every", "1", "--log-every", "1",
@@ -409,3 +409,52 @@ def test_the_command_line_as_users_call_it(tmp_path):
                  return_tensors=True)[0]["generated_token_ids"]
   assert list(ids[:8]) == list(b"The cat ") and len(ids) == 8 + 12
   assert text == bytes(ids).decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+def test_a_hugging_face_export_reads_the_masters_a_chunk_at_a_time(tmp_path):
+  """A Llama folder of 16 layers (960 MiB of float32 masters) fine-tuned a
+  step, then exported by the command in a process of its own: the export
+  adds less than half the masters to the process's peak RSS (they are read
+  a saved chunk at a time, as the tensors are cut; whole, they add 1.1
+  times themselves), and every tensor equals the one the whole masters
+  give. (The default run's Llama export covers the same path at a tiny
+  shape.)"""
+  from test_finetune import chats, fine_tune, save_tokenizer
+  folder = tmp_path / "checkpoint"
+  folder.mkdir()
+  vocab = save_tokenizer(folder)
+  config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=4096,
+                                    num_hidden_layers=16, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=64)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(config).save_pretrained(folder)
+  data = tmp_path / "chat.jsonl"
+  data.write_text("".join(json.dumps(c) + "\n" for c in chats(16)))
+  run = tmp_path / "run"
+  assert train.main(fine_tune(folder, data, run, "--offload", "--steps", "1",
+                              "--eval-every", "100", "--sample-tokens", "0")) == 0
+  # VmHWM, not ru_maxrss: that one keeps the forking process's peak across exec.
+  measure = ("import re, sys, jax\n"
+             "kib = lambda key: int(re.search(key + r':\\s+(\\d+)', "
+             "open('/proc/self/status').read())[1])\n"
+             "jax.devices()\n"  # the runtime's own memory, before the count starts
+             "from jzo.recipe import export\n"
+             "before = kib('VmRSS')\n"
+             "export.main(sys.argv[1:])\n"
+             "print((kib('VmHWM') - before) * 1024)\n")
+  done = subprocess.run([sys.executable, "-c", measure, "--run", str(run), "--out",
+                         str(tmp_path / "out")], capture_output=True, text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+  assert done.returncode == 0, done.stderr
+  added = int(done.stdout.split()[-1])
+  _, _, masters = export.load_run(run)
+  whole = sum(x.nbytes for x in jax.tree.leaves(masters))
+  assert added < whole / 2, f"the export added {added / 2**20:.0f} MiB, masters {whole / 2**20:.0f}"
+  hf.save_pretrained(str(tmp_path / "eager"), hf.config_from_hf(config.to_dict()), masters,
+                     dtype="float32")
+  exported, eager = load_file(tmp_path / "out" / "model.safetensors"), load_file(
+      tmp_path / "eager" / "model.safetensors")
+  assert exported.keys() == eager.keys()
+  for name in eager:
+    np.testing.assert_array_equal(exported[name], eager[name], err_msg=name)

@@ -52,7 +52,7 @@ from jzo.checkpoint import checksums, disk, handler
 from jzo.checkpoint.expected import expected, streamed_entries
 from jzo.checkpoint.load import StateChanged
 from jzo.checkpoint.outline import misfit, outline
-from jzo.checkpoint.saved_leaf import SavedLeaf
+from jzo.checkpoint.saved_leaf import MasterView, SavedLeaf
 from jzo.parallel.partition import LeafLayout
 
 # Orbax's own errors carry the whole tensorstore spec; a message keeps this much.
@@ -316,7 +316,8 @@ def restore_readable(manager: ocp.CheckpointManager, engine
   return None, passed
 
 
-def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tuple[int, dict]:
+def read_masters(directory: str | pathlib.Path, step: int | None = None, *,
+                 lazy: bool = False) -> tuple[int, dict]:
   """Reads the float32 master weights of a checkpoint alone: no engine, no
   device, and none of the optimizer state is read from disk.
 
@@ -324,12 +325,14 @@ def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tupl
     directory: the checkpoints folder (what `open_manager` opened); left
       as it is (a missing folder is not created).
     step: the checkpoint to read; None for the latest complete one.
+    lazy: give each leaf as a `MasterView`, which reads only what is
+      indexed, when it is indexed (a 70B model's masters are 263 GiB).
 
   Returns:
-    (step, masters): numpy float32 leaves as saved: in the params' shapes
-    with Adam (see the module docstring); with another optimizer flat and
-    padded as the devices keep them ((S*k,), or (L, S*k) for stage 3's
-    per-layer leaves), which `masters_in_shapes` undoes.
+    (step, masters): numpy float32 leaves (or MasterViews) as saved: in the
+    params' shapes with Adam (see the module docstring); with another
+    optimizer flat and padded as the devices keep them ((S*k,), or (L, S*k)
+    for stage 3's per-layer leaves), which `masters_in_shapes` undoes.
 
   Raises:
     CheckpointError: no such folder, no (such) complete checkpoint, or an
@@ -348,19 +351,24 @@ def read_masters(directory: str | pathlib.Path, step: int | None = None) -> tupl
       metadata = manager.item_metadata(step)
       _check_sums_kept(metadata, folder, step)
       saved = metadata.tree["master"]
-      as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+      kind = ocp.RestoreArgs(restore_type=SavedLeaf if lazy else np.ndarray)
       restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-          {"master": saved}, restore_args={"master": as_numpy}, partial_restore=True))
+          {"master": saved}, restore_args={"master": jax.tree.map(lambda _: kind, saved)},
+          partial_restore=True))
     except Exception as e:  # orbax and tensorstore raise many kinds for a damaged folder
       raise _unreadable(e, folder, step) from e
-  return step, restored["master"]
+  masters = restored["master"]
+  if lazy:
+    masters = jax.tree.map(MasterView, masters, is_leaf=lambda x: isinstance(x, SavedLeaf))
+  return step, masters
 
 
 def masters_in_shapes(masters: dict, shapes) -> dict:
   """`read_masters`' masters in the params' full shapes.
 
   Args:
-    masters: as saved (full shapes, or flat and padded).
+    masters: as saved (full shapes, or flat and padded; arrays or
+      MasterViews, of which those flat are read whole).
     shapes: the params' tree, with anything that has a `.shape` as leaves
       (arrays, `jax.ShapeDtypeStruct`s).
 
@@ -388,7 +396,7 @@ def masters_in_shapes(masters: dict, shapes) -> dict:
       raise ValueError(f"the checkpoint's {jax.tree_util.keystr(path)} is "
                        f"{saved.dtype}{list(saved.shape)}, which does not hold the model's "
                        f"{list(shape)}")
-    return np.asarray(layout.unflatten(saved))
+    return np.asarray(layout.unflatten(np.asarray(saved)))
   return jax.tree_util.tree_map_with_path(one, masters, shapes)
 
 

@@ -86,6 +86,39 @@ class SavedLeaf:
     return ((index[0],) if layout.per_layer else ()) + (slice(x0, x1),)
 
 
+class MasterView:
+  """A saved leaf read on demand as numpy: `view[index]` reads only the rows
+  of the first axis that `index` selects (checked against the save's
+  checksums where it took them) and applies the rest of `index` to those,
+  so that a caller cutting tensors out of a checkpoint's masters one at a
+  time never holds a leaf whole. `np.asarray(view)` reads it all."""
+
+  def __init__(self, saved: SavedLeaf):
+    self.saved, self.shape, self.dtype = saved, saved.shape, saved.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    index = index if isinstance(index, tuple) else (index,)
+    first, rest = (index[0], index[1:]) if index and self.shape else (slice(None), index)
+    if isinstance(first, (int, np.integer)):  # one row: read it, then drop its axis
+      rows, rest = slice(int(first), int(first) + 1), (0,) + rest
+    elif isinstance(first, slice) and first.step in (None, 1):
+      rows, rest = slice(*first.indices(self.shape[0])[:2]), (slice(None),) + rest
+    else:  # anything else: every row, the index applied after
+      rows, rest = slice(None), index
+    box = (rows,) if self.shape else ()
+    reading = (self.saved.store[box].read() if self.saved.sums is None
+               else self.saved.sums.read(self.saved.store, box))
+    return np.asarray(reading.result())[rest]
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    values = self[()] if not self.shape else self[:]
+    return values if dtype is None else values.astype(dtype)
+
+
 class HeldLeaf(SavedLeaf):
   """A saved leaf held whole in memory (state_dict() output), read as a SavedLeaf."""
 

@@ -265,7 +265,9 @@ def flatten(tree: dict, prefix: Path = ()) -> Iterator[tuple[Path, object]]:
 
 def write(folder: str, config: dict, leaves: dict[Path, Leaf], n_layer: int, params: dict,
           dtype, max_shard_bytes: int, model: str) -> None:
-  """Writes `params` (numpy arrays in jzo's layout, shaped as `leaves` say)
+  """Writes `params` (numpy arrays in jzo's layout, shaped as `leaves` say,
+  or anything indexed as they are: a checkpoint's MasterViews, read a layer
+  at a time)
   into `folder`: config.json (`config` with the dtype added), then
   model.safetensors, or shards model-0000k-of-0000n.safetensors with
   model.safetensors.index.json when the tensors pass `max_shard_bytes`
@@ -345,6 +347,6 @@ def _write_shard(path: str, shard: list, params: dict, leaves: dict, dtype: np.d
     f.write(struct.pack("<Q", len(raw)) + raw)
     for _, name, shape, leaf_path, i, start in shard:
       leaf = leaves[leaf_path]
-      x, start = leaf.slab(np.asarray(params[leaf_path]), i, start)
+      x, start = leaf.slab(params[leaf_path], i, start)
       x = x[:, start:start + shape[0]].T if leaf.transpose else x[start:start + shape[0]]
       np.ascontiguousarray(x, dtype).tofile(f)

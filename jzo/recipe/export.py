@@ -17,6 +17,10 @@ and a tokenizer, whatever model the run trained:
   jzo's GPT      as transformers' GPT-2, GPT2LMHeadModel (jzo.models.gpt2_hf,
                  which reads it back too: read_config, load_params)
 
+A Hugging Face family's masters are read as its tensors are cut out of them
+(jzo.checkpoint.read_masters(lazy=True)): a saved chunk at a time, never the
+whole float32 model on the host. A GPT's are read whole.
+
 The tokenizer is the one the run read its data with (--tokenizer's or
 --init-from's files, copied); a run on bytes (no tokenizer) gets a
 tokenizer.json whose ids are the bytes (jzo.recipe.tokens.byte_level_tokenizer),
@@ -140,7 +144,10 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   if format == "jzo" and hf_run:
     raise ExportError(f"{run} trained a {_hf_model(hf_config).model_type} model: jzo's own form "
                       "is a GPT's; --format hf (the default) writes it in Hugging Face's format")
-  step, config, params = read_run(run, step, hf_config if hf_run else None)
+  # A Hugging Face family's tensors are cut out of the masters a layer at a
+  # time: the masters are read as they are cut, never whole on the host.
+  step, config, params = read_run(run, step, hf_config if hf_run else None,
+                                  lazy=hf_run and format == "hf")
   if format == "jzo":
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,14 +180,16 @@ def load_run(run: str | pathlib.Path, step: int | None = None):
   return read_run(run, step, hf_config if hf_config.is_file() else None)
 
 
-def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None):
+def read_run(run: pathlib.Path, step: int | None, hf_config: pathlib.Path | None = None,
+             lazy: bool = False):
   """(step, model config, float32 params in full shapes, numpy) of a run's
   checkpoint: a GPT's, or with `hf_config` (the run's model/config.json) the
-  model of a Hugging Face family it names."""
+  model of a Hugging Face family it names. `lazy`: the params are
+  jzo.checkpoint's MasterViews, read when indexed."""
   if not run.is_dir():
     raise ExportError(f"no run folder {run}" + (" (a file)" if run.exists() else ""))
   try:
-    step, masters = checkpoint.read_masters(run / "checkpoints", step)
+    step, masters = checkpoint.read_masters(run / "checkpoints", step, lazy=lazy)
   except checkpoint.CheckpointError as e:
     raise ExportError(str(e)) from e
   config = model_config(run, masters) if hf_config is None else _hf_model(hf_config)
