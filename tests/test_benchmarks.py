@@ -1,6 +1,7 @@
 """The GPU benchmarks (benchmarks/train_gpt.py, train_llama.py,
 peers_gpt.py, peers_hf.py, figures.py, largest_model.py, zero_stages.py,
-generate_speed.py, soak.py, reproducibility.py, plot.py) at the tiny size on the CPU, and the
+generate_speed.py, soak.py, reproducibility.py, synthetic_checkpoint.py, plot.py) at the tiny
+size on the CPU, and the
 GPU driver benchmarks/gpu.sh: each script's --help, a run of each in a
 subprocess whose JSON record is checked (status ok, the fields plot.py and
 docs/results.md read there, the figures positive), every figure drawn from
@@ -19,6 +20,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -55,7 +57,7 @@ RUNS = {  # name: (script, arguments)
     "reproducibility-bitwise": ("reproducibility.py", ["bitwise", "--smoke", "--steps", "8",
                                                        "--runs", "sigkill"]),
 }
-SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py"})
+SCRIPTS = sorted({script for script, _ in RUNS.values()} | {"plot.py", "synthetic_checkpoint.py"})
 # The fields of a train_gpt.py / train_llama.py point that plot.py and docs/results.md read.
 ENGINE_FIELDS = ("step_s", "tokens_per_s", "tflops", "n_params", "host_rss_peak_gib",
                  "planned_gpu_gib", "planned_build_gib", "planned_host_gib", "host_update_s",
@@ -255,3 +257,34 @@ def test_gpu_sh_parses_and_every_part_in_its_header_has_a_case():
   cases = set(re.findall(r"^    ([a-z0-9-]+)\)", text, re.MULTILINE))
   assert "tests" in named and len(named) >= 10
   assert set(named) == cases, (set(named) ^ cases)
+
+
+def test_a_synthetic_checkpoint_loads_in_transformers_and_fine_tunes(tmp_path):
+  """benchmarks/synthetic_checkpoint.py's folder: transformers loads it with
+  the preset's shapes and its ChatML template, and `jzo.train --init-from`
+  fine-tunes it on chat JSONL."""
+  import transformers
+  from jzo import train
+  from test_finetune import chats
+  folder = tmp_path / "llama"
+  done = subprocess.run([sys.executable, str(BENCHMARKS / "synthetic_checkpoint.py"), "--model",
+                         "llama-tiny", "--n-layer", "3", "--vocab-size", "300", "--shard-gb", "0.0005", "--out",
+                         str(folder), "--json", str(tmp_path / "record.json")],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  point, = json.loads((tmp_path / "record.json").read_text())["points"]
+  assert point["n_layer"] == 3 and point["bytes"] > 2 * point["n_params"]  # bf16, and headers
+  assert (folder / "model.safetensors.index.json").is_file()
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+  assert model.config.num_hidden_layers == 3 and model.num_parameters() == point["n_params"]
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+  assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+      "<|im_start|>user\nhi<|im_end|>\n")
+  data = tmp_path / "chat.jsonl"
+  data.write_text("".join(json.dumps(c) + "\n" for c in chats(16)))
+  run = tmp_path / "run"
+  assert train.main(["--init-from", str(folder), "--data", str(data), "--steps", "2",
+                     "--seq-len", "32", "--batch-size", "4", "--devices", "2", "--log-every", "1",
+                     "--sample-tokens", "0", "--out", str(run)]) == 0
+  losses = [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+  assert len(losses) == 2 and all(np.isfinite(losses))

@@ -46,6 +46,10 @@ _LLAMA3 = Defaults(lr=3e-4, warmup_tokens=8000 * 4e6, finetune_lr=1e-5)
 _LLAMA2 = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=2e-5)
 _QWEN25 = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=7e-6)
 _OTHER = Defaults(lr=3e-4, warmup_tokens=2000 * 4e6, finetune_lr=2e-5)
+# 70B-class models from scratch: Llama 2's peak rate for its 34B and 70B
+# (Qwen publishes none).
+_LLAMA3_70B = dataclasses.replace(_LLAMA3, lr=1.5e-4)
+_QWEN25_72B = dataclasses.replace(_QWEN25, lr=1.5e-4)
 # The tiny presets train from scratch on bytes in minutes on a CPU: a small
 # model takes a large rate.
 _TINY = Defaults(lr=3e-3, warmup_tokens=None, finetune_lr=2e-5)
@@ -108,9 +112,9 @@ def _gpt_defaults(config: gpt.GPTConfig) -> Defaults:
 
 
 _LLAMA_DEFAULTS = {"llama-3.2-1b": _LLAMA3, "llama-3.2-3b": _LLAMA3, "llama-3.1-8b": _LLAMA3,
-                   "llama-2-13b": _LLAMA2, "mistral-7b": _OTHER, "qwen2.5-7b": _QWEN25,
-                   "qwen2.5-14b": _QWEN25, "phi-4": _OTHER, "qwen3-30b-a3b": _QWEN25,
-                   "mixtral-8x7b": _OTHER}
+                   "llama-3.1-70b": _LLAMA3_70B, "llama-2-13b": _LLAMA2, "mistral-7b": _OTHER,
+                   "qwen2.5-7b": _QWEN25, "qwen2.5-14b": _QWEN25, "qwen2.5-72b": _QWEN25_72B,
+                   "phi-4": _OTHER, "qwen3-30b-a3b": _QWEN25, "mixtral-8x7b": _OTHER}
 
 
 def _presets() -> dict[str, Model]:
