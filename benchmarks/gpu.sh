@@ -35,6 +35,9 @@
 #                      transformers' Qwen3MoeForCausalLM under DeepSpeed ZeRO-3 + CPU offload
 #   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
 #                      full shape
+#   deepspeed-70b      on 4 GPUs, DeepSpeed ZeRO-3 with its weights and optimizer on the CPU
+#                      training transformers' Llama of llama-3.1-70b's shape, then cut to 40
+#                      and 20 layers
 #   global-batch-32    gpt2-10b (fp32 moments) and gpt2-13b (bf16) at global batch 32, stage 3
 #                      + grads_in_params: 4 x 8 the layers first and with float32 sums, 1 x 32
 #                      with the forward overlapping the host update and with the update first
@@ -150,6 +153,12 @@ for part in "$@"; do
         --seq-len 4096 --micro-batch 4 --steps 8
       bench $part $part-full peers_hf.py --shape llama-3.1-8b --system deepspeed --seq-len 4096 \
         --micro-batch 4 --steps 4 ;;
+    deepspeed-70b)
+      for layers in 80 40 20; do
+        bench $part $part-$layers peers_hf.py --shape llama-3.1-70b --n-layer $layers \
+          --system deepspeed --zero-stage 3 --offload-param --gpus 4 --seq-len 4096 \
+          --micro-batch 1 --steps 3 --timeout 1200
+      done ;;
     global-batch-32)
       b32 10b-4x8 gpt2-10b fp32 4 8
       b32 10b-4x8-sums gpt2-10b fp32 4 8 --accumulation device

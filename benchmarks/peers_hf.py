@@ -1,4 +1,4 @@
-"""PyTorch alone and DeepSpeed ZeRO-2 with offload_optimizer to the CPU,
+"""PyTorch alone and DeepSpeed ZeRO-2 or 3 with offload_optimizer to the CPU,
 training transformers' LlamaForCausalLM (Qwen2ForCausalLM for the Qwen
 shapes) of a published shape from random weights: the peers of
 benchmarks/train_llama.py.
@@ -17,6 +17,8 @@ memory under --min-available-gb) and is recorded as status "killed".
 
   python3 benchmarks/peers_hf.py --shape llama-3.1-8b --n-layer 14 --system deepspeed \\
       --seq-len 4096 --micro-batch 4 --steps 8
+  python3 benchmarks/peers_hf.py --shape llama-3.1-70b --system deepspeed --zero-stage 3 \\
+      --offload-param --gpus 4 --seq-len 4096 --micro-batch 1 --steps 4
   python3 benchmarks/peers_hf.py --shape llama-tiny --system torch --seq-len 32 --steps 1  # CPU
 """
 
@@ -73,6 +75,15 @@ SHAPES = {
     "qwen2.5-14b": ("qwen2", dict(
         vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
         num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)),
+    "llama-3.1-70b": ("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0), tie_word_embeddings=False)),
+    "qwen2.5-72b": ("qwen2", dict(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
         rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)),
     "qwen3-moe-tiny": ("qwen3_moe", dict(
         _TINY, rms_norm_eps=1e-6, rope_theta=1e6, head_dim=32, num_experts=8,
@@ -202,12 +213,22 @@ def measure(args) -> dict:
   torch.manual_seed(0)
   # DeepSpeed keeps float32 masters on the host: bf16 weights on the GPU.
   dtype = torch.bfloat16 if args.system == "deepspeed" else torch.float32
-  module = causal_lm_module(family, config, dtype, device)
-  n_params = sum(p.numel() for p in module.parameters())
+  ds_config = torch_peers.deepspeed_config(args.micro_batch, args.zero_stage, args.offload_param)
+  if args.system == "deepspeed" and args.zero_stage == 3:
+    # Each weight partitioned (or offloaded) as it is made: a 70B model's
+    # bf16 weights would not fit one GPU whole.
+    import deepspeed
+    torch_peers.init_deepspeed(device)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+      module = causal_lm_module(family, config, dtype, device)
+  else:
+    module = causal_lm_module(family, config, dtype, device)
+  # ZeRO-3 leaves each process a partition: ds_numel is a weight's whole size.
+  n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
   if n_params != count_params(family, config):  # the FLOPs' N must be the model's
     raise AssertionError(f"{n_params} parameters built, {count_params(family, config)} counted")
   step, info = torch_peers.make_step(args.system, module, args.micro_batch, device,
-                                     args.zero_stage)
+                                     args.zero_stage, ds_config)
   generator = torch.Generator().manual_seed(1)
   tokens = torch.randint(0, config["vocab_size"], (args.micro_batch, args.seq_len + 1),
                          generator=generator).to(device)
@@ -235,6 +256,8 @@ def main():
   parser.add_argument("--gpus", type=int, default=1, help="processes, one a GPU (DeepSpeed)")
   parser.add_argument("--zero-stage", type=int, choices=[2, 3], default=2,
                       help="DeepSpeed's ZeRO stage (3: the weights partitioned too)")
+  parser.add_argument("--offload-param", action="store_true",
+                      help="DeepSpeed ZeRO-3: the bf16 weights on the CPU too (offload_param)")
   parser.add_argument("--n-layer", type=int, help="decoder layers, instead of the shape's")
   parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
   parser.add_argument("--warmup", type=int, default=2)
@@ -247,6 +270,8 @@ def main():
   torch_peers.require(args.system)
   if args.gpus > 1 and args.system != "deepspeed":
     parser.error("--gpus > 1 is for DeepSpeed (PyTorch alone trains on one GPU)")
+  if args.offload_param and (args.system != "deepspeed" or args.zero_stage != 3):
+    parser.error("--offload-param is DeepSpeed's, at --zero-stage 3")
   if args.child:
     others = torch_peers.start_ranks(args.gpus)
     point = measure(args)
@@ -259,7 +284,7 @@ def main():
   about = {"system": args.system, "shape": args.shape, "family": family,
            "n_layer": config["num_hidden_layers"], "n_params": count_params(family, config),
            "micro_batch": args.micro_batch, "seq_len": args.seq_len, "gpus": args.gpus,
-           "zero_stage": args.zero_stage}
+           "zero_stage": args.zero_stage, "offload_param": args.offload_param}
   torch_peers.run_and_record(args, "peers_hf", about, args.shape)
 
 if __name__ == "__main__":

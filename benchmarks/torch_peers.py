@@ -4,9 +4,10 @@ that returns its loss, a process per GPU, and the timed steps.
 
 Both systems: lr 3e-4, weight decay 0.1, global-norm clip 1.0, one
 micro-batch a step. PyTorch alone: float32 weights, bf16 autocast, fused
-AdamW where the weights are. DeepSpeed: bf16 weights on the GPU, ZeRO stage
-2 (or 3 where asked), offload_optimizer cpu with pinned memory, contiguous gradients,
-overlapped reduction, its AdamW (DeepSpeedCPUAdam, built on first use).
+AdamW where the weights are. DeepSpeed: bf16 weights on the GPU (or with
+offload_param on the CPU), ZeRO stage 2 (or 3 where asked), offload_optimizer cpu with
+pinned memory, contiguous gradients, overlapped reduction, its AdamW
+(DeepSpeedCPUAdam, built on first use).
 """
 
 from __future__ import annotations
@@ -58,26 +59,37 @@ def world() -> int:
   return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def deepspeed_step(module, micro_batch: int, device: str, zero_stage: int = 2):
-  """DeepSpeed ZeRO-2 (or 3) + offload_optimizer cpu over `module`: (step, info)."""
+def deepspeed_config(micro_batch: int, zero_stage: int = 2, offload_param: bool = False) -> dict:
+  """DeepSpeed's config: ZeRO-2 (or 3) + offload_optimizer cpu, and with
+  `offload_param` (stage 3) the bf16 weights on the CPU as well."""
+  zero = {"stage": zero_stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+          "contiguous_gradients": True, "overlap_comm": True,
+          "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+  if offload_param:
+    zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+  return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+          "gradient_clipping": 1.0, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+          "zero_optimization": zero, "steps_per_print": 10**9}
+
+
+def init_deepspeed(device: str) -> None:
+  """DeepSpeed's process group (one process where no launcher set it up)."""
   import deepspeed
   for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "RANK": "0",
                      "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
     os.environ.setdefault(key, value)
-  if device == "cpu":  # DeepSpeed's CPU accelerator would ask for oneCCL
-    deepspeed.init_distributed(dist_backend="gloo")
-  config = {
-      "train_micro_batch_size_per_gpu": micro_batch,
-      "gradient_accumulation_steps": 1,
-      "gradient_clipping": 1.0,
-      "bf16": {"enabled": True},
-      "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-      "zero_optimization": {
-          "stage": zero_stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-          "contiguous_gradients": True, "overlap_comm": True,
-          "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
-      "steps_per_print": 10**9,
-  }
+  # On the CPU, DeepSpeed's accelerator would ask for oneCCL.
+  deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else None)
+
+
+def deepspeed_step(module, micro_batch: int, device: str, zero_stage: int = 2,
+                   config: dict | None = None):
+  """DeepSpeed over `module` with `config` (default: deepspeed_config's for
+  `micro_batch` and `zero_stage`): (step, info)."""
+  import deepspeed
+  init_deepspeed(device)
+  config = config or deepspeed_config(micro_batch, zero_stage)
   engine, optimizer, *_ = deepspeed.initialize(model=module, config=config,
                                                model_parameters=module.parameters())
   inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wraps the one that updates
@@ -106,9 +118,10 @@ def torch_step(module, device: str):
   return step, {"optimizer": "torch.optim.AdamW(fused=True)"}
 
 
-def make_step(system: str, module, micro_batch: int, device: str, zero_stage: int = 2):
-  return (deepspeed_step(module, micro_batch, device, zero_stage) if system == "deepspeed"
-          else torch_step(module, device))
+def make_step(system: str, module, micro_batch: int, device: str, zero_stage: int = 2,
+              config: dict | None = None):
+  return (deepspeed_step(module, micro_batch, device, zero_stage, config)
+          if system == "deepspeed" else torch_step(module, device))
 
 
 def timed_steps(step, tokens, *, warmup: int, steps: int, device: str) -> dict:
