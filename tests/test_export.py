@@ -193,6 +193,25 @@ def test_a_damaged_checkpoint(run, tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_masters_read_when_indexed_equal_the_masters_read_whole(run):
+  """read_masters(lazy=True): each leaf indexed as the export cuts tensors
+  (a layer, rows, columns of every row, an ellipsis, a stride) and read
+  whole gives what the whole read gives, and masters_in_shapes takes it."""
+  step, whole = checkpoint.read_masters(run.folder / "checkpoints")
+  lazy_step, lazy = checkpoint.read_masters(run.folder / "checkpoints", lazy=True)
+  assert lazy_step == step and jax.tree.structure(lazy) == jax.tree.structure(whole)
+  for view, values in zip(jax.tree.leaves(lazy), jax.tree.leaves(whole)):
+    assert view.shape == values.shape and view.dtype == values.dtype
+    last = values.shape[0] - 1
+    columns = [(slice(None), slice(0, 2))] if values.ndim > 1 else []
+    for index in [last, (last,), slice(1, None), (Ellipsis, 0), slice(None, None, 2), (),
+                  *columns]:
+      np.testing.assert_array_equal(view[index], values[index], err_msg=str(index))
+    np.testing.assert_array_equal(np.asarray(view), values)
+  shapes = jax.tree.map(lambda x: np.zeros(x.shape), whole)
+  assert_same(checkpoint.masters_in_shapes(lazy, shapes), whole)
+
+
 def test_masters_in_shapes_undoes_the_engines_flattening():
   """Against partition's own flatten over 3 shards: whole leaves, per-layer
   leaves, leaves already in shape; and what does not fit."""

@@ -102,20 +102,20 @@ class MasterView:
 
   def __getitem__(self, index) -> np.ndarray:
     index = index if isinstance(index, tuple) else (index,)
-    first, rest = (index[0], index[1:]) if index and self.shape else (slice(None), index)
+    first = index[0] if index and self.shape else None
     if isinstance(first, (int, np.integer)):  # one row: read it, then drop its axis
-      rows, rest = slice(int(first), int(first) + 1), (0,) + rest
+      rows, rest = slice(int(first), int(first) + 1), (0,) + index[1:]
     elif isinstance(first, slice) and first.step in (None, 1):
-      rows, rest = slice(*first.indices(self.shape[0])[:2]), (slice(None),) + rest
-    else:  # anything else: every row, the index applied after
+      rows, rest = slice(*first.indices(self.shape[0])[:2]), (slice(None),) + index[1:]
+    else:  # anything else (or a scalar leaf): every row, the index applied after
       rows, rest = slice(None), index
     box = (rows,) if self.shape else ()
     reading = (self.saved.store[box].read() if self.saved.sums is None
                else self.saved.sums.read(self.saved.store, box))
-    return np.asarray(reading.result())[rest]
+    return np.asarray(np.asarray(reading.result())[rest])
 
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
-    values = self[()] if not self.shape else self[:]
+    values = self[()]
     return values if dtype is None else values.astype(dtype)
 
 

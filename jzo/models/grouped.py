@@ -64,8 +64,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 def _forward(x, w, sizes, transposed=False):
-  """x (R, K) times w (G, K, N), or with `transposed` times w (G, N, K)'s
-  transposes."""
+  """x (R, K) times w (G, K, N): (R, N); with `transposed`, x (R, N) times
+  each w[g] transposed (N, K): (R, K)."""
   ragged_dot, _, takes_transpose = _kernels()
   if transposed:
     if not takes_transpose:  # an older jax: the transposes written out
