@@ -268,8 +268,8 @@ def test_a_synthetic_checkpoint_loads_in_transformers_and_fine_tunes(tmp_path):
   from test_finetune import chats
   folder = tmp_path / "llama"
   done = subprocess.run([sys.executable, str(BENCHMARKS / "synthetic_checkpoint.py"), "--model",
-                         "llama-tiny", "--n-layer", "3", "--vocab-size", "300", "--shard-gb", "0.0005", "--out",
-                         str(folder), "--json", str(tmp_path / "record.json")],
+                         "llama-tiny", "--n-layer", "3", "--vocab-size", "300", "--shard-gb",
+                         "0.0005", "--out", str(folder), "--json", str(tmp_path / "record.json")],
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr
   point, = json.loads((tmp_path / "record.json").read_text())["points"]
