@@ -42,6 +42,15 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor
 _TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
              tie_word_embeddings=False)
+_LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=dict(_LLAMA3_ROPE, factor=8.0), tie_word_embeddings=False)
+_QWEN25_14B = dict(
+    vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+    num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+    rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
 SHAPES = {
     "llama-tiny": ("llama", dict(_TINY, rms_norm_eps=1e-5, rope_theta=10000.0)),
     "qwen2-tiny": ("qwen2", dict(_TINY, rms_norm_eps=1e-6, rope_theta=1e6)),
@@ -55,11 +64,7 @@ SHAPES = {
         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=dict(_LLAMA3_ROPE, factor=32.0), tie_word_embeddings=True)),
-    "llama-3.1-8b": ("llama", dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0), tie_word_embeddings=False)),
+    "llama-3.1-8b": ("llama", _LLAMA31_8B),
     "llama-2-13b": ("llama", dict(
         vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
         num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
@@ -72,19 +77,12 @@ SHAPES = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
         rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)),
-    "qwen2.5-14b": ("qwen2", dict(
-        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-        num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
-        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)),
-    "llama-3.1-70b": ("llama", dict(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0), tie_word_embeddings=False)),
-    "qwen2.5-72b": ("qwen2", dict(
-        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
-        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen2.5-14b": ("qwen2", _QWEN25_14B),
+    # The 70B-class shapes differ from the 8B and 14B in their widths and depth alone.
+    "llama-3.1-70b": ("llama", dict(_LLAMA31_8B, hidden_size=8192, intermediate_size=28672,
+                                    num_hidden_layers=80, num_attention_heads=64)),
+    "qwen2.5-72b": ("qwen2", dict(_QWEN25_14B, hidden_size=8192, intermediate_size=29568,
+                                  num_hidden_layers=80, num_attention_heads=64)),
     "qwen3-moe-tiny": ("qwen3_moe", dict(
         _TINY, rms_norm_eps=1e-6, rope_theta=1e6, head_dim=32, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),

@@ -59,10 +59,9 @@ class RandomLeaf:
     size = int(np.prod(shape, dtype=np.int64))
     key = hashlib.sha256(f"{self.seed} {self.name} {index}".encode()).digest()
     start = int.from_bytes(key[:8], "little") % len(self.pool)
-    reps = -(-(start + size) // len(self.pool))
-    values = np.tile(self.pool, reps)[start:start + size] if reps > 1 else \
-        self.pool[start:start + size]
-    return values.reshape(shape)
+    if start + size <= len(self.pool):
+      return self.pool[start:start + size].reshape(shape)
+    return np.resize(np.roll(self.pool, -start), size).reshape(shape)  # the pool over again
 
 
 def random_params(config, seed: int):

@@ -144,10 +144,9 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   if format == "jzo" and hf_run:
     raise ExportError(f"{run} trained a {_hf_model(hf_config).model_type} model: jzo's own form "
                       "is a GPT's; --format hf (the default) writes it in Hugging Face's format")
-  # A Hugging Face family's tensors are cut out of the masters a layer at a
-  # time: the masters are read as they are cut, never whole on the host.
-  step, config, params = read_run(run, step, hf_config if hf_run else None,
-                                  lazy=hf_run and format == "hf")
+  # A Hugging Face family's tensors (format hf, the only one it has) are cut
+  # out of the masters a layer at a time: read as they are cut, never whole.
+  step, config, params = read_run(run, step, hf_config if hf_run else None, lazy=hf_run)
   if format == "jzo":
     params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
   out.parent.mkdir(parents=True, exist_ok=True)
