@@ -242,7 +242,9 @@ def measure(args) -> dict:
               tflops=tokens_per_s / gpus * flops / 1e12, gpus=gpus,
               host_rss_gib=harness.host_rss_gib(),
               host_rss_peak_gib=watch.stop(), transformers=transformers.__version__,
-              attention=module.model.config._attn_implementation, **info)
+              attention=module.model.config._attn_implementation, **info,
+              **({"experts": module.model.config._experts_implementation}
+                 if family == "qwen3_moe" else {}))
 
 
 def main():

@@ -25,7 +25,9 @@ loopback), all of --runs at once, each with its share of the GPUs' memory:
 (--seed) after the first checkpoint, then --resume; "sigterm": the same
 stopped by SIGTERM. Each against the reference: whether the losses of
 every step and the final float32 masters are bitwise equal, the first step
-whose loss differs, and the largest difference of a master weight.
+whose loss differs, and the largest difference of a master weight; and each
+run's alarming lines (tracebacks, errors, the C++ logs of JAX's coordination
+service and gRPC), over every process's log, as it ran and as it ended.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +50,10 @@ import harness
 
 SHAPES = ("gpt2-1.5b", "llama-3.1-8b")
 RUNS = ("reference", "again", "usual", "sigkill", "sigterm")
+# What a run's processes must not print: tracebacks, errors, and the C++ logs of JAX's
+# coordination service and gRPC (E/F/W lines, CANCELLED and UNAVAILABLE, stack traces).
+ALARMING = re.compile(r"Traceback|Error|error:|^[EFW]\d{4} |CANCELLED|UNAVAILABLE|WatchTasks|"
+                      r"Terminating process|Source Location Trace|[Cc]heck fail", re.M)
 
 
 def main():
@@ -190,6 +197,11 @@ class Run:
   def tail(self) -> list[str]:
     return self.logs[0].read_text(errors="replace").strip().splitlines()[-3:]
 
+  def alarming(self) -> list[str]:
+    """The alarming lines of every process's log, each named by its log."""
+    return [f"{log.name}: {line}" for log in self.logs
+            for line in log.read_text(errors="replace").splitlines() if ALARMING.search(line)]
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -246,13 +258,15 @@ def bitwise(args) -> list[dict]:
       exits = [p.poll() for p in runs[name].procs]
       if None not in exits:
         points[name]["stop_exits"] = exits
+        points[name]["alarming_lines"] = runs[name].alarming()
         runs[name] = Run(root / name, flags[name] + ["--resume"], args.processes, "resumed",
                          share)
         stopping.remove(name)
     time.sleep(0.02)
   for name, run in runs.items():
     point, exits = points[name], run.wait()
-    point.update(exits=exits, wall_s=time.perf_counter() - start)
+    point.update(exits=exits, wall_s=time.perf_counter() - start,
+                 alarming_lines=point.get("alarming_lines", []) + run.alarming())
     if any(exits):
       point.update(status="error", detail=run.tail())
     elif name != "reference":
@@ -269,6 +283,8 @@ def bitwise(args) -> list[dict]:
                   f"masters {'equal' if p['bitwise_masters'] else 'differ'}"
                   f" (first step differing: {p['first_differing_step']}, largest master "
                   f"difference {p['max_master_diff']:.3g})" for p in compared), file=sys.stderr)
+  print("alarming lines: " + ", ".join(f"{p['run']} {len(p['alarming_lines'])}"
+                                       for p in points.values()), file=sys.stderr)
   return list(points.values())
 
 

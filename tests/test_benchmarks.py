@@ -137,6 +137,7 @@ def test_pytorch_alone(records, name):
   assert point["device"] == "cpu" and len(point["losses"]) >= 2
   if name == "peers_hf_moe":  # the FLOPs count the routed experts alone
     assert point["flops_per_token"] < 6 * point["n_params"]
+    assert point["experts"] == "grouped_mm"  # transformers' default, its fastest on a GPU
 
 
 @pytest.mark.skipif(DEEPSPEED, reason="DeepSpeed is installed here")
@@ -230,6 +231,7 @@ def test_reproducibility_bitwise_resumes_a_killed_run_bit_for_bit(records):
   assert killed["run"] == "sigkill" and killed["status"] == "ok", killed
   assert killed["stop_exits"] == [-9] and 5 <= killed["stopped_after_step"] < 8
   assert killed["steps_logged"] == 8 and killed["bitwise_losses"] and killed["bitwise_masters"]
+  assert reference["alarming_lines"] == killed["alarming_lines"] == [], (reference, killed)
 
 
 def test_plot_draws_every_figure_from_the_records(tmp_path):
