@@ -195,15 +195,16 @@ def slow_layers(e, seconds: float) -> dict:
   return times
 
 
-def scanned_engine(**kw):
+def scanned_engine(devices: int = 1, tx=None, **kw):
   """test_grads_in_params' model (its layers through jzo.scan_layers) at
-  stage 3 with grads_in_params on the first GPU."""
+  stage 3 with grads_in_params on the first `devices` GPUs (default
+  optimizer: jzo.cpu_adamw(1e-2))."""
   from test_grads_in_params import loss_fn as scanned_loss
-  mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("data",))
+  mesh = jax.sharding.Mesh(np.array(GPUS[:devices]), ("data",))
   kw = dict(dict(stage=3, layers="blocks", offload=True, grads_in_params=True, mesh=mesh,
                  max_grad_norm=1.0), **kw)
   with jax.default_device(GPUS[0]):
-    return make_engine(scanned_loss, init_params(), jzo.cpu_adamw(1e-2), **kw)
+    return make_engine(scanned_loss, init_params(), tx or jzo.cpu_adamw(1e-2), **kw)
 
 
 @pytest.mark.parametrize("offload, seconds, grad_accum", [
@@ -249,6 +250,37 @@ def test_the_forward_overlaps_the_host_update(offload, seconds, grad_accum):
   if seconds >= 0.05:  # the step read layer 0 while the host still updated the last
     assert any(waited[c, 0] < done[c, LAYERS - 1] for c in overlapped), (waited, done)
   inside.close(), after.close()
+
+
+@pytest.mark.parametrize("moments", [None, jnp.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_overlapped_update_trains_as_the_update_first_on_each_gpu_count(devices, moments):
+  """With a shard on each of one or two GPUs and float32 or int8 moments,
+  the engine that would overlap its forward with the host update trains as
+  the one that finishes the update first, bit for bit (with the host
+  slowed, so that a layer read before the host wrote it would show), and as
+  one GPU does to rounding. With two GPUs in the process it does not
+  overlap (those steps read wrong weights)."""
+  if len(GPUS) < devices:
+    pytest.skip(f"needs {devices} GPUs")
+  tx = lambda: jzo.cpu_adamw(1e-2, mu_dtype=moments, nu_dtype=moments)
+  engines = {(n, overlap): scanned_engine(n, tx(), overlap_forward=overlap)
+             for n in {1, devices} for overlap in (True, False)}
+  assert engines[devices, True].overlaps_update == (devices == 1)
+  if devices == 1:
+    slow_layers(engines[devices, True], 0.02)  # a read of a layer before its write would show
+  losses = {key: [] for key in engines}
+  with jax.default_device(GPUS[0]):
+    for b in batches(6):
+      for key, e in engines.items():
+        losses[key].append(float(e.step(b).loss))
+  assert losses[devices, True] == losses[devices, False], losses
+  # Two devices sum the gradients in another order: float32 rounding, which
+  # an int8 moment's code can turn into a step of another size (2e-3 here).
+  np.testing.assert_allclose(losses[devices, False], losses[1, False], rtol=1e-2)
+  assert_close(engines[devices, True].params, engines[devices, False].params, rtol=0, atol=0)
+  for e in engines.values():
+    e.close()
 
 
 def test_a_failed_update_fails_the_step_that_overlaps_it():
