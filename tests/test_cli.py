@@ -615,6 +615,8 @@ ESTIMATE_MISTAKES = [
      "weights in host memory where they are), got --offload 0.5"),
     ("offload_params", ["--model", "tiny", "--offload-params"],
      "--offload-params needs --stage 3 (the stacked layers"),
+    ("from_checkpoint", ["--model", "tiny", "--from-checkpoint", "yes"],
+     "Unrecognized options: yes"),
     ("checkpoints", ["--model", "tiny", "--checkpoints", "yes"], "Unrecognized options: yes"),
     ("overlap_forward", ["--model", "tiny", "--overlap-forward", "no"],
      "Unrecognized options: no"),

@@ -88,6 +88,11 @@ def test_logits_equal_transformers(checkpoint):
   if family == "llama":
     assert os.path.exists(os.path.join(folder, hf.INDEX))
   params = _loaded(sources)
+  # A stacked leaf's layers read apart, as the engine's build reads a large one.
+  stacked = jax.tree.leaves(sources["layers"])
+  assert all(x.load_rows is not None for x in stacked)
+  for x, whole in zip(stacked, jax.tree.leaves(params["layers"])):
+    np.testing.assert_array_equal(x.rows(1, 2).astype(np.float32), whole[1:2])
   _assert_close(_jzo_logits(config, params), _torch_logits(model))
   if family == "mistral":  # a window shorter than the sequence is refused, not ignored
     assert config.sliding_window == 64

@@ -20,7 +20,8 @@ from jzo import checkpoint
 from jzo.parallel import partition
 from jzo import plan as plan_lib
 from jzo.recipe import estimate as estimate_cli
-from test_engine import assert_close, batches, init_params, loss_fn, make_engine, mesh_of
+from test_engine import (HIDDEN, LAYERS, assert_close, batches, init_params, loss_fn,
+                         make_engine, mesh_of)
 from test_offload import TX
 
 PLACEMENTS = [0.0, 0.4, True]
@@ -210,6 +211,69 @@ def test_the_build_writes_a_leafs_copies_into_their_buffers_without_a_copy_of_th
     assert made.temp_size_in_bytes == 0 and made.output_size_in_bytes == 4 * math.prod(piece)
 
 
+def test_a_stacked_leaf_is_drawn_a_slice_of_layers_at_a_time_where_the_source_can():
+  """Where the devices' memory is budgeted, a stacked leaf larger than every
+  other draw is drawn a slice of its layers at a time from arrays and files
+  (an initializer computes its leaves whole); the plan counts the slices."""
+  shapes = {"embed": jnp.zeros((60, 100)), "blocks": {"w": jnp.zeros((12, 40, 50)),
+                                                     "b": jnp.zeros((12, 50))}}
+  plan = lambda sliced, n=1: plan_lib.make_plan(
+      shapes, 8, jzo.EngineOptions(stage=3, layers="blocks", offload=True), n_devices=n,
+      device_memory=2**30, sliced_draws=sliced)
+  w, b, embed = 1, 0, 2  # jax.tree.leaves order: blocks.b, blocks.w, embed
+  assert plan(False).build_groups() == [[(w, None)], [(embed, None), (b, None)]]  # largest first
+  assert plan(False).build_bytes() == 4 * 24000
+  # Slices of the largest other draw's size (embed's 6000 elements): 3 layers of 2000.
+  groups = plan(True).build_groups()
+  assert sorted(span for group in groups for i, span in group if i == w) == [
+      (0, 3), (3, 6), (6, 9), (9, 12)]
+  assert all(span is None for group in groups for i, span in group if i != w)
+  assert plan(True).build_bytes() == 4 * 6000
+  # Over 4 devices a slice's stage-3 bf16 piece comes beside it.
+  assert plan(True, 4).build_bytes() == 4 * 6000 + 2 * 6000 // 4
+  # Memory for a quarter of the state, its step and a slice, not for the leaf whole.
+  sliced = plan(True, 4)
+  memory = max(sum(sliced.device_peak().values()),
+               sum(sliced.device_bytes().values()) + sliced.build_bytes())
+  options = jzo.EngineOptions(stage=3, layers="blocks", offload=True)
+  plan_lib.make_plan(shapes, 8, options, n_devices=4, device_memory=memory, sliced_draws=True)
+  with pytest.raises(jzo.PlacementError, match="an initializer computes each leaf whole"):
+    plan_lib.make_plan(shapes, 8, options, n_devices=4, device_memory=memory)
+
+
+@pytest.mark.parametrize("n, options", [
+    (1, dict(offload=True)), (8, dict(offload=True)), (8, dict(offload=0.5)),
+    (8, dict(offload=False)), (8, dict(offload=True, offload_params=True))],
+    ids=["1-host", "8-host", "8-split", "8-device", "8-weights-on-host"])
+def test_slices_of_layers_build_the_state_of_the_whole_draws(n, options):
+  """The same state, bit for bit, from an initializer (whole draws), from
+  arrays and from HostLeafs (a slice of layers at a time, read through
+  load_rows, never whole), in every placement."""
+  from test_grads_in_params import loss_fn as scanned_loss
+  params = jax.jit(init_params)()  # the values the initializer's draws compute (not eager's)
+  rows_read, whole_read = [], []
+
+  def lazy(x):
+    x = np.asarray(x)
+    return jzo.HostLeaf(x.shape, x.dtype, lambda: whole_read.append(x.shape) or x.copy(),
+                        lambda lo, hi: rows_read.append((lo, hi)) or x[lo:hi].copy())
+  kw = dict(stage=3, layers="blocks", mesh=mesh_of(n), device_memory=2**30,
+            host_memory=2**35, grads_in_params=options.get("offload") is not False, **options)
+  engines = [make_engine(scanned_loss, source, jzo.cpu_adamw(1e-2), **kw)
+             for source in (init_params, params, jax.tree.map(lazy, params))]
+  whole, *sliced = engines
+  assert not whole.plan.sliced_draws and all(e.plan.sliced_draws for e in sliced)
+  assert any(span for group in sliced[0].plan.build_groups() for _, span in group)
+  assert rows_read and (LAYERS, HIDDEN, HIDDEN) not in whole_read
+  for e in sliced:
+    jax.tree.map(np.testing.assert_array_equal, e.state_dict(), whole.state_dict())
+  for b in batches(2):
+    losses = {float(e.step(b).loss) for e in engines}
+    assert len(losses) == 1, losses
+  for e in engines:
+    e.close()
+
+
 def test_params_as_a_function_are_drawn_to_the_same_weights():
   make = lambda: init_params()
   from_fn = jzo.ZeroEngine(loss_fn, make, TX(), options=jzo.EngineOptions(offload=0.5),
@@ -312,6 +376,20 @@ def test_estimate_cli_on_the_10b_model_and_an_h100(capsys):
   assert "it fits without the 2.50 GiB a checkpoint's save takes" in out.stdout
   out = estimate(*h100[:2], *on_host, "--no-checkpoints")
   assert out.returncode == 0 and "checkpoint writes" not in out.stdout
+
+
+def test_llama_70b_on_four_h200s_fits_from_a_checkpoint_not_from_scratch(capsys):
+  """From scratch the initializer computes Llama-3.1-70B's MLP kernels whole
+  in float32, 140 GiB, more than a GPU; read from a checkpoint a slice of
+  layers at a time, the run fits four H200s and the 4 x H200 box's host."""
+  run = ("--model", "llama-3.1-70b", "--devices", "4", "--batch-size", "16", "--seq-len", "4096",
+         "--stage", "3", "--moments", "int8", "--grads-in-params", "--host-gb", "503",
+         "--device-gb", "139")
+  out = estimate_here(capsys, *run)
+  assert out.returncode == 1 and "an initializer computes each leaf whole" in out.stdout
+  out = estimate_here(capsys, *run, "--from-checkpoint")
+  assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stdout
+  assert "70.554B params" in out.stdout
 
 
 def test_the_device_is_checked_against_the_landing_buffers_the_plan_chose(capsys):

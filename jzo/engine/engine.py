@@ -132,7 +132,7 @@ class ZeroEngine:
     # This process's devices: their shards' host state, batch rows and draws.
     self.positions = distributed.local_positions(mesh)
     device = mesh.devices.flat[self.positions[0]]
-    shapes, draw_leaves = leaf_sources(params, device)
+    shapes, draw_leaves, sliced_draws = leaf_sources(params, device)
     if offloading:
       state_bytes = np.dtype(hyper.mu_dtype).itemsize + np.dtype(hyper.nu_dtype).itemsize
     else:
@@ -144,7 +144,7 @@ class ZeroEngine:
         device_memory=device_memory or limit,
         host_memory=(host_memory or plan_lib.host_memory_for(runtime)) if offloading else None,
         activations=activation_memory, processes=mesh.devices.size // len(self.positions),
-        checkpoint_memory=checkpoint_memory, runtime_bytes=runtime)
+        checkpoint_memory=checkpoint_memory, runtime_bytes=runtime, sliced_draws=sliced_draws)
     if int8 and self.plan.has_device_state:
       # The engine's device state is flat shards of float moments; int8
       # moments are for host RAM, where the C++ kernel runs them.

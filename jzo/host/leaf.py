@@ -17,13 +17,24 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class HostLeaf:
   """A lazy host array: `load()` returns it as a numpy array of `shape` and
-  `dtype`, freshly read each call (the caller lets it go when done).
+  `dtype`, freshly read each call (the caller lets it go when done), and
+  `load_rows(lo, hi)`, where given, its rows [lo, hi) of the first axis
+  alone (a stacked leaf's layers: the engine draws a large one a slice at
+  a time).
 
   Not a pytree node: in a tree of params each HostLeaf is one leaf.
   """
   shape: tuple[int, ...]  # what load() returns: the plan reads it without loading
   dtype: np.dtype  # any floating dtype; the engine casts to float32 on the device
   load: Callable[[], np.ndarray]
+  load_rows: Callable[[int, int], np.ndarray] | None = None
+
+  def rows(self, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of the first axis: `load_rows`', else cut from `load()`
+    (which holds the whole array meanwhile)."""
+    if self.load_rows is not None:
+      return self.load_rows(lo, hi)
+    return np.ascontiguousarray(self.load()[lo:hi])
 
   def __post_init__(self):
     object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))

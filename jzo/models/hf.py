@@ -94,8 +94,9 @@ def param_sources(folder: str, **overrides) -> tuple[object, dict]:
   params = {}
   for path, leaf in leaves.items():
     dtype = DTYPES[tensors[leaf.parts[0][0].format(i=0)].code]
-    params[path] = HostLeaf(leaf.shape(config.n_layer), dtype,
-                            functools.partial(hf_files.load, leaf, config.n_layer, dtype, tensors))
+    load = functools.partial(hf_files.load, leaf, config.n_layer, dtype, tensors)
+    params[path] = HostLeaf(leaf.shape(config.n_layer), dtype, load,
+                            load if leaf.stacked else None)
   return config, hf_files.nest(params)
 
 

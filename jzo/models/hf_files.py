@@ -227,13 +227,19 @@ def check(folder: str, found: dict[str, Tensor], leaves: dict[Path, Leaf], n_lay
                      f"{list(t.shape)}{others}: {model} has none")
 
 
-def load(leaf: Leaf, n_layer: int, dtype, found: dict[str, Tensor]) -> np.ndarray:
-  """One jzo leaf in `dtype`, assembled from its tensors, each memory-mapped in turn."""
-  out = np.empty(leaf.shape(n_layer), dtype)
+def load(leaf: Leaf, n_layer: int, dtype, found: dict[str, Tensor], lo: int = 0,
+         hi: int | None = None) -> np.ndarray:
+  """One jzo leaf in `dtype`, assembled from its tensors, each memory-mapped
+  in turn; of a stacked leaf, its layers [lo, hi) alone (default: all)."""
+  hi = n_layer if hi is None else hi
+  shape = leaf.shape(n_layer)
+  out = np.empty((hi - lo,) + shape[1:] if leaf.stacked else shape, dtype)
   for i, start, name, part_shape in leaf.names(n_layer):
+    if leaf.stacked and not lo <= i < hi:
+      continue
     t = found[name]
     w = np.memmap(t.file, DTYPES[t.code], "r", t.offset, t.shape)
-    row, start = leaf.slab(out, i, start)
+    row, start = leaf.slab(out, i - lo if leaf.stacked else i, start)
     end = start + part_shape[0]
     if leaf.transpose:
       row[:, start:end] = w.T

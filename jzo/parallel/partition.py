@@ -100,12 +100,14 @@ class LeafLayout:
     return dataclasses.replace(self, device_size=device_size)
 
   def split(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat padded leaf (numpy, `flat_shape`) -> (device part, host part):
-    the device part as the global array of every shard's [0, c), shape
-    `part_shape(c)`; the host part as (S, *rows, k - c), device d's at [d]."""
+    """Flat padded leaf (numpy, `flat_shape`, or per layer some of its rows)
+    -> (device part, host part): the device part as the global array of
+    every shard's [0, c), shape `part_shape(c)` (of those rows); the host
+    part as (S, *rows, k - c), device d's at [d]."""
     S, k, c = self.shards, self.shard_size, self.on_device
-    rows = flat.reshape(self.flat_shape[:-1] + (S, k))  # (S, k) or (L, S, k)
-    device = rows[..., :c].reshape(self.part_shape(c))
+    lead = flat.shape[:-1]  # () or (rows,)
+    rows = flat.reshape(lead + (S, k))  # (S, k) or (rows, S, k)
+    device = rows[..., :c].reshape(lead + (S * c,))
     host = rows[..., c:]
     return device, host.transpose(1, 0, 2) if self.per_layer else host
 
@@ -125,17 +127,18 @@ class LeafLayout:
     return P(None, axis) if self.per_layer else P(axis)
 
   def flatten(self, x: jax.Array) -> jax.Array:
-    """Full-shape x -> flat padded (`flat_shape`); numpy in, numpy out."""
-    lead = (self.shape[0],) if self.per_layer else ()
+    """Full-shape x (per layer, or some of its layers) -> flat padded
+    (`flat_shape`, or those rows of it); numpy in, numpy out."""
+    lead = (x.shape[0],) if self.per_layer else ()
     x = x.reshape(lead + (-1,))
     pad = self.flat_shape[-1] - x.shape[-1]
     xp = np if isinstance(x, np.ndarray) else jnp
     return xp.pad(x, [(0, 0)] * len(lead) + [(0, pad)]) if pad else x
 
   def unflatten(self, flat: jax.Array) -> jax.Array:
-    """Flat padded -> full shape (drops the padding)."""
+    """Flat padded -> full shape, or per layer those rows' layers (drops the padding)."""
     size = math.prod(self.inner_shape)
-    return flat[..., :size].reshape(self.shape)
+    return flat[..., :size].reshape(flat.shape[:-1] + self.inner_shape)
 
   def gather_inner(self, shard: jax.Array, axis: str) -> jax.Array:
     """Inside shard_map: one flat shard (k,) -> the full inner-shape array."""

@@ -61,7 +61,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
              host_memory: int | None = None, accumulation: str = "auto",
              grads_in_params: bool = False, offload_params: bool | str = False,
              resident_layers: int | None = None, overlap_forward: bool = True,
-             checkpoint_memory: int = 0) -> Estimate:
+             checkpoint_memory: int = 0, sliced_draws: bool | None = None) -> Estimate:
   """Plans a ZeRO engine over `params` and checks it fits.
 
   Args:
@@ -86,12 +86,18 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
       with the part of the planned runtime this process holds: `jzo.plan.host_memory_for`).
     checkpoint_memory: as for `ZeroEngine`: host RAM a checkpoint's save
       takes beside the state (`jzo.checkpoint.SAVE_HOST_BYTES`), or 0.
+    sliced_draws: the weights come from arrays or files, whose large
+      stacked leaves the engine draws a slice of layers at a time, not
+      from an initializer, which computes each leaf whole (`Plan.sliced_draws`;
+      default: a tree of params is sliced, a function is not).
     The host's runtime is counted for one process over `devices` GPUs (one
     CPU's where JAX is limited to CPUs: jax_platforms "cpu").
 
   Returns:
     An Estimate; print it for the table.
   """
+  if sliced_draws is None:
+    sliced_draws = not callable(params)
   shapes = jax.eval_shape(params) if callable(params) else params
   if moments not in MOMENT_DTYPES:
     raise ValueError(f"moments must be one of {', '.join(MOMENT_DTYPES)}, got {moments!r}")
@@ -119,7 +125,7 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     host_memory = host_memory_for(runtime)
   moment_dtype = np.dtype(MOMENT_DTYPES[moments])
   kw = dict(n_devices=devices, activations=activations, checkpoint_memory=checkpoint_memory,
-            runtime_bytes=runtime)
+            runtime_bytes=runtime, sliced_draws=sliced_draws)
   try:
     plan = make_plan(shapes, 2 * moment_dtype.itemsize, options,
                      device_memory=device_memory, host_memory=host_memory, **kw)
@@ -216,7 +222,7 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
     **options: the rest of `estimate`'s arguments (stage, offload, moments,
       precision, delayed_update, layers, device_memory, host_memory,
       accumulation, grads_in_params, offload_params, resident_layers,
-      checkpoint_memory);
+      checkpoint_memory, sliced_draws);
       not grad_accum, which this picks.
 
   Returns:
@@ -237,6 +243,7 @@ def pick_micro_batch(params, activation_bytes: Callable[[int], int], *, devices:
   if rest:
     raise ValueError(f"global batch {global_batch} does not split over {devices} devices "
                      f"({global_batch} = {per_device} x {devices} + {rest})")
+  options.setdefault("sliced_draws", not callable(params))  # as `estimate` takes params
   shapes = jax.eval_shape(params) if callable(params) else params
   refused = None
   for micro in (m for m in range(per_device, 0, -1) if per_device % m == 0):

@@ -174,7 +174,9 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
       raise PlacementError(
           f"cannot draw the weights on a device beside the state: needs "
           f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the leaves "
-          f"drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available")
+          f"drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available"
+          + ("" if plan.sliced_draws else "; an initializer computes each leaf whole, while "
+             "weights from arrays or files are drawn a slice of layers at a time"))
   if plan.cpu_adam and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
@@ -209,7 +211,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
               axis: str = "data", device_memory: int | None = None,
               host_memory: int | None = None, activations: int = 0,
               processes: int = 1, checkpoint_memory: int = 0,
-              runtime_bytes: int = HOST_RUNTIME_BYTES, checked: bool = True) -> Plan:
+              runtime_bytes: int = HOST_RUNTIME_BYTES, sliced_draws: bool = False,
+              checked: bool = True) -> Plan:
   """The plan of an engine with `options` over params of `shapes` (a tree
   of arrays or ShapeDtypeStructs) on a data axis of `n_devices`, keeping
   `tx_state_bytes` of optimizer state per parameter besides the masters.
@@ -221,7 +224,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   is allocated, on the host with `checkpoint_memory` bytes for a
   checkpoint's save beside the state (see `Plan.checkpoint_bytes`) and
   `runtime_bytes` for the process's runtime (`host_runtime_bytes`);
-  offload="auto" needs `device_memory`.
+  offload="auto" needs `device_memory`. `sliced_draws`: the params' source
+  gives a stacked leaf's layers apart (`Plan.sliced_draws`).
 
   `options.accumulation` (grad_accum > 1 with offload): "device" sums the
   micro-batches' gradients in float32 on the device, "host" sums the host
@@ -243,7 +247,8 @@ def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices:
   """
   kw = dict(n_devices=n_devices, axis=axis, device_memory=device_memory,
             host_memory=host_memory, activations=activations, processes=processes,
-            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes, checked=checked)
+            checkpoint_memory=checkpoint_memory, runtime_bytes=runtime_bytes,
+            sliced_draws=sliced_draws, checked=checked)
   if (options.grad_accum == 1 or not options.offloading or options.accumulation == "device"
       or options.grads_in_params):  # the layers first, or their sums in the backward
     return _plan_with_landing(shapes, tx_state_bytes, options, host_accumulation=False, **kw)
@@ -311,8 +316,8 @@ def _plan_with_landing(shapes, tx_state_bytes: int, options: EngineOptions, *,
 def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
                axis: str, device_memory: int | None, host_memory: int | None,
                activations: int, processes: int, host_accumulation: bool,
-               checkpoint_memory: int, runtime_bytes: int, landing_limit: int = 0,
-               checked: bool = True) -> Plan:
+               checkpoint_memory: int, runtime_bytes: int, sliced_draws: bool,
+               landing_limit: int = 0, checked: bool = True) -> Plan:
   """make_plan with the accumulation decided."""
   stage, layers, offload = options.stage, options.layers, options.offload
   auto = isinstance(offload, str)  # "auto", the one string EngineOptions lets through
@@ -339,7 +344,7 @@ def _make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices
         host_accumulation=host_accumulation, landing_limit=landing_limit,
         grads_in_params=options.grads_in_params, checkpoint_bytes=checkpoint_memory,
         runtime_bytes=runtime_bytes, resident_layers=resident_layers,
-        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0,
+        draw_floor=DRAW_GROUP_FLOOR if device_memory is None else 0, sliced_draws=sliced_draws,
         pinned_pools=device_memory is not None, overlap_forward=options.overlap_forward,
         layers_first=options.layers_first, deterministic=options.deterministic)
   if auto:

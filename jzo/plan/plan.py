@@ -157,6 +157,10 @@ class Plan:
   # fewer (`draw_groups`): DRAW_GROUP_FLOOR where the devices report no
   # memory limit, none where the plan budgets the device's memory.
   draw_floor: int = 0
+  # The params' source can give a stacked leaf's layers apart (arrays, files;
+  # not an initializer, which computes a leaf whole): the build draws a
+  # stacked leaf larger than any other draw a slice of its layers at a time.
+  sliced_draws: bool = False
   # Asked for: a step's forward may run beside the last step's host update
   # (`overlaps_update`).
   overlap_forward: bool = True
@@ -404,20 +408,43 @@ class Plan:
     + a piece 7.31 = 130.60 GiB, as measured.)"""
     n = self.n_devices
 
-    def piece(l: LeafLayout) -> int:
+    def piece(l: LeafLayout, rows: int) -> int:
       if n == 1:
         return 0
-      lowp = 0 if self.params_on_host(l) else 2 * math.prod(l.shape)
-      master = 4 * l.shards * shard_rows(l) * l.on_device if self.has_device_state else 0
+      lowp = 0 if self.params_on_host(l) else 2 * rows * math.prod(l.inner_shape)
+      master = 4 * l.shards * rows * l.on_device if self.has_device_state else 0
       return max(lowp // n if self.sharded_lowp else lowp, master // n)
 
-    return max(sum(4 * math.prod(self.leaves[i].shape) for i in group)
-               + max(piece(self.leaves[i]) for i in group)
+    def rows_of(i: int, span: tuple[int, int] | None) -> int:
+      return shard_rows(self.leaves[i]) if span is None else span[1] - span[0]
+
+    return max(sum(4 * rows_of(i, span) * math.prod(self.leaves[i].inner_shape)
+                   for i, span in group)
+               + max(piece(self.leaves[i], rows_of(i, span)) for i, span in group)
                for group in self.build_groups())
 
-  def build_groups(self) -> list[list[int]]:
-    """The leaves' indices in the groups the build draws together (`draw_groups`)."""
-    return draw_groups([math.prod(l.shape) for l in self.leaves], self.draw_floor)
+  def build_groups(self) -> list[list[tuple[int, tuple[int, int] | None]]]:
+    """What the build draws together, group by group (`draw_groups`): each
+    a list of (leaf index, its layers [lo, hi), or None for the whole leaf).
+    With `sliced_draws`, a stacked leaf larger than every other leaf and
+    than one layer of each is drawn in slices of as many layers as fit that
+    size (or `draw_floor`, where more): Llama-3.1-70B's MLP kernels, 140 GiB
+    in float32, would not fit a GPU whole."""
+    row = lambda l: math.prod(l.inner_shape)  # elements of one layer (of the leaf, unstacked)
+    sizes = [math.prod(l.shape) for l in self.leaves]
+    limit = max([self.draw_floor] + [row(l) if l.per_layer else n
+                                     for l, n in zip(self.leaves, sizes)])
+    pieces, piece_sizes = [], []
+    for i, l in enumerate(self.leaves):
+      if self.sliced_draws and l.per_layer and sizes[i] > limit:
+        step = limit // row(l)
+        for lo in range(0, l.shape[0], step):
+          pieces.append((i, (lo, min(lo + step, l.shape[0]))))
+          piece_sizes.append((pieces[-1][1][1] - lo) * row(l))
+      else:
+        pieces.append((i, None))
+        piece_sizes.append(sizes[i])
+    return [[pieces[j] for j in group] for group in draw_groups(piece_sizes, self.draw_floor)]
 
   def __str__(self) -> str:
     return format_plan(self)

@@ -82,6 +82,7 @@ def estimate_model(name: str, *, batch_size: int = 8, micro_batch: int | None = 
   shapes = jax.eval_shape(lambda: model.init_params(jax.random.PRNGKey(0)))
   activations = functools.partial(model.activation_bytes, seq_len=seq_len)
   kw.update(devices=devices, layers=model.family.layers if kw.get("stage") == 3 else None)
+  kw.setdefault("sliced_draws", False)  # from scratch: the initializer draws leaves whole
   why = ""
   if micro_batch is None:
     try:
@@ -151,6 +152,8 @@ class EstimateConfig:
   """with --offload-params: how many of the first layers keep their weights on the device as well, always offloading the rest (-1: the planner's choice)"""
   overlap_forward: bool = True
   """with --grads-in-params and the layers' weights on the device (one micro-batch, or the layers first): each step's forward overlaps the last host update, the plan with its fetched layers at one micro-batch (--no-overlap-forward: the update first)"""
+  from_checkpoint: bool = False
+  """the weights come from a checkpoint (jzo.train --init-from), which the build reads a slice of a large stacked leaf's layers at a time; from scratch the initializer draws each leaf whole"""
   checkpoints: bool = True
   """count the host RAM a checkpoint's save takes beside the state (as jzo.train does, unless --checkpoint-every 0)"""
   host_gb: float | None = None
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                                 overlap_forward=cfg.overlap_forward,
                                 device_memory=gib(cfg.device_gb),
                                 host_memory=gib(cfg.host_gb),
-                                checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0)
+                                checkpoint_memory=SAVE_HOST_BYTES if cfg.checkpoints else 0,
+                                sliced_draws=cfg.from_checkpoint)
       except ValueError as e:  # jzo.EngineOptions' and the plan's, told in this command's flags
         raise UserError(in_flags(str(e), fraction="--offload",
                                  no_offload="--offload false")) from e

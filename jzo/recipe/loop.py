@@ -147,7 +147,8 @@ def micro_batch(cfg: TrainConfig, model: models.Model, devices) -> tuple[int, st
         delayed_update=cfg.delayed_update, grads_in_params=cfg.grads_in_params,
         offload_params=weights_placement(cfg), resident_layers=resident_count(cfg),
         overlap_forward=cfg.overlap_forward, layers=model.family.layers if cfg.stage == 3 else None,
-        device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg))
+        device_memory=device_memory, checkpoint_memory=checkpoint_memory(cfg),
+        sliced_draws=bool(cfg.init_from))  # a checkpoint's leaves are read a slice at a time
   except (jzo.PlacementError, ValueError) as e:  # ValueError: an option the plan refuses
     raise UserError(str(e)) from e
   return picked.micro_batch, picked.line

@@ -133,7 +133,8 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   the leaves' float32 values drawn on this process's first device (every
   process draws the same values and keeps its devices' parts). Leaves are
   drawn in groups of at most the largest leaf's size, or `plan.draw_floor`
-  where that is more (`Plan.build_groups`). So beside the state there are
+  where that is more, a large stacked leaf a slice of its layers at a time
+  where the source can (`Plan.build_groups`). So beside the state there are
   at most that many float32 weights and one device's piece of a leaf's
   copy (`Plan.build_bytes`), and the draws' memory, freed, leaves one free
   block for the step (the allocator could not fit gpt2-10b's step into the
@@ -142,9 +143,10 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   the caller's arrays.
 
   Args:
-    draw_leaves: draw_leaves([(i, layout), ...]) is a list of those leaves
-      as float32, each flattened by its `layout.flatten`, computed on this
-      process's first device.
+    draw_leaves: draw_leaves([(i, layout, span), ...]) is a list of those
+      leaves as float32 (of a stacked leaf's layers [lo, hi) where span is
+      given, else whole), each flattened by its `layout.flatten`, computed
+      on this process's first device.
     host: the host parts' state to fill (its masters), with offload.
     pinned: the host masters are filled through pinned host memory.
   """
@@ -154,22 +156,30 @@ def build_state(plan: Plan, mesh: Mesh, tx: optax.GradientTransformation,
   host_masters = jax.tree.leaves(host.master) if host is not None else None
   positions = local_positions(mesh)
   for group in plan.build_groups():
-    drawn = draw_leaves([(i, plan.leaves[i]) for i in group])
-    for i in group:
+    drawn = draw_leaves([(i, plan.leaves[i], span) for i, span in group])
+    for i, span in group:
       layout = plan.leaves[i]
       c, k = layout.on_device, layout.shard_size
-      flat = drawn.pop(0)  # the only float32 copy of the leaf
+      row = 0 if span is None else span[0]
+      flat = drawn.pop(0)  # the only float32 copy of the leaf (or of its layers in span)
       if not plan.params_on_host(layout):  # offloaded weights are made from the host's masters
         lowp[i] = fill(lowp[i], flat,
-                       LowpFromMaster(plan.compute_dtype, plan.sharded_lowp, layout))
+                       LowpFromMaster(plan.compute_dtype, plan.sharded_lowp, layout), row)
       if master is not None and c:
-        master[i] = fill(master[i], flat, partition.SplitPart(layout, 0))
+        master[i] = fill(master[i], flat, partition.SplitPart(layout, 0), row)
       if host is not None and c < k:
-        mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
-        copy_to_host(flat, host_masters[i], mine, pinned=pinned)
+        if span is None:  # every local device's host part at once: (P, ..., k - c)
+          mine = partition.SplitPart(layout, 1, (positions.start, positions.stop))
+          copy_to_host(flat, host_masters[i], mine, pinned=pinned)
+        else:  # the span's rows of each device's (L, k - c), one device at a time
+          for d, position in enumerate(positions):
+            mine = partition.SplitPart(layout, 1, (position, position + 1))
+            copy_to_host(flat, host_masters[i][d, span[0]:span[1]], mine, pinned=pinned)
       del flat
       if plan.params_on_host(layout):  # every element's master is on the host (offload=True)
-        host.lowp_weights(i, host_pieces(lowp[i], layout, positions))
+        pieces = host_pieces(lowp[i], layout, positions)
+        host.lowp_weights(i, pieces if span is None else [p[span[0]:span[1]] for p in pieces],
+                          span)
   state = state._replace(params=jax.tree.unflatten(treedef, lowp))
   if master is not None:
     state = state._replace(master=jax.tree.unflatten(treedef, master))

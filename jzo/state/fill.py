@@ -37,14 +37,15 @@ class LowpFromMaster:
     return step_lib.lowp_from_master(flat, self.compute_dtype, self.sharded, self.layout)
 
 
-def fill(buffer: jax.Array, x: jax.Array, fn) -> jax.Array:
-  """`buffer` (donated) holding fn(x): x a value every process holds whole on
-  its first device, fn a hashable function. On one device a program computes
-  fn(x) straight into the buffer; on several, each device's piece is made on
-  x's device and moved (`placed`)."""
+def fill(buffer: jax.Array, x: jax.Array, fn, row: int = 0) -> jax.Array:
+  """`buffer` (donated) holding fn(x) from `row` of its first axis on: x a
+  value every process holds whole on its first device (a leaf, or some of
+  a stacked leaf's layers), fn a hashable function. On one device a program
+  computes fn(x) straight into the buffer; on several, each device's piece
+  is made on x's device and moved (`placed`)."""
   if len(buffer.sharding.device_set) == 1:
-    return write_into(buffer, x, fn)
-  return write_into(buffer, placed(x, fn, buffer.sharding))
+    return write_into(buffer, x, fn, row)
+  return write_into(buffer, placed(x, fn, buffer.sharding), None, row)
 
 
 def placed(x: jax.Array, fn, sharding: NamedSharding) -> jax.Array:
@@ -85,9 +86,11 @@ def piece_of(x: jax.Array, fn, sizes: tuple[int, ...], starts) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=2,
                    compiler_options=transfer.UNTUNED)
-def write_into(buffer: jax.Array, values: jax.Array, of=None) -> jax.Array:
+def write_into(buffer: jax.Array, values: jax.Array, of=None, row=0) -> jax.Array:
   """of(values) (default: values) written into `buffer` (donated: the
   result is buffer's memory; `of`, a hashable function such as a SplitPart,
-  is computed in the same program, not apart)."""
+  is computed in the same program, not apart) from `row` of its first axis
+  (traced: one program serves every slice of a leaf's layers)."""
   values = values if of is None else of(values)
-  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0,) * buffer.ndim)
+  start = (row,) + (0,) * (buffer.ndim - 1) if buffer.ndim else ()
+  return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), start)
