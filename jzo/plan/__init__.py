@@ -2,10 +2,11 @@
 device and host), what it costs in bytes, whether it fits, and what the
 machine offers (host RAM, the allocator's limit, pinned pools).
 
-plan: the Plan, its bytes and its table; placement: the search for where
-each leaf's state lives and the check that it fits; machine: what the machine
-offers (host RAM, device limits, GPUs, pinned pools); fit: the planner users
-call from shapes alone (`jzo.estimate`, `jzo.pick_micro_batch`)."""
+plan: the Plan, its bytes and its table; draws: what the build draws at
+once; placement: the search for where each leaf's state lives and the check
+that it fits; machine: what the machine offers (host RAM, device limits,
+GPUs, pinned pools); fit: the planner users call from shapes alone
+(`jzo.estimate`, `jzo.pick_micro_batch`)."""
 
 from jzo.plan.machine import (BUILD_CHUNK_BYTES, HOST_RUNTIME_BYTES,
                               HOST_RUNTIME_BYTES_PER_DEVICE, MIN_POOL_HEADROOM,
@@ -13,8 +14,8 @@ from jzo.plan.machine import (BUILD_CHUNK_BYTES, HOST_RUNTIME_BYTES,
                               host_memory_for, host_runtime_bytes, limit_pinned_pool,
                               pinned_pool_bytes, pinned_pool_limit, pool_share, visible_gpus)
 from jzo.plan.placement import DEVICE_HEADROOM, PlacementError, make_plan, save_bytes
-from jzo.plan.plan import (DRAW_GROUP_FLOOR, STREAM_LANDING_BYTES, STREAM_SPANS, GiB, Plan,
-                           count_text, draw_groups, format_plan)
+from jzo.plan.draws import DRAW_GROUP_FLOOR, draw_groups
+from jzo.plan.plan import STREAM_LANDING_BYTES, STREAM_SPANS, GiB, Plan, count_text, format_plan
 from jzo.plan.fit import (Estimate, MicroBatch, batch_line, estimate, estimate_micro_batch,
                           pick_micro_batch)
 

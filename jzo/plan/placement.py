@@ -23,7 +23,8 @@ from jzo.options import EngineOptions
 from jzo.parallel.partition import LeafLayout, is_layout
 from jzo.plan.machine import (BUILD_CHUNK_BYTES, HOST_RUNTIME_BYTES, PINNED_POOL_LIMIT_VAR,
                               pinned_pool_limit, pool_share)
-from jzo.plan.plan import DRAW_GROUP_FLOOR, GiB, STREAM_LANDING_BYTES, Plan, shard_rows
+from jzo.plan.draws import DRAW_GROUP_FLOOR
+from jzo.plan.plan import GiB, STREAM_LANDING_BYTES, Plan, shard_rows
 
 # Share of the device memory the planner leaves free for what it does not
 # model (XLA's fragmentation, cuDNN and cuBLAS workspaces).

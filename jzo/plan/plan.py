@@ -17,8 +17,9 @@ weights come up). Host (all devices' shards): masters and moments of the
 host part and one landing buffer per leaf, which carries the gradients down
 and the new weights up, in XLA's pinned pools (one per device); the runtime
 (more for each more GPU of the process). Building draws
-the leaves in float32 on the first device, largest first, a group at a time
-(`draw_groups`).
+the leaves in float32 on the first device, largest first, a group at a time,
+a large stacked leaf a slice of its layers at a time where the source allows
+(`jzo.plan.draws`).
 
 Host accumulation (grad_accum > 1, `Plan.host_accumulation`) moves the
 float32 sum of the host parts to the host. Bytes per parameter whose state
@@ -67,6 +68,7 @@ import numpy as np
 
 from jzo.parallel import partition
 from jzo.parallel.partition import LeafLayout, is_layout
+from jzo.plan.draws import draw_pieces
 from jzo.plan.machine import HOST_RUNTIME_BYTES, pinned_pool_bytes
 from jzo.precision import LossScale
 
@@ -89,28 +91,6 @@ STREAM_SPANS = 4
 # parts are more: spans of 512 MiB.
 STREAM_LANDING_BYTES = 2 * 2**30
 GiB = 2**30
-
-# Where the devices report no memory limit (a CPU's are host RAM), draws may
-# hold this many float32 elements (64 MiB) beside the state even where the
-# largest leaf is smaller: a small model's leaves are then drawn by one
-# program, not by one for each leaf's size (`Plan.draw_floor`).
-DRAW_GROUP_FLOOR = 1 << 24
-
-
-def draw_groups(sizes: list[int], floor: int) -> list[list[int]]:
-  """The leaves' indices, largest first, in runs whose sizes (elements) add
-  up to at most the largest leaf's or `floor`, whichever is more: what one
-  draw computes at once, so that a model's leaves are drawn by a few
-  programs, not one each."""
-  groups, room, limit = [], 0, max(max(sizes), floor)
-  for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-    if not groups or sizes[i] > room:
-      groups.append([])
-      room = limit
-    groups[-1].append(i)
-    room -= sizes[i]
-  return groups
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -154,7 +134,7 @@ class Plan:
   # step fetches only the others; those layers' new weights then come up once.
   resident_layers: int = 0
   # Elements the build's draws may hold at once where the largest leaf has
-  # fewer (`draw_groups`): DRAW_GROUP_FLOOR where the devices report no
+  # fewer (`draws.draw_groups`): DRAW_GROUP_FLOOR where the devices report no
   # memory limit, none where the plan budgets the device's memory.
   draw_floor: int = 0
   # The params' source can give a stacked leaf's layers apart (arrays, files;
@@ -424,27 +404,10 @@ class Plan:
                for group in self.build_groups())
 
   def build_groups(self) -> list[list[tuple[int, tuple[int, int] | None]]]:
-    """What the build draws together, group by group (`draw_groups`): each
-    a list of (leaf index, its layers [lo, hi), or None for the whole leaf).
-    With `sliced_draws`, a stacked leaf larger than every other leaf and
-    than one layer of each is drawn in slices of as many layers as fit that
-    size (or `draw_floor`, where more): Llama-3.1-70B's MLP kernels, 140 GiB
-    in float32, would not fit a GPU whole."""
-    row = lambda l: math.prod(l.inner_shape)  # elements of one layer (of the leaf, unstacked)
-    sizes = [math.prod(l.shape) for l in self.leaves]
-    limit = max([self.draw_floor] + [row(l) if l.per_layer else n
-                                     for l, n in zip(self.leaves, sizes)])
-    pieces, piece_sizes = [], []
-    for i, l in enumerate(self.leaves):
-      if self.sliced_draws and l.per_layer and sizes[i] > limit:
-        step = limit // row(l)
-        for lo in range(0, l.shape[0], step):
-          pieces.append((i, (lo, min(lo + step, l.shape[0]))))
-          piece_sizes.append((pieces[-1][1][1] - lo) * row(l))
-      else:
-        pieces.append((i, None))
-        piece_sizes.append(sizes[i])
-    return [[pieces[j] for j in group] for group in draw_groups(piece_sizes, self.draw_floor)]
+    """What the build draws together, group by group (`draws.draw_pieces`):
+    each a list of (leaf index, its layers [lo, hi), or None for the whole
+    leaf)."""
+    return draw_pieces(self.leaves, self.draw_floor, self.sliced_draws)
 
   def __str__(self) -> str:
     return format_plan(self)
