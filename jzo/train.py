@@ -47,6 +47,12 @@ from jzo.recipe.quick_exit import quick_exit
 from jzo.recipe.signals import Interrupted, Interrupts, quiet_failed_reads
 
 
+# How long an error waits for news of another process's end, which may
+# have caused it: a killed peer's connections all close at once, and the
+# watch reads its own within milliseconds of the collective's failure.
+PEER_NEWS_S = 2.0
+
+
 def main(argv: list[str] | None = None) -> int:
   claim_gpu_memory()
   cfg = config_lib.parse(TrainConfig, argv, description=__doc__.splitlines()[0],
@@ -65,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
       stop.at_once("before the first step")  # nothing trained yet: nothing to save
       train(cfg, stop)
     except (UserError, OSError) as e:  # the options, the data or the output folder
-      sys.stderr.write(f"error: {e}\n")  # one write: no other thread's output inside the line
       return stop_alone(watch, 2, f"error: {e}")
     except Interrupted as e:  # every process stopped at the same step
       if watch:
@@ -75,17 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # a failure of this process alone: the others stop too
       if watch is None:
         raise
-      traceback.print_exc()
-      return stop_alone(watch, 1, f"{type(e).__name__}: {e}")
+      return stop_alone(watch, 1, f"{type(e).__name__}: {e}", traceback.format_exc())
   if watch:
     watch.finished()
   return 0
 
 
-def stop_alone(watch: PeerWatch | None, status: int, reason: str) -> int:
-  """Returns `status`; with other processes, tells them (they stop too)
-  and exits at once: JAX's shutdown at exit would wait for them, and they
-  do not come."""
+def stop_alone(watch: PeerWatch | None, status: int, reason: str, report: str = "") -> int:
+  """Writes `report` (default: `reason`) and returns `status`; with other
+  processes, tells them (they stop too) and exits at once: JAX's shutdown
+  at exit would wait for them, and they do not come. An error that another
+  process's end caused here is not reported: the watch names that process."""
+  if watch is not None:
+    watch.await_news(PEER_NEWS_S)
+  # One write: no other thread's output inside the line.
+  sys.stderr.write((report or reason).rstrip("\n") + "\n")
   if watch is None:
     return status
   watch.leaving(status, reason)

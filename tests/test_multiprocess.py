@@ -299,3 +299,33 @@ def test_a_process_that_never_joins_the_peer_watch_is_named(tmp_path):
                            [{**env, "JAX_PROCESS_ID": str(i)} for i in range(2)], tmp_path, "watch",
                            devices=1)
   assert "refused: peer watch: process 1 did not connect to process 0 within 2 s" in first, first
+
+
+# Process 1's end of a watch whose hub (process 0) dies while process 1
+# waits for news before reporting an error of its own (`sys.argv[1]`: "dies"
+# or "lives").
+_AWAITING_NEWS = """
+import socket, sys, threading
+from jzo.parallel.peer_watch import PeerWatch
+mine, hub = socket.socketpair()
+watch = PeerWatch(1, {0: mine})
+if sys.argv[1] == "dies":
+  threading.Timer(0.2, hub.close).start()
+watch.await_news(5.0 if sys.argv[1] == "dies" else 0.3)
+print("no news: the error is this process's own", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hub", ["dies", "lives"])
+def test_an_error_waits_for_news_of_a_peer_that_caused_it(hub):
+  result = subprocess.run([sys.executable, "-c", _AWAITING_NEWS, hub], capture_output=True,
+                          text=True, timeout=60)
+  if hub == "dies":  # the watch names the dead peer and exits; the error is never reported
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.strip() == ("jzo: process 0 ended without a word (killed, or out of "
+                                     "memory?); stopping process 1 too (--resume continues from "
+                                     "the last complete checkpoint)"), result.stderr
+  else:
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "no news: the error is this process's own\n"

@@ -9,6 +9,7 @@ stack; on GPUs NCCL waits the whole time.
     watch = PeerWatch.start()             # every process, before the first collective
     ...
     watch.leaving(2, "error: ...")        # this process stops alone: the others stop too
+    watch.await_news(2.0)                 # before reporting an error a peer's end may have caused
     watch.finished()                      # every process reached the end: closing is no loss
 
 A process that learns that another stopped writes one line naming it and
@@ -62,6 +63,7 @@ class PeerWatch:
     self._closed: set[int] = set()  # processes whose connection closed
     self._finished = False  # this process said "done"
     self._closing = False  # this process said "done" or "stop": peers' ends are no news
+    self._peer_gone = threading.Event()  # a peer stopped: the listener is ending this process
     # Reentrant: `leaving` may run in a signal handler that interrupted `_say_all`.
     self._lock = threading.RLock()
     threading.Thread(target=self._listen, name="jzo-peer-watch", daemon=True).start()
@@ -137,6 +139,17 @@ class PeerWatch:
     if self.me == 0:
       self._drain()
 
+  def await_news(self, seconds: float) -> None:
+    """Waits up to `seconds` to hear that another process stopped; if it
+    did, this call never returns (the watch names that process and exits).
+
+    Call it before reporting an error of this process: where a peer dies
+    during a collective, the collective (Gloo on CPUs) can fail here with
+    "connection reset" a moment before the watch reads the closed
+    connection, and that error is no news; the peer's end is."""
+    if self._peer_gone.wait(seconds):
+      threading.Event().wait()  # the listener thread exits the process
+
   # ---------------------------------------------------------------- inside
   def _say_all(self, line: str) -> None:
     with self._lock:
@@ -184,6 +197,7 @@ class PeerWatch:
     with self._lock:
       if self._closing:  # this process is on its way out anyway
         return
+      self._peer_gone.set()
     distributed.quiet_native_logs()  # JAX's agent would report the peer's end too
     if self.me == 0:  # the others hear it from the hub
       self._say_all(f"stop {status} {reason}")
