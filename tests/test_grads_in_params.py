@@ -346,6 +346,17 @@ def test_cpu_devices_do_not_overlap_the_update():
   assert e.plan.overlaps_update and not e.overlaps_update
 
 
+def test_several_devices_plan_no_overlap():
+  """Two GPUs driven by one process trained on wrong weights with the
+  overlap: a plan over several devices finishes each update before the
+  next step, so the memory it counts is the update-first engine's (no
+  fetched layers)."""
+  one, two = engine(1, grads_in_params=True), engine(2, grads_in_params=True)
+  assert one.plan.overlaps_update and not two.plan.overlaps_update
+  assert "fetched layers" in one.plan.device_peak(0)
+  assert "fetched layers" not in two.plan.device_peak(0)
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(stage=2, layers=None), "needs stage=3 and layers="),
     (dict(layers=None), "needs stage=3 and layers="),

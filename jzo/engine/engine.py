@@ -177,12 +177,8 @@ class ZeroEngine:
     # The step takes the stacked layers' new weights from pinned landing
     # buffers. Not on CPU devices: there XLA's runtime was seen to read them
     # before the step's callback allowed (tests/test_grads_in_params.py), and
-    # the devices run on the cores the host update needs anyway. Not with
-    # several devices in one process either: two H200s so trained gpt2-350m
-    # on wrong weights (its loss went from 10.4 to 15.2 at the second update,
-    # where one H200 went on to 10.1); test_offload_gpu.py holds the case.
-    overlap = (self.plan.overlaps_update and pinned and device.platform != "cpu"
-               and len(self.positions) == 1)
+    # the devices run on the cores the host update needs anyway.
+    overlap = self.plan.overlaps_update and pinned and device.platform != "cpu"
     if self.plan.has_host_state:
       self.host_update = _host_update_for(self.plan, overlap)(self.trained, transfer)
     self._step_fns: dict = {}
@@ -199,7 +195,7 @@ class ZeroEngine:
   def overlaps_update(self) -> bool:
     """Each step's forward runs beside the last host update (see
     `overlap_forward`): `plan.overlaps_update`, with pinned transfers, on
-    an accelerator, one device a process."""
+    an accelerator."""
     return isinstance(self.host_update, OverlappedUpdate)
 
   @property
