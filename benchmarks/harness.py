@@ -220,11 +220,15 @@ def process_tree(pid: int) -> list[int]:
   while todo:
     pid = todo.pop()
     try:
-      for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-          todo += [int(child) for child in f.read().split()]
+      tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:  # exited meanwhile
       continue
+    for task in tasks:
+      try:
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+          todo += [int(child) for child in f.read().split()]
+      except OSError:  # a thread that ended meanwhile (a checkpoint's writers do, often)
+        pass
     pids.append(pid)
   return pids
 
