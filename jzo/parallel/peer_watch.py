@@ -8,8 +8,8 @@ stack; on GPUs NCCL waits the whole time.
     jax.distributed.initialize(...)       # jzo.distributed.initialize_from_environment
     watch = PeerWatch.start()             # every process, before the first collective
     ...
-    watch.leaving(2, "error: ...")        # this process stops alone: the others stop too
     watch.await_news(2.0)                 # before reporting an error a peer's end may have caused
+    watch.leaving(2, "error: ...")        # this process stops alone: the others stop too
     watch.finished()                      # every process reached the end: closing is no loss
 
 A process that learns that another stopped writes one line naming it and
@@ -141,14 +141,16 @@ class PeerWatch:
 
   def await_news(self, seconds: float) -> None:
     """Waits up to `seconds` to hear that another process stopped; if it
-    did, this call never returns (the watch names that process and exits).
+    did, the watch names that process and exits this one meanwhile.
 
     Call it before reporting an error of this process: where a peer dies
     during a collective, the collective (Gloo on CPUs) can fail here with
     "connection reset" a moment before the watch reads the closed
     connection, and that error is no news; the peer's end is."""
     if self._peer_gone.wait(seconds):
-      threading.Event().wait()  # the listener thread exits the process
+      # The listener thread exits the process once process 0 has told the
+      # others (`_drain`, seconds at most); past that the caller reports.
+      time.sleep(_DRAIN_S + _LAST_OUT_S)
 
   # ---------------------------------------------------------------- inside
   def _say_all(self, line: str) -> None:
