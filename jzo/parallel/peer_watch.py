@@ -49,6 +49,7 @@ _PORT_KEY = "jzo/peer_watch/port"
 _CONNECT_S = 300
 _DRAIN_S = 2.0
 _LAST_OUT_S = 10.0  # at a clean end, how long process 0 waits for the others to exit
+_STOPPING_S = _DRAIN_S + 10.0  # the most a peer's stop takes here, from the news to the exit
 _DIED = 1  # the status of a process whose peer ended without a word
 
 
@@ -150,7 +151,7 @@ class PeerWatch:
     if self._peer_gone.wait(seconds):
       # The listener thread exits the process once process 0 has told the
       # others (`_drain`, seconds at most); past that the caller reports.
-      time.sleep(_DRAIN_S + _LAST_OUT_S)
+      time.sleep(_STOPPING_S)
 
   # ---------------------------------------------------------------- inside
   def _say_all(self, line: str) -> None:
