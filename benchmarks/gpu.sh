@@ -204,9 +204,11 @@ for part in "$@"; do
           >>"$OUT/$part.log" 2>&1
         echo "$part: $model: exit $?"
       done ;;
-    soak)  # one checkpoint kept (16 GiB of fp32 state a checkpoint), a second while one is written
+    soak)  # one checkpoint kept (16 GiB of fp32 state a checkpoint), a second while one is written;
+      # all of the optimizer state on the host (the default offloads only what does not fit)
       bench $part $part soak.py --model gpt2-1.5b --minutes 9 --checkpoint-minutes 1 --offload \
-        --delayed-update --batch-size 16 --seq-len 1024 --micro-batch auto --keep-checkpoints 1 ;;
+        --offload-fraction 1 --delayed-update --batch-size 16 --seq-len 1024 --micro-batch auto \
+        --keep-checkpoints 1 ;;
     generate)
       bench $part $part generate_speed.py --shape llama-3.1-8b --prompt 2048 --new-tokens 256 \
         --rounds 3 ;;

@@ -29,7 +29,10 @@ with what is allocated beside that pool; a leak inside it shows in the
 allocator's peak.
 
 Reported: each memory figure at the end of the first checkpoint, its largest
-after it and its last before the stop, with their growth over the first (%);
+after it and its last before the stop, with their growth over the first (%),
+and its value just before each later save begins (the run between saves,
+without a save's transient buffers: a leak shows there) with the last's
+growth over the first;
 each checkpoint's step, end, save seconds (to within --interval) and memory;
 in windows of --window-s from the first step, steps/s as 1 / the median
 step_s (the first 2 steps left out) and as the steps the window completed,
@@ -38,7 +41,8 @@ first's; and the stop: seconds to exit, status, the checkpoint it wrote. The
 record holds the samples every --record-every seconds and every step's time.
 
   python3 benchmarks/soak.py --model gpt2-1.5b --minutes 9 --checkpoint-minutes 1 \\
-      --offload --delayed-update --batch-size 16 --seq-len 1024 --keep-checkpoints 1
+      --offload --offload-fraction 1 --delayed-update --batch-size 16 --seq-len 1024 \\
+      --keep-checkpoints 1
   python3 benchmarks/soak.py --model tiny --minutes 0.3 --checkpoint-minutes 0.05 \\
       --window-s 6 --batch-size 2 --seq-len 32 --delayed-update   # a CPU
 """
@@ -248,6 +252,22 @@ def growth(samples: list[list], column: int, first: float, stop: float) -> dict 
           "growth_end_pct": rounded(100 * (end - base) / base, 3)}
 
 
+def before_saves(samples: list[list], column: int, starts: list[float]) -> dict | None:
+  """A sampled figure in the last sample before each of the `starts` (the
+  saves after the first): the run's settled state between saves, where a
+  save's own transient buffers are gone. Its values (GiB) and the last's
+  growth over the first (%); None with fewer than two."""
+  values = []
+  for start in starts:
+    seen = [row[column] for row in samples if row[0] < start and row[column] is not None]
+    if seen:
+      values.append(seen[-1])
+  if len(values) < 2 or not values[0]:
+    return None
+  return {"gib": [rounded(v) for v in values],
+          "growth_pct": rounded(100 * (values[-1] - values[0]) / values[0], 3)}
+
+
 def windows(steps: list[list], first: float, stop: float, length: float) -> list[dict]:
   """Steps/s in each full window of `length` s from `first` to `stop`."""
   out = []
@@ -276,6 +296,11 @@ def summary(args, watcher: Watch, every: int, signalled: float) -> dict:
   memory = {name: None if first_end is None else growth(watcher.samples, column, first_end,
                                                           signalled)
             for name, column in (("host_rss", 1), ("gpu_memory", 2), ("allocator_peak", 3))}
+  # A save begins once its step's metrics line is written.
+  starts = [line_seen[s] for s in periodic[1:] if s in line_seen]
+  for name, column in (("host_rss", 1), ("gpu_memory", 2), ("allocator_peak", 3)):
+    if memory[name]:
+      memory[name]["before_saves"] = before_saves(watcher.samples, column, starts)
   if memory["gpu_memory"]:
     memory["gpu_memory"]["source"] = watcher.gpu_source
   by_window = windows(watcher.steps, first_step, signalled, args.window_s)
@@ -339,6 +364,9 @@ def report(point: dict) -> None:
       print(f"{name}: {g['first_checkpoint_gib']:.3f} GiB at the first checkpoint's end, max "
             f"{g['max_gib']:.3f} ({g['growth_max_pct']:+.2f}%), end {g['end_gib']:.3f} "
             f"({g['growth_end_pct']:+.2f}%)" + (f" [{g['source']}]" if "source" in g else ""))
+      if settled := g["before_saves"]:
+        print(f"  before each later save: {settled['gib'][0]:.3f} to {settled['gib'][-1]:.3f} "
+              f"GiB ({settled['growth_pct']:+.2f}%)")
   rates = " ".join(f"{w['steps_per_s']:.2f}" if w["steps_per_s"] else "-"
                    for w in point["windows"])
   print(f"steps/s per {point['window_s']:g} s: {rates}; last/first "

@@ -201,6 +201,9 @@ def test_soak_samples_memory_and_steps_across_checkpoints_to_the_stop(records):
   assert [c["step"] for c in saved] == list(range(every, every * len(saved) + 1, every))
   rss = point["host_rss"]
   assert 0 < rss["first_checkpoint_gib"] == saved[0]["rss_gib"] <= rss["max_gib"], rss
+  if len(saved) >= 3:  # the RSS just before each save after the first
+    settled = rss["before_saves"]
+    assert len(settled["gib"]) == len(saved) - 1 and min(settled["gib"]) > 0, settled
   assert point["gpu_memory"] is None and point["allocator_peak"] is None  # a CPU
   assert point["trained_s"] >= 0.3 * 60 - 0.1 and point["steps_done"] >= saved[-1]["step"]
   steps = point["step_series"]["rows"]

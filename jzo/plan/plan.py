@@ -190,12 +190,13 @@ class Plan:
     memory and one set of landing buffers (not streamed), where some of them
     have a host part, and one device in all. Two H200s driven by one
     process so trained on wrong weights (gpt2-350m's loss went from 10.4 to
-    15.2 at the second update, where one H200 went on to 10.1;
-    test_offload_gpu.py holds the case). A process a GPU has not been
-    checked, and its step is compiled the same way as one process's over
-    several devices (a partitioned program, whose donated buffers XLA
-    pairs with outputs itself), so every run over several devices finishes
-    each update before the next step."""
+    15.2 at the second update, where one H200 went on to 10.1), and on right
+    ones with XLA's latency-hiding scheduler off; the forward now reads each
+    layer at the index its wait returns (jzo.parallel.layer_scan), which has
+    not run on two GPUs yet. A process a GPU compiles the same partitioned
+    step. Until two GPUs show the overlap trains as the update first, and at
+    which speed, every run over several devices finishes each update before
+    the next step."""
     return (self.overlap_forward and self.grads_in_params
             and (self.grad_accum == 1 or self.layers_first)
             and not self.offload_params and not self.streamed
