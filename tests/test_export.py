@@ -50,6 +50,7 @@ class Run:
   folder: pathlib.Path  # the recipe's --out
   model: gpt.GPTConfig  # the model the recipe trained
   params: dict  # the engine's float32 params after the last step (numpy)
+  engine: object  # the run's ZeroEngine, closed (its state stays readable)
 
 
 @pytest.fixture(scope="module", params=RUNS)
@@ -65,7 +66,7 @@ def run(request, tmp_path_factory) -> Run:
     m.setattr(loop, "build_engine", keep)
     assert train.main(RECIPE + RUNS[request.param] + ["--out", str(folder)]) == 0
   (model, engine), = built
-  return Run(folder, model, jax.tree.map(np.array, engine.params))
+  return Run(folder, model, jax.tree.map(np.array, engine.params), engine)
 
 
 only_offload = pytest.mark.parametrize("run", ["offload"], indirect=True)
@@ -212,6 +213,19 @@ def test_masters_read_when_indexed_equal_the_masters_read_whole(run):
   assert_same(checkpoint.masters_in_shapes(lazy, shapes), whole)
 
 
+def test_the_live_masters_read_when_indexed_equal_the_params(run):
+  """jzo.checkpoint.live_masters: the engine's masters in full shapes, read
+  from its live state (the host's parts, or the devices' flat and padded
+  ones with a row per layer) a row at a time where indexed."""
+  views = checkpoint.live_masters(run.engine)
+  for view, want in zip(jax.tree.leaves(views), jax.tree.leaves(run.params)):
+    assert view.shape == want.shape and view.dtype == np.float32
+    assert_same(np.asarray(view), want)
+    assert_same(view[want.shape[0] - 1], want[-1])
+    cut = (slice(1, None),) + ((Ellipsis, slice(0, 2)) if want.ndim > 1 else ())
+    assert_same(view[cut], want[cut])
+
+
 def test_masters_in_shapes_undoes_the_engines_flattening():
   """Against partition's own flatten over 3 shards: whole leaves, per-layer
   leaves, leaves already in shape; and what does not fit."""
@@ -246,6 +260,19 @@ def test_a_failed_export_leaves_the_old_one(run, tmp_path, monkeypatch):
     export.export(run.folder, out, overwrite=True, format="jzo")
   assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
   assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the staging folder is gone
+
+
+@pytest.mark.parametrize("given, message", [
+    ("file", "--export {} is a file: give a new or empty folder"),
+    ("folder", "--export {} is not empty: give a new or empty folder")])
+def test_an_export_folder_in_the_way_is_refused_before_training(tmp_path, capsys, given, message):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "weights.bin").write_bytes(b"kept")
+  target = out / "weights.bin" if given == "file" else out
+  assert train.main(RECIPE + ["--out", str(tmp_path / "run"), "--export", str(target)]) == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message.format(target))
+  assert not (tmp_path / "run").exists() and (out / "weights.bin").read_bytes() == b"kept"
 
 
 @only_offload
@@ -383,13 +410,29 @@ def test_a_run_with_a_tokenizer_exports_its_files(run, tmp_path):
   assert _from_pretrained(tmp_path / "out").config.eos_token_id == 1
 
 
+def assert_same_files(got: pathlib.Path, want: pathlib.Path) -> None:
+  """Two Hugging Face folders hold the same files, the same tensors bit for bit."""
+  assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+  for path in want.iterdir():
+    if path.suffix == ".safetensors":
+      a, b = load_file(got / path.name), load_file(path)
+      assert a.keys() == b.keys()
+      for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+    else:
+      assert (got / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_a_llama_run_exports_to_hugging_face_by_default(tmp_path):
   """A Llama preset trained on bytes: its own format with no --format, the
-  byte-level tokenizer, and --format jzo refused."""
+  byte-level tokenizer, and --format jzo refused. The run's --export (its
+  live weights at the end) equals the export of its last checkpoint."""
   folder = tmp_path / "run"
   one_step = [a if a != "2" else "1" for a in RECIPE[:2]] + RECIPE[2:]
   assert train.main(one_step + ["--model", "llama-tiny", "--offload", "--devices", "2",
-                                "--out", str(folder)]) == 0
+                                "--out", str(folder), "--export", str(tmp_path / "live")]) == 0
+  assert_same_files(tmp_path / "live",
+                    export.export(folder, tmp_path / "bf16", dtype="bfloat16").config.parent)
   done = export.export(folder, tmp_path / "out")
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == HF_FILES
   model = _from_pretrained(tmp_path / "out")
@@ -413,9 +456,13 @@ def test_the_command_line_as_users_call_it(tmp_path):
   two_cpus = {**os.environ, "JAX_PLATFORMS": "cpu",
               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   trained = subprocess.run([sys.executable, "-m", "jzo.train", *RECIPE, *RUNS["offload"],
-                            "--out", str(tmp_path / "run")],
+                            "--out", str(tmp_path / "run"), "--export", str(tmp_path / "live")],
                            capture_output=True, text=True, timeout=600, env=two_cpus)
   assert trained.returncode == 0, trained.stderr[-2000:]
+  assert f"weights: {tmp_path / 'live'} (Hugging Face, bfloat16, step 2)" in trained.stdout
+  # --export wrote, from the live state, what the export of the last checkpoint writes.
+  assert_same_files(tmp_path / "live",
+                    export.export(tmp_path / "run", tmp_path / "bf16", dtype="bfloat16").config.parent)
   exported = subprocess.run([sys.executable, "-m", "jzo.export", "--run", str(tmp_path / "run"),
                              "--out", str(tmp_path / "hf")],
                             capture_output=True, text=True, timeout=600)

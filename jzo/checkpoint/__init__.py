@@ -17,8 +17,9 @@ from jzo.checkpoint.files import (SAVE_HOST_BYTES, CheckpointError, CheckpointWr
                                   UnreadableCheckpointError, folder_of, masters_in_shapes,
                                   open_manager, read_masters, release_freed_memory, restore,
                                   restore_readable, save, saved_bytes)
+from jzo.checkpoint.state_dict import live_masters
 
 __all__ = ["SAVE_HOST_BYTES", "CheckpointError", "CheckpointWriteError", "ChecksumError",
-           "UnreadableCheckpointError", "folder_of", "masters_in_shapes", "open_manager",
-           "os_error_text", "read_masters", "release_freed_memory", "restore",
+           "UnreadableCheckpointError", "folder_of", "live_masters", "masters_in_shapes",
+           "open_manager", "os_error_text", "read_masters", "release_freed_memory", "restore",
            "restore_readable", "save", "saved_bytes"]

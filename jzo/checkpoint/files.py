@@ -359,7 +359,8 @@ def read_masters(directory: str | pathlib.Path, step: int | None = None, *,
       raise _unreadable(e, folder, step) from e
   masters = restored["master"]
   if lazy:
-    masters = jax.tree.map(MasterView, masters, is_leaf=lambda x: isinstance(x, SavedLeaf))
+    masters = jax.tree.map(MasterView.of_saved, masters,
+                           is_leaf=lambda x: isinstance(x, SavedLeaf))
   return step, masters
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import Callable
 
 import jax
 import numpy as np
@@ -87,14 +88,32 @@ class SavedLeaf:
 
 
 class MasterView:
-  """A saved leaf read on demand as numpy: `view[index]` reads only the rows
-  of the first axis that `index` selects (checked against the save's
-  checksums where it took them) and applies the rest of `index` to those,
-  so that a caller cutting tensors out of a checkpoint's masters one at a
-  time never holds a leaf whole. `np.asarray(view)` reads it all."""
+  """A leaf read on demand as numpy: `view[index]` reads only the rows of
+  the first axis that `index` selects and applies the rest of `index` to
+  those, so that a caller cutting tensors out of the masters one at a time
+  never holds a leaf whole. `np.asarray(view)` reads it all.
 
-  def __init__(self, saved: SavedLeaf):
-    self.saved, self.shape, self.dtype = saved, saved.shape, saved.dtype
+  read_rows(rows): the rows that `rows` (a slice of the first axis, step 1)
+  selects as numpy, the whole leaf for a scalar. `MasterView.of_saved`
+  reads a checkpoint's leaf (checked against the save's checksums where it
+  took them), `MasterView.of_streamed` the live state."""
+
+  def __init__(self, shape: tuple[int, ...], dtype, read_rows: Callable[[slice], np.ndarray]):
+    self.shape, self.dtype, self.read_rows = tuple(shape), np.dtype(dtype), read_rows
+
+  @classmethod
+  def of_saved(cls, saved: SavedLeaf) -> MasterView:
+    def read_rows(rows: slice) -> np.ndarray:
+      box = (rows,) if saved.shape else ()
+      reading = (saved.store[box].read() if saved.sums is None
+                 else saved.sums.read(saved.store, box))
+      return np.asarray(reading.result())
+    return cls(saved.shape, saved.dtype, read_rows)
+
+  @classmethod
+  def of_streamed(cls, streamed: spans_lib.StreamedArray) -> MasterView:
+    return cls(streamed.shape, streamed.dtype,
+               lambda rows: spans_lib.read_rows(streamed.pieces, rows, streamed.dtype))
 
   @property
   def ndim(self) -> int:
@@ -108,11 +127,8 @@ class MasterView:
     elif isinstance(first, slice) and first.step in (None, 1):
       rows, rest = slice(*first.indices(self.shape[0])[:2]), (slice(None),) + index[1:]
     else:  # anything else (or a scalar leaf): every row, the index applied after
-      rows, rest = slice(None), index
-    box = (rows,) if self.shape else ()
-    reading = (self.saved.store[box].read() if self.saved.sums is None
-               else self.saved.sums.read(self.saved.store, box))
-    return np.asarray(np.asarray(reading.result())[rest])
+      rows, rest = slice(0, self.shape[0] if self.shape else None), index
+    return np.asarray(self.read_rows(rows)[rest])
 
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
     values = self[()]

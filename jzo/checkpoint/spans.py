@@ -137,6 +137,23 @@ def read_whole(pieces, dtype) -> np.ndarray:
   return out
 
 
+def read_rows(pieces, rows: slice, dtype) -> np.ndarray:
+  """Rows [rows.start, rows.stop) of the first axis of a leaf's full shape
+  (the whole leaf for a scalar), read from its pieces (Pieces or HeldPieces)."""
+  layout = pieces.layout
+  if not layout.shape:
+    return pieces.read(0, 0, 1, dtype).reshape(())
+  a, b = rows.start or 0, layout.shape[0] if rows.stop is None else rows.stop
+  row_shape = layout.shape[1:]
+  size = math.prod(row_shape)
+  if not layout.per_layer:  # one flat row holds the whole leaf
+    return pieces.read(0, a * size, b * size, dtype).reshape((b - a,) + row_shape)
+  out = np.empty((b - a,) + row_shape, dtype)
+  for i in range(a, b):  # a layer a row of the pieces
+    out[i - a] = pieces.read(i, 0, size, dtype).reshape(row_shape)
+  return out
+
+
 def row_index(layout: LeafLayout, row: int, column: int) -> tuple[int, ...]:
   """The index of `column` of `row` in a leaf's device part or flat shards:
   (row, column) with a row per layer, else (column,)."""

@@ -56,6 +56,7 @@ from jzo.checkpoint import engine_parts
 from jzo.checkpoint.engine_parts import (adam_on_devices, adam_pieces, codes_entry, int8_moments,
                                          saved_moment_dtype, scales_entry, shard_sharding)
 from jzo.checkpoint.load import load_engine_state
+from jzo.checkpoint.saved_leaf import MasterView
 from jzo.checkpoint.spans import HeldPieces, StreamedArray, StreamedShards, read_whole
 from jzo.host.transfer import host_memory_kind
 from jzo.kernels import quant8
@@ -65,7 +66,7 @@ from jzo.plan import Plan
 from jzo.state.build import ZeroState
 
 __all__ = ["ADAM", "ADAM_FLAT", "OPTIMIZER", "engine_state_dict", "format_of", "full_masters",
-           "load_engine_state", "saved_pieces"]
+           "live_masters", "load_engine_state", "saved_pieces"]
 
 # The formats (see the module docstring).
 ADAM = "adam"  # masters and moments in the params' full shapes, and the count
@@ -84,6 +85,28 @@ def full_masters(trained: ZeroState):
   if not plan.cpu_adam:
     return _full(plan, state.master)
   return _parts(plan, state.master, host.master, np.float32)
+
+
+def live_masters(engine) -> dict:
+  """The float32 master weights of `engine` (a ZeroEngine: anything with
+  `state_dict(streamed=...)`) in full shapes, as `MasterView`s that read
+  the live state, device and host parts, only where indexed: what a Hugging
+  Face export cuts its tensors from at the end of a run, with no checkpoint
+  and no float32 copy of the model on the host. Valid until the next step.
+
+  Raises:
+    ValueError: several processes (each holds only its own shards), or an
+      optimizer other than Adam (whose masters stay flat as the devices
+      keep them).
+  """
+  if engine_parts.several_processes():
+    raise ValueError("the live masters are read in one process; with several, save a "
+                     "checkpoint and export it (python -m jzo.export)")
+  masters = engine.state_dict(streamed=True)["master"]
+  if not all(isinstance(x, StreamedArray) for x in jax.tree.leaves(masters)):
+    raise ValueError("the live masters are read from Adam's state (jzo's or optax's); save a "
+                     "checkpoint of another optimizer's and export it (python -m jzo.export)")
+  return jax.tree.map(MasterView.of_streamed, masters)
 
 
 def format_of(trained: ZeroState) -> str:

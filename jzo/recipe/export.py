@@ -147,24 +147,63 @@ def export(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int |
   # A Hugging Face family's tensors (format hf, the only one it has) are cut
   # out of the masters a layer at a time: read as they are cut, never whole.
   step, config, params = read_run(run, step, hf_config if hf_run else None, lazy=hf_run)
-  if format == "jzo":
-    params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
+  if format == "hf":
+    return _staged_hf(out, run, step, config, params, dtype)
+  params = jax.tree.map(lambda x: x.astype(DTYPES[dtype], copy=False), params)
+  _staged(out, lambda staging: write(staging, step, config, params))
+  return Exported(step, out / "model.safetensors", out / "nnx_state", out / "config.json")
+
+
+def export_engine(engine, run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: int,
+                  config, dtype: str = "bfloat16") -> Exported:
+  """Writes the weights of a run's live engine to `out_dir` as a Hugging
+  Face folder, as `export` does from a checkpoint: cut a layer at a time
+  from the masters where they live (jzo.checkpoint.live_masters), so that
+  neither a checkpoint nor a float32 copy of the model is needed (a 70B
+  model's checkpoint is 400 GB). What `python -m jzo.train --export DIR`
+  does at the end of a run.
+
+  Args:
+    engine: the run's ZeroEngine (one process, Adam), after its last step.
+    run_dir: the run's folder (the files it kept beside its model).
+    step: the steps it trained (`Exported.step`).
+    config: the model's config (gpt.GPTConfig or a Hugging Face family's).
+
+  Raises:
+    ExportError: an `out_dir` in the way, several processes, or an
+      optimizer other than Adam.
+  """
+  run, out = pathlib.Path(run_dir).absolute(), pathlib.Path(out_dir).absolute()
+  _check_out(out, overwrite=False)
+  try:
+    params = checkpoint.live_masters(engine)
+  except ValueError as e:
+    raise ExportError(str(e)) from e
+  if isinstance(config, gpt.GPTConfig):  # jzo.models.gpt2_hf reads a GPT's leaves whole
+    params = jax.tree.map(np.asarray, params)
+  return _staged_hf(out, run, step, config, params, dtype)
+
+
+def _staged_hf(out: pathlib.Path, run: pathlib.Path, step: int, config, params,
+               dtype: str) -> Exported:
+  """`write_hf` into `out`, through a folder beside it; what it wrote."""
+  _staged(out, lambda staging: write_hf(staging, run, config, params, dtype))
+  index, tokenizer = out / hf.INDEX, out / "tokenizer.json"
+  return Exported(step, index if index.exists() else out / hf.SINGLE, None, out / "config.json",
+                  tokenizer if tokenizer.exists() else None)
+
+
+def _staged(out: pathlib.Path, write_into) -> None:
+  """Calls write_into(a new folder beside `out`), then puts that folder in
+  `out`'s place: `out` never holds half an export."""
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = _new_folder_beside(out, "tmp")
   try:
-    if format == "jzo":
-      write(staging, step, config, params)
-    else:
-      write_hf(staging, run, config, params, dtype)
+    write_into(staging)
     _replace(out, staging)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  if format == "jzo":
-    return Exported(step, out / "model.safetensors", out / "nnx_state", out / "config.json")
-  index, tokenizer = out / hf.INDEX, out / "tokenizer.json"
-  return Exported(step, index if index.exists() else out / hf.SINGLE, None, out / "config.json",
-                  tokenizer if tokenizer.exists() else None)
 
 
 def load_run(run: str | pathlib.Path, step: int | None = None):

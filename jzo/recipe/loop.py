@@ -23,7 +23,7 @@ from jzo import checkpoint
 from jzo.parallel import distributed
 from jzo.kernels.cpu_adam import MOMENT_DTYPES
 from jzo.models import decoding
-from jzo.recipe import data as data_lib, models
+from jzo.recipe import data as data_lib, export as export_lib, models
 from jzo.recipe.logs import (Throughput, banner, log_line, peak_tflops, plot, step_record,
                              tensorboard_log)
 from jzo.recipe.options import (ALL_WEIGHTS_FIT, TrainConfig, UserError, check,
@@ -259,6 +259,9 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
   if cfg.sample:
     cfg = with_run_options(cfg, pathlib.Path(cfg.out))
   check(cfg)
+  if cfg.export and jax.process_count() > 1:
+    raise UserError("--export reads the live weights in one process; with several, export a "
+                    "checkpoint: python -m jzo.export --run DIR --out DIR --dtype bfloat16")
   model, params = source_model(cfg)
   check_for_model(cfg, model)
   if cfg.offload:
@@ -358,6 +361,12 @@ def train(cfg: TrainConfig, stop: Interrupts | None = None) -> dict:
                         out.absolute() / "checkpoints" / str(done) if done else None)
     stop.at_once("after the last step")
   engine.close()
+  if cfg.export:
+    try:
+      exported = export_lib.export_engine(engine, out, cfg.export, done, model.config)
+    except export_lib.ExportError as e:
+      raise UserError(f"--export: {e}") from e
+    print(f"\nweights: {exported.config.parent} (Hugging Face, bfloat16, step {done})")
   if primary:
     plot(history, out / "loss.png")
   if cfg.sample_tokens:

@@ -115,6 +115,9 @@ class TrainConfig:
   options (python -m jzo.generate --run talks to it)"""
   out: str = "runs/latest"
   """output folder (config.json, metrics.jsonl, loss.png, checkpoints/)"""
+  export: str = ""
+  """a new or empty folder for the trained weights, written at the end as a Hugging Face folder
+  (bfloat16) from the live state, no checkpoint needed (one process)"""
 
 
 class UserError(Exception):
@@ -161,6 +164,13 @@ def check(cfg: TrainConfig) -> None:
   if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
     raise UserError("--tensorboard writes with the tensorboard package, which is not installed: "
                     "pip install 'jzo[tensorboard]' (or pip install tensorboard)")
+  if cfg.export and cfg.sample:
+    raise UserError("--export writes the weights a run trains, and --sample trains none: "
+                    "python -m jzo.export writes a checkpoint's")
+  export = pathlib.Path(cfg.export) if cfg.export else None
+  if export and export.exists() and (not export.is_dir() or any(export.iterdir())):
+    raise UserError(f"--export {export} is {'a file' if not export.is_dir() else 'not empty'}: "
+                    "give a new or empty folder")
   if cfg.fresh_start_ok and not cfg.resume:
     raise UserError("--fresh-start-ok only applies with --resume")
 
