@@ -573,6 +573,8 @@ TRAIN_MISTAKES = [
     ("sample", ["--sample"], "--sample: no complete checkpoint in"),
     ("tensorboard", ["--tensorboard", "yes"], "Unrecognized options: yes"),
     ("out", ["--out", "/dev/null"], "--out /dev/null is a file, not a folder"),
+    ("export", ["--export", "/dev/null"], "--export /dev/null is a file: give a new or empty"),
+    ("export", ["--export", "exported", "--sample"], "--export writes the weights a run trains"),
     (None, ["--stepz", "3"], "Unrecognized options: --stepz, 3"),
     (None, ["--lr"], "Missing value for argument '--lr'"),
 ]
