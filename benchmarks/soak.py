@@ -293,14 +293,14 @@ def summary(args, watcher: Watch, every: int, signalled: float) -> dict:
                   "rss_gib": rounded(samples[watcher.saved[s]][1]),
                   "gpu_gib": rounded(samples[watcher.saved[s]][2])} for s in periodic]
   first_end = watcher.saved[periodic[0]] if periodic else None
-  memory = {name: None if first_end is None else growth(watcher.samples, column, first_end,
-                                                          signalled)
-            for name, column in (("host_rss", 1), ("gpu_memory", 2), ("allocator_peak", 3))}
   # A save begins once its step's metrics line is written.
   starts = [line_seen[s] for s in periodic[1:] if s in line_seen]
+  memory = {}
   for name, column in (("host_rss", 1), ("gpu_memory", 2), ("allocator_peak", 3)):
-    if memory[name]:
-      memory[name]["before_saves"] = before_saves(watcher.samples, column, starts)
+    figure = None if first_end is None else growth(watcher.samples, column, first_end, signalled)
+    if figure:
+      figure["before_saves"] = before_saves(watcher.samples, column, starts)
+    memory[name] = figure
   if memory["gpu_memory"]:
     memory["gpu_memory"]["source"] = watcher.gpu_source
   by_window = windows(watcher.steps, first_step, signalled, args.window_s)
