@@ -226,6 +226,17 @@ def test_the_live_masters_read_when_indexed_equal_the_params(run):
     assert_same(view[cut], want[cut])
 
 
+def test_an_engines_export_equals_its_last_checkpoints(run, tmp_path):
+  """export_engine writes, from the engine, what `export` writes in
+  bfloat16 from the checkpoint of the same step; an output in the way is refused."""
+  done = export.export_engine(run.engine, run.folder, tmp_path / "live", 2, run.model)
+  assert done.step == 2
+  assert_same_files(tmp_path / "live",
+                    export.export(run.folder, tmp_path / "saved", dtype="bfloat16").config.parent)
+  with pytest.raises(export.ExportError, match=r"output folder .*/live is not empty$"):
+    export.export_engine(run.engine, run.folder, tmp_path / "live", 2, run.model)
+
+
 def test_masters_in_shapes_undoes_the_engines_flattening():
   """Against partition's own flatten over 3 shards: whole leaves, per-layer
   leaves, leaves already in shape; and what does not fit."""

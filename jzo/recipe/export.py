@@ -174,7 +174,7 @@ def export_engine(engine, run_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
       optimizer other than Adam.
   """
   run, out = pathlib.Path(run_dir).absolute(), pathlib.Path(out_dir).absolute()
-  _check_out(out, overwrite=False)
+  _check_out(out, overwrite=None)
   try:
     params = checkpoint.live_masters(engine)
   except ValueError as e:
@@ -354,12 +354,14 @@ def load_safetensors(path: str | pathlib.Path) -> tuple[gpt.GPTConfig, dict]:
     return config, traverse_util.unflatten_dict({k: f.get_tensor(k) for k in f.keys()}, sep=".")
 
 
-def _check_out(out: pathlib.Path, overwrite: bool) -> None:
-  """Refuses an output path that is a file, or a folder with files unless `overwrite`."""
+def _check_out(out: pathlib.Path, overwrite: bool | None) -> None:
+  """Refuses an output path that is a file, or a folder with files unless
+  `overwrite` (None: no overwriting is offered)."""
   if out.exists() and not out.is_dir():
     raise ExportError(f"output {out} is a file, not a folder")
   if out.is_dir() and any(out.iterdir()) and not overwrite:
-    raise ExportError(f"output folder {out} is not empty (overwrite: --overwrite)")
+    raise ExportError(f"output folder {out} is not empty"
+                      + (" (overwrite: --overwrite)" if overwrite is not None else ""))
 
 
 def _replace(out: pathlib.Path, staging: pathlib.Path) -> None:
