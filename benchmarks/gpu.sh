@@ -33,7 +33,7 @@
 #                      card): model TFLOPS, GPU and host memory against the plan
 #   moe                Qwen3-30B-A3B on 2 GPUs (stage 3, int8 moments on the host) in jzo, and
 #                      cut to 16 layers in jzo and in transformers' Qwen3MoeForCausalLM under
-#                      DeepSpeed ZeRO-3 + CPU offload
+#                      DeepSpeed ZeRO-3 + CPU offload, 3 rounds in turn
 #   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
 #                      full shape
 #   deepspeed-70b      on 4 GPUs, DeepSpeed ZeRO-3 with its weights and optimizer on the CPU
@@ -144,15 +144,19 @@ for part in "$@"; do
       # Qwen3-30B-A3B on 2 GPUs with int8 moments on the host. DeepSpeed ZeRO-3 with its
       # optimizer on the CPU keeps 22.6 bytes a parameter there (measured): of the 251 GiB
       # host, a cut to 16 of the 48 layers (10.6B parameters) is the largest it trains. Both
-      # train that cut, one after the other; then jzo trains the whole shape.
-      bench $part $part-jzo-cut16 train_llama.py --model qwen3-30b-a3b --n-layer 16 --gpus 2 \
-        --seq-len 4096 --batch 4 --stage 3 --grads-in-params --moments int8 --configs auto \
-        --steps 5
-      bench $part $part-deepspeed-cut16 peers_hf.py --shape qwen3-30b-a3b --n-layer 16 \
-        --system deepspeed --zero-stage 3 --gpus 2 --seq-len 4096 --micro-batch 4 --steps 4 \
-        --timeout 900
+      # train that cut in three rounds, in turn; then jzo with the update before the forward,
+      # and jzo on the whole shape.
+      cut="--model qwen3-30b-a3b --n-layer 16 --gpus 2 --seq-len 4096 --batch 4 --stage 3
+        --grads-in-params --moments int8 --configs auto --steps 5"
+      for round in 1 2 3; do
+        bench $part $part-jzo-cut16-$round train_llama.py $cut
+        bench $part $part-deepspeed-cut16-$round peers_hf.py --shape qwen3-30b-a3b --n-layer 16 \
+          --system deepspeed --zero-stage 3 --gpus 2 --seq-len 4096 --micro-batch 4 --steps 4 \
+          --timeout 900
+      done
+      bench $part $part-jzo-cut16-update-first train_llama.py $cut --no-overlap-forward
       bench $part $part-jzo train_llama.py --model qwen3-30b-a3b --gpus 2 --seq-len 4096 \
-        --batch 4 --stage 3 --grads-in-params --moments int8 --configs auto --steps 5 ;;
+        --batch 4 --stage 3 --grads-in-params --moments int8 --configs auto --steps 4 ;;
     deepspeed-llama8b)
       bench $part $part-jzo train_llama.py --model llama-3.1-8b --n-layer 14 --seq-len 4096 \
         --batch 4 --configs auto_dpu --steps 10

@@ -346,15 +346,16 @@ def test_cpu_devices_do_not_overlap_the_update():
   assert e.plan.overlaps_update and not e.overlaps_update
 
 
-def test_several_devices_plan_no_overlap():
-  """Two GPUs driven by one process trained on wrong weights with the
-  overlap: a plan over several devices finishes each update before the
-  next step, so the memory it counts is the update-first engine's (no
-  fetched layers)."""
-  one, two = engine(1, grads_in_params=True), engine(2, grads_in_params=True)
-  assert one.plan.overlaps_update and not two.plan.overlaps_update
-  assert "fetched layers" in one.plan.device_peak(0)
-  assert "fetched layers" not in two.plan.device_peak(0)
+def test_the_plan_counts_the_fetched_layers_on_one_device_or_several():
+  """The overlapped forward fetches each layer's new weights over one device
+  or several; the plan counts them in the GPU peak either way, and not where
+  the update comes first."""
+  for n in (1, 2):
+    overlapped = engine(n, grads_in_params=True)
+    update_first = engine(n, grads_in_params=True, overlap_forward=False)
+    assert overlapped.plan.overlaps_update and not update_first.plan.overlaps_update
+    assert "fetched layers" in overlapped.plan.device_peak(0)
+    assert "fetched layers" not in update_first.plan.device_peak(0)
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -312,8 +312,8 @@ def _fetching_scan(step, wait, carry, layers, landing):
       if host is not None:  # after the row's device part, which the last step wrote
         # Row j, the callback's answer (equal to i): an index the copy cannot
         # have before the callback returns, a stronger order than the barrier's.
-        # Reading row i, two H200s in one process read wrong weights
-        # (gpt2-350m), and right ones with XLA's latency-hiding scheduler off.
+        # Reading row i, XLA's latency-hiding scheduler on two GPUs started the
+        # copy before the wait returned, and the step read the last weights.
         row = on_device(_row(host, j))[None]
         start = (i,) + (0,) * (x.ndim - 2) + (x.shape[-1] - row.shape[-1],)
         x = jax.lax.dynamic_update_slice(x, row, start)

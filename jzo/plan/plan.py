@@ -188,19 +188,13 @@ class Plan:
     `wait`): asked for (`overlap_forward`), with grads_in_params, one
     micro-batch or the layers first, the stacked layers' weights in device
     memory and one set of landing buffers (not streamed), where some of them
-    have a host part, and one device in all. Two H200s driven by one
-    process so trained on wrong weights (gpt2-350m's loss went from 10.4 to
-    15.2 at the second update, where one H200 went on to 10.1), and on right
-    ones with XLA's latency-hiding scheduler off; the forward now reads each
-    layer at the index its wait returns (jzo.parallel.layer_scan), which has
-    not run on two GPUs yet. A process a GPU compiles the same partitioned
-    step. Until two GPUs show the overlap trains as the update first, and at
-    which speed, every run over several devices finishes each update before
-    the next step."""
+    have a host part. On one device or several, in one process or a process
+    a device: each layer is read at the index its wait returns
+    (jzo.parallel.layer_scan)."""
     return (self.overlap_forward and self.grads_in_params
             and (self.grad_accum == 1 or self.layers_first)
             and not self.offload_params and not self.streamed
-            and self.n_devices == 1 and bool(self.overlapped_leaves()))
+            and bool(self.overlapped_leaves()))
 
   def layer_leaves(self) -> list[int]:
     """Indices (jax.tree.leaves order) of the leaves of the `layers`
