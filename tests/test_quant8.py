@@ -199,6 +199,35 @@ def test_an_element_whose_gradient_stops_keeps_a_step_of_about_the_learning_rate
   assert largest["fp32"] < 1.01 and largest["int8"] < 3, largest
 
 
+def test_the_first_steps_of_a_warm_up_move_as_with_float32_moments():
+  """A GPT's first Adam steps from scratch, the learning rate rising from 0
+  as the recipe's warm-up does: the second moments are at their smallest
+  and most spread, and each step is about the learning rate on every
+  element. int8 moments move the weights as float32 ones do (the same
+  size, the same direction), so a loss that rises in those steps is not
+  the moments' rounding."""
+  from jzo.models import gpt
+  config = gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=256)
+  params = gpt.init_params(config, jax.random.key(0))
+  grad = jax.jit(jax.grad(lambda p, b: gpt.loss_fn(config, p, b)))
+  warm_up = lambda count: 1e-4 * count / 1000
+  txs = {name: jzo.cpu_adamw(warm_up, weight_decay=0.0, mu_dtype=m, nu_dtype=m)
+         for name, m in (("fp32", None), ("int8", INT8))}
+  states = {name: tx.init(params) for name, tx in txs.items()}
+  rng = np.random.default_rng(0)
+  for step in range(1, 7):
+    g = grad(params, {"tokens": jnp.asarray(rng.integers(0, 256, (8, 65)), jnp.int32)})
+    updates = {}
+    for name, tx in txs.items():
+      updates[name], states[name] = tx.update(g, states[name], params)
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(updates[name])])
+            for name in ("fp32", "int8"))
+    if step > 1:  # the first learning rate is 0
+      assert abs(np.linalg.norm(b) / np.linalg.norm(a) - 1) < 0.01, step
+      assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.999, step
+    params = optax.apply_updates(params, updates["fp32"])  # both see the same gradients
+
+
 @contextlib.contextmanager
 def int8_codes(way):
   """The kernel's int8 codes found by `way` ('gather' or 'computed')."""
