@@ -36,6 +36,9 @@
 #                      DeepSpeed ZeRO-3 + CPU offload, 3 rounds in turn
 #   deepspeed-llama8b  llama-3.1-8b cut to 14 layers in jzo and in DeepSpeed; DeepSpeed on the
 #                      full shape
+#   llama-70b          on 4 GPUs, a full fine-tune of llama-3.1-70b's shape (a folder of random
+#                      bf16 weights) through the recipe: chat data, seq 4096, global batch 32,
+#                      stage 3 + grads_in_params, int8 moments, --export (finetune_hf.py)
 #   deepspeed-70b      on 4 GPUs, DeepSpeed ZeRO-3 with its weights and optimizer on the CPU
 #                      training transformers' Llama of llama-3.1-70b's shape, then cut to 40
 #                      and 20 layers
@@ -164,6 +167,11 @@ for part in "$@"; do
         --seq-len 4096 --micro-batch 4 --steps 8
       bench $part $part-full peers_hf.py --shape llama-3.1-8b --system deepspeed --seq-len 4096 \
         --micro-batch 4 --steps 4 ;;
+    llama-70b)  # the input's shards go once the run has them: the disk holds the model once
+      bench $part $part finetune_hf.py --model llama-3.1-70b --steps 6 --drop-input \
+        --work /tmp/llama-70b --seq-len 4096 --batch-size 32 --stage 3 --grads-in-params \
+        --moments int8
+      rm -rf /tmp/llama-70b ;;
     deepspeed-70b)
       for layers in 80 40 20; do
         bench $part $part-$layers peers_hf.py --shape llama-3.1-70b --n-layer $layers \

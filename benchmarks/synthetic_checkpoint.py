@@ -90,6 +90,35 @@ def write_tokenizer(folder: pathlib.Path) -> None:
        "chat_template": CHATML}, indent=2) + "\n", encoding="utf-8")
 
 
+def write_folder(config, out: pathlib.Path, shard_gb: float = 5.0, seed: int = 0) -> dict:
+  """Writes `config`'s shape into `out` (which exists, empty): random bf16
+  shards with an index, config.json and the byte tokenizer; the point."""
+  start = time.perf_counter()
+  hf.save_pretrained(str(out), config, random_params(config, seed), dtype="bfloat16",
+                     max_shard_bytes=int(shard_gb * 1e9))
+  write_tokenizer(out)
+  seconds = time.perf_counter() - start
+  written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+  return {"status": "ok", "n_layer": config.n_layer, "n_params": config.n_params,
+          "bytes": written, "seconds": seconds, "gb_per_s": written / seconds / 1e9}
+
+
+def preset(name: str, n_layer: int | None = None, vocab_size: int | None = None):
+  """The config of preset `name` of a Hugging Face family, with other sizes
+  where given; ValueError naming the problem for an unknown preset or a
+  vocabulary the tokenizer does not fit."""
+  presets = {**llama.PRESETS, **gemma.PRESETS}
+  if name not in presets:
+    raise ValueError(f"--model {name!r} is not a preset of a Hugging Face family: "
+                     f"{', '.join(presets)}")
+  config = dataclasses.replace(presets[name], n_layer=n_layer or presets[name].n_layer,
+                               vocab_size=vocab_size or presets[name].vocab_size)
+  if config.vocab_size < 256 + len(SPECIAL):
+    raise ValueError(f"the vocabulary of {config.vocab_size} is smaller than the tokenizer's "
+                     f"{256 + len(SPECIAL)} ids: give --vocab-size")
+  return config
+
+
 def main() -> None:
   parser = harness.parser(__doc__)
   parser.add_argument("--model", required=True, help="a preset of the Hugging Face families "
@@ -101,31 +130,17 @@ def main() -> None:
   parser.add_argument("--shard-gb", type=float, default=5.0, help="most GB of one shard")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
-  presets = {**llama.PRESETS, **gemma.PRESETS}
-  if args.model not in presets:
-    parser.error(f"--model {args.model!r} is not a preset of a Hugging Face family: "
-                 f"{', '.join(presets)}")
-  config = presets[args.model]
-  config = dataclasses.replace(config, n_layer=args.n_layer or config.n_layer,
-                               vocab_size=args.vocab_size or config.vocab_size)
-  if config.vocab_size < 256 + len(SPECIAL):
-    parser.error(f"the vocabulary of {config.vocab_size} is smaller than the tokenizer's "
-                 f"{256 + len(SPECIAL)} ids: give --vocab-size")
+  try:
+    config = preset(args.model, args.n_layer, args.vocab_size)
+  except ValueError as e:
+    parser.error(str(e))
   out = pathlib.Path(args.out)
   if out.exists() and any(out.iterdir()):
     parser.error(f"--out {out} holds files")
   out.mkdir(parents=True, exist_ok=True)
-  start = time.perf_counter()
-  hf.save_pretrained(str(out), config, random_params(config, args.seed), dtype="bfloat16",
-                     max_shard_bytes=int(args.shard_gb * 1e9))
-  write_tokenizer(out)
-  seconds = time.perf_counter() - start
-  written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-  point = {"status": "ok", "model": args.model, "n_layer": config.n_layer,
-           "n_params": config.n_params, "bytes": written, "seconds": seconds,
-           "gb_per_s": written / seconds / 1e9}
-  print(f"{args.model}: {config.n_params / 1e9:.2f}B parameters, {written / 1e9:.1f} GB in "
-        f"{seconds:.0f} s ({point['gb_per_s']:.2f} GB/s) to {out}")
+  point = {"model": args.model, **write_folder(config, out, args.shard_gb, args.seed)}
+  print(f"{args.model}: {config.n_params / 1e9:.2f}B parameters, {point['bytes'] / 1e9:.1f} GB "
+        f"in {point['seconds']:.0f} s ({point['gb_per_s']:.2f} GB/s) to {out}")
   harness.write_record(args.json, "synthetic_checkpoint", args, [point], with_devices=False)
 
 

@@ -52,6 +52,10 @@ RUNS = {  # name: (script, arguments)
     "soak": ("soak.py", ["--model", "tiny", "--minutes", "0.3", "--checkpoint-minutes", "0.05",
                          "--window-s", "6", "--calibration-steps", "6", "--batch-size", "2",
                          "--seq-len", "32", "--delayed-update"]),
+    "finetune_hf": ("finetune_hf.py", ["--model", "llama-tiny", "--vocab-size", "320", "--n-layer",
+                                       "3", "--shard-gb", "0.0005", "--steps", "3",
+                                       "--drop-input", "--seq-len", "32", "--batch-size", "4",
+                                       "--stage", "3", "--grads-in-params", "--offload"]),
     "reproducibility-cost": ("reproducibility.py", ["cost", "--smoke", "--rounds", "2",
                                                     "--shapes", "gpt2-1.5b"]),
     "reproducibility-bitwise": ("reproducibility.py", ["bitwise", "--smoke", "--steps", "8",
@@ -187,6 +191,20 @@ def test_generate_speed_against_transformers(records):
   check_positive(ours, ("param_bytes", "copy_bandwidth_gb_s", "decode_limit_tokens_per_s"))
   ratio = ours["decode_vs_transformers_dynamic_cache"]
   assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+
+
+def test_finetune_hf_trains_a_written_folder_and_checks_its_export(records):
+  """A folder of the preset's shape written in shards, chat data, the
+  recipe's run with the input's other shards removed after its first step,
+  and the export read back: its tensor moved by Adam's steps."""
+  (point,) = points(records, "finetune_hf")
+  assert point["status"] == "ok" and point["steps"] == 3 and point["n_layer"] == 3, point
+  assert point["input_bytes_dropped"] > 0 and point["conversations"] > 0
+  check_positive(point, ("step_s", "tokens_per_s", "host_rss_peak_gib", "planned_host_gib",
+                         "import_host_peak_gib", "export_s", "tensors"))
+  assert point["transformers_config"] == "LlamaConfig" and point["shards"] >= 1
+  assert point["within_adam"] and 0 < point["elements_moved"] <= 1, point
+  assert point["allocator_peak_gib"] is None  # a CPU
 
 
 def test_soak_samples_memory_and_steps_across_checkpoints_to_the_stop(records):
