@@ -274,6 +274,34 @@ def test_the_recipe_runs_as_two_processes_from_its_flags(tmp_path):
     assert not ALARMING.search(output.replace("\r", "\n")), output[-3000:]
 
 
+def test_export_at_the_end_is_refused_for_several_processes_at_start(tmp_path):
+  """--export reads the live weights in one process: a pair asked for it
+  exits at once, before any step runs, each process with one line that
+  says how to export (the first to refuse says it; the other names it)."""
+  run = tmp_path / "run"
+  command = [sys.executable, "-m", "jzo.train", "--model", "tiny", "--seq-len", "32",
+             "--batch-size", "4", "--steps", "2", "--sample-tokens", "0", "--out", str(run),
+             "--export", str(tmp_path / "export"), "--coordinator",
+             f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+  procs = [subprocess.Popen(command + ["--process-id", str(i)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  refusal = ("error: --export reads the live weights in one process; with several, export a "
+             "checkpoint: python -m jzo.export --run DIR --out DIR --dtype bfloat16")
+  lines = [[line for line in err.splitlines() if line] for _, err in outputs]
+  assert [p.returncode for p in procs] == [2, 2], outputs
+  assert all(len(own) == 1 and refusal in own[0] for own in lines), lines
+  assert any(own == [refusal] for own in lines), lines
+  assert not (run / "metrics.jsonl").exists() and not (tmp_path / "export").exists()
+
+
 # Process 0 of a pair starts the peer watch, whose other process never connects.
 _LONE_WATCH = """
 import os, time
