@@ -20,7 +20,7 @@ two (which compile); the GPU and host peaks against the plan the recipe printed 
 (peak)" a device and its host "total"), and the host's peak before the first step (the
 import, leaf by leaf); the export's seconds; and the export checked: transformers reads its
 config and index (where transformers is installed), every tensor the index names is in its
-shard with the input's shape, and --check-tensor differs from the input's by at most what
+shard, and --check-tensor has the input's shape and differs from the input's by at most what
 the run's Adam steps and bf16 rounding allow (each step moves an element by about the
 learning rate), and somewhere by more than nothing.
 
@@ -100,7 +100,7 @@ def shard_of(folder: pathlib.Path, tensor: str) -> pathlib.Path:
   if index.exists():
     weight_map = json.loads(index.read_text())["weight_map"]
     if tensor not in weight_map:
-      raise SystemExit(f"--check-tensor {tensor!r} is not in {index}")
+      raise soak.Failed("error", [f"--check-tensor {tensor!r} is not in {index}"])
     return folder / weight_map[tensor]
   return folder / "model.safetensors"
 
@@ -123,8 +123,8 @@ def drop_shards(folder: pathlib.Path, keep: pathlib.Path) -> int:
 
 def check_export(export: pathlib.Path, source: pathlib.Path, tensor: str, steps: int,
                  lr: float) -> dict:
-  """The export read back: its index's tensors in their shards with the
-  shapes of the source's config, and `tensor` against the source's."""
+  """The export read back: its index's tensors in their shards, and
+  `tensor` against the source's (its shape, how far each element moved)."""
   result = {}
   try:
     import transformers
@@ -141,13 +141,15 @@ def check_export(export: pathlib.Path, source: pathlib.Path, tensor: str, steps:
     with safetensors.safe_open(str(export / shard), "np") as f:
       missing = {n for n, s in weight_map.items() if s == shard} - set(f.keys())
     if missing:
-      raise SystemExit(f"{export / shard} lacks {sorted(missing)[:3]}, which the index names")
+      raise soak.Failed("error", [f"{export / shard} lacks {sorted(missing)[:3]}, which the "
+                                  "index names"])
   result["tensors"] = len(weight_map)
   result["shards"] = len(set(weight_map.values()))
   before = read_tensor(shard_of(source, tensor), tensor)
   after = read_tensor(shard_of(export, tensor), tensor)
   if before.shape != after.shape:
-    raise SystemExit(f"{tensor}: exported shape {after.shape}, the input's {before.shape}")
+    raise soak.Failed("error", [f"{tensor}: exported shape {after.shape}, the input's "
+                                f"{before.shape}"])
   moved = np.abs(after - before)
   # Adam moves an element about the learning rate a step (int8 moments: at
   # most 2.1 times); bf16 rounds the float32 master to 2^-8 of its size.
