@@ -125,7 +125,7 @@ for part in "$@"; do
       bench $part $part train_gpt.py --configs offload --model gpt2-20b --moments int8 --stage 3 \
         --grads-in-params --batch 32 --steps 3 --compiled-memory --timeout 540 ;;
     largest-per-gpus)
-      bench $part $part largest_model.py --gpus $GPUS --run --limit 450 ;;
+      bench $part $part largest_model.py --gpus $GPUS --moments fp32 int8 --run --limit 450 ;;
     delayed-update) bench $part $part figures.py dpu ;;
     llama-1b) bench $part $part figures.py llama-1b --rounds 3 ;;
     scaling) bench $part $part figures.py scale-1.5b scale-13b scale-ds --gpus $GPUS ;;

@@ -234,32 +234,38 @@ def fig_scaling(record: dict, path: str) -> None:
 
 def fig_largest_per_gpus(record: dict, path: str) -> None:
   """The largest GPT the planner fits with offload on each GPU count, as
-  trained: its parameters, model TFLOPS a GPU, and the host's and GPU's
-  peaks against the plan's (the GPU's: its step's or its build's)."""
+  trained, a bar for each dtype of the Adam moments: its parameters, model
+  TFLOPS a GPU, and the host's and GPU's peaks against the plan's (the
+  GPU's: its step's or its build's)."""
   points = record["points"]
-  fig, ax = plt.subplots(figsize=(9, 5))
+  counts = sorted({p["gpus"] for p in points})
+  moments = list(dict.fromkeys(p.get("moments", "fp32") for p in points))
+  width = 0.8 / len(moments)
+  fig, ax = plt.subplots(figsize=(min(3 + 2.5 * len(counts) * len(moments) ** 0.5, 12), 5.5))
   sizes = [size_b(p) for p in points]
-  ax.bar(range(len(points)), sizes, 0.55, color="tab:blue", alpha=0.85, edgecolor="black", lw=0.5)
-  for x, p in enumerate(points):
-    run = p.get("trained", {"status": "not run"})
-    trained = (f"trained: {run['tflops']:.0f} model TFLOPS a GPU\n"
-               f"host RSS {run['host_rss_peak_gib']:.1f} GiB (plan {run['planned_host_gib']:.1f})\n"
-               f"GPU peak {run['peak_gpu_gib']:.1f} GiB (plan "
-               f"{max(run['planned_gpu_gib'], run.get('planned_build_gib', 0)):.1f})"
-               if run["status"] == "ok" else FAILED.get(run["status"], run["status"]))
-    ax.text(x, size_b(p) + max(sizes) * 0.02,
-            f"{size_b(p):.2f}B, {p['n_layer']} layers\n"
-            f"{100 * run.get('offloaded_fraction', 1):.0f}% of the state on the host\n{trained}",
-            ha="center", va="bottom", fontsize=8)
-  ax.set_xticks(range(len(points)), [f"{p['gpus']} GPU{'s' * (p['gpus'] > 1)}\n"
-                                     f"{p.get('machine', '')}" for p in points], fontsize=9)
+  for k, dtype in enumerate(moments):
+    for p in (p for p in points if p.get("moments", "fp32") == dtype):
+      x = counts.index(p["gpus"]) + (k - (len(moments) - 1) / 2) * width
+      ax.bar(x, size_b(p), width * 0.9, color=f"C{k}", alpha=0.85, edgecolor="black", lw=0.5,
+             label=f"{dtype} moments" if p["gpus"] == min(counts) else None)
+      run = p.get("trained", {"status": "not run"})
+      trained = (f"{run['tflops']:.0f} TFLOPS a GPU\n"
+                 f"host {run['host_rss_peak_gib']:.0f} GiB ({run['planned_host_gib']:.0f})\n"
+                 f"GPU {run['peak_gpu_gib']:.1f} GiB "
+                 f"({max(run['planned_gpu_gib'], run.get('planned_build_gib', 0)):.1f})"
+                 if run["status"] == "ok" else FAILED.get(run["status"], run["status"]))
+      ax.text(x, size_b(p) + max(sizes) * 0.02,
+              f"{size_b(p):.2f}B\n{p['n_layer']} layers\n{trained}",
+              ha="center", va="bottom", fontsize=7)
+  ax.set_xticks(range(len(counts)), [f"{n} GPU{'s' * (n > 1)}" for n in counts], fontsize=9)
   ax.set_ylabel("largest GPT trained (billions of parameters)")
-  ax.set_ylim(0, max(sizes, default=1) * 1.45)
+  ax.set_ylim(0, max(sizes, default=1) * 1.6)
   ax.grid(axis="y", alpha=0.3)
+  ax.legend(loc="upper left", fontsize=8)
   base = points[0] if points else {}
   ax.set_title("The largest model per GPU count with offload: the planner's answer, trained\n"
-               f"({base.get('base', '')}'s layers, stage 3, {base.get('moments', '')} moments, "
-               f"micro-batch {base.get('batch', '')} a GPU)", fontsize=10)
+               f"({base.get('base', '')}'s layers, stage 3, micro-batch {base.get('batch', '')} "
+               "a GPU; in brackets: the plan)", fontsize=10)
   save(fig, record, path)
 
 
