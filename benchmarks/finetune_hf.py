@@ -33,6 +33,7 @@ learning rate), and somewhere by more than nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import re
@@ -106,7 +107,7 @@ def shard_of(folder: pathlib.Path, tensor: str) -> pathlib.Path:
 
 
 def read_tensor(shard: pathlib.Path, name: str) -> np.ndarray:
-  """Tensor `name` of `shard` as float32 (bf16 read through ml_dtypes)."""
+  """Tensor `name` of `shard` as float32."""
   with safetensors.safe_open(str(shard), "np") as f:
     return np.asarray(f.get_tensor(name)).astype(np.float32)
 
@@ -126,17 +127,15 @@ def check_export(export: pathlib.Path, source: pathlib.Path, tensor: str, steps:
   """The export read back: its index's tensors in their shards, and
   `tensor` against the source's (its shape, how far each element moved)."""
   result = {}
-  try:
+  if importlib.util.find_spec("transformers"):
     import transformers
-  except ImportError:
-    transformers = None
-  if transformers is not None:
-    config = transformers.AutoConfig.from_pretrained(export)
-    result["transformers_config"] = type(config).__name__
+    result["transformers_config"] = type(transformers.AutoConfig.from_pretrained(export)).__name__
   index = export / "model.safetensors.index.json"
-  weight_map = (json.loads(index.read_text())["weight_map"] if index.exists() else
-                {name: "model.safetensors" for name in
-                 safetensors.safe_open(str(export / "model.safetensors"), "np").keys()})
+  if index.exists():
+    weight_map = json.loads(index.read_text())["weight_map"]
+  else:
+    with safetensors.safe_open(str(export / "model.safetensors"), "np") as f:
+      weight_map = dict.fromkeys(f.keys(), "model.safetensors")
   for shard in sorted(set(weight_map.values())):
     with safetensors.safe_open(str(export / shard), "np") as f:
       missing = {n for n, s in weight_map.items() if s == shard} - set(f.keys())

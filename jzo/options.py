@@ -118,7 +118,7 @@ class EngineOptions:
   (None: 0), in place of "auto"'s choice."""
   overlap_forward: bool = True
   """with grads_in_params, one micro-batch or the layers first, the layers'
-  weights in device memory, no landing limit, pinned transfers and one device
+  weights in device memory, no landing limit and pinned transfers
   (`Plan.overlaps_update`), on accelerators (not CPU devices): each step's
   forward runs beside the last step's host update, a layer at a time, each
   layer as soon as the host has its new weights (jzo.parallel.layer_scan).
