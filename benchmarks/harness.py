@@ -261,14 +261,19 @@ def gpu_memory_gib(pids: Sequence[int]) -> tuple[float | None, str | None]:
   """(GiB of GPU memory, where the figure comes from) by nvidia-smi: the
   memory `pids` hold ("process"), or where nvidia-smi lists none of them (a
   container's own process ids) the memory used on every GPU ("device");
-  (None, None) without nvidia-smi (no NVIDIA GPU)."""
+  (None, None) without nvidia-smi (no NVIDIA GPU). "Every GPU" is those
+  CUDA_VISIBLE_DEVICES lists by index, where it does: another job's GPU on the
+  same machine is not counted."""
   if not shutil.which("nvidia-smi"):
     return None, None
   mib = [float(row[1]) for row in nvidia_smi("compute-apps=pid,used_memory")
          if len(row) == 2 and row[0].isdigit() and int(row[0]) in pids and row[1].isdigit()]
   if mib:
     return sum(mib) / 1024, "process"
-  mib = [float(row[0]) for row in nvidia_smi("gpu=memory.used") if row[0].isdigit()]
+  visible = [i.strip() for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+  mib = [float(row[1]) for row in nvidia_smi("gpu=index,memory.used")
+         if len(row) == 2 and row[1].isdigit()
+         and (not all(i.isdigit() for i in visible) or row[0] in visible)]
   return (sum(mib) / 1024, "device") if mib else (None, None)
 
 

@@ -242,6 +242,25 @@ def test_soak_samples_memory_and_steps_across_checkpoints_to_the_stop(records):
   assert point["stop"]["exit"] == 143 and point["stop"]["checkpoint"] == point["steps_done"]
 
 
+def test_the_soaks_gpu_memory_counts_only_the_gpus_it_may_use(tmp_path, monkeypatch):
+  """Where nvidia-smi lists no process of the run's (a container), the soak
+  reads the used memory of the GPUs CUDA_VISIBLE_DEVICES names: another
+  job's GPU on the same machine is left out."""
+  smi = tmp_path / "nvidia-smi"  # lists no process, and 1 GiB and 3 GiB used on GPUs 0 and 1
+  smi.write_text('#!/bin/sh\ncase "$1" in *gpu=index*) printf "0, 1024\\n1, 3072\\n";; esac\n')
+  smi.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  spec = importlib.util.spec_from_file_location("harness", BENCHMARKS / "harness.py")
+  harness = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(harness)
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+  assert harness.gpu_memory_gib([os.getpid()]) == (3.0, "device")
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0, 1")
+  assert harness.gpu_memory_gib([os.getpid()]) == (4.0, "device")
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+  assert harness.gpu_memory_gib([os.getpid()]) == (4.0, "device")
+
+
 def test_reproducibility_cost_times_both_engines_in_turn(records):
   (point,) = points(records, "reproducibility-cost")
   assert point["status"] == "ok" and point["shape"] == "tiny"

@@ -69,27 +69,33 @@ def test_learning_rate_and_warmup_suit_the_model():
   1e-4 for 13B, not the tiny demo's 3e-3, whose loss jumped from 11.5 to
   26.5 at step 3); fine-tuning from a checkpoint warms up over 3% of the
   steps at the fine-tuning rate; the options win over both. From scratch
-  no warm-up is shorter than 1000 steps, past the run's end if it is
+  no warm-up is shorter than 3000 steps, past the run's end if it is
   shorter (gpt2-10b's loss went from 11.6 to 16.4 after one update at a
-  hundredth of its peak rate); fine-tuning's is at least 20 or half the run."""
+  hundredth of its peak rate); fine-tuning's is at least 20 or half the run.
+  The warm-up's first update takes 1/W of the peak, not 0."""
   tiny = models.PRESETS["tiny"]
   cfg = config_lib.parse(train.TrainConfig, ["--steps", "3"])  # test_cli.py trains so
   options.check(cfg)
   assert cfg.warmup is None and options.warmup_steps(cfg, tiny) == 0  # the demo's: a tenth
   assert float(options.lr_schedule(cfg, tiny)(0)) == pytest.approx(3e-3)  # no warm-up
   assert options.warmup_steps(train.TrainConfig(steps=300), tiny) == 30
+  schedule = options.lr_schedule(train.TrainConfig(steps=100, warmup=10), tiny)
+  assert [float(schedule(c)) for c in (0, 8, 9, 54, 99)] == pytest.approx(
+      [3e-4, 2.7e-3, 3e-3, 1.65e-3, 3e-4])  # the peak at update 10, a tenth at the last
   small = train.TrainConfig(model="gpt2-124m", steps=300)
-  assert options.warmup_steps(small, models.PRESETS["gpt2-124m"]) == 1000
-  assert options.warmup_steps(dataclasses.replace(small, steps=30_000),
-                              models.PRESETS["gpt2-124m"]) == 3000
+  assert options.warmup_steps(small, models.PRESETS["gpt2-124m"]) == 3000
+  assert options.warmup_steps(dataclasses.replace(small, steps=50_000),
+                              models.PRESETS["gpt2-124m"]) == 5000
   short = train.TrainConfig(model="gpt2-20b", steps=20, batch_size=32, seq_len=1024)
-  assert options.warmup_steps(short, models.PRESETS["gpt2-20b"]) == 1000
-  assert float(options.lr_schedule(short, models.PRESETS["gpt2-20b"])(19)) == pytest.approx(
-      0.019 * options.peak_lr(short, models.PRESETS["gpt2-20b"]))
+  assert options.warmup_steps(short, models.PRESETS["gpt2-20b"]) == 3000
+  peak, schedule = (options.peak_lr(short, models.PRESETS["gpt2-20b"]),
+                    options.lr_schedule(short, models.PRESETS["gpt2-20b"]))
+  assert [float(schedule(c)) for c in (0, 1, 19)] == pytest.approx(
+      [peak / 3000, 2 * peak / 3000, 20 * peak / 3000])  # never decays
   big = models.PRESETS["gpt2-10b"]
   cfg = train.TrainConfig(model="gpt2-10b", steps=1000, batch_size=32, seq_len=1024)
   assert options.peak_lr(cfg, big) == 1e-4
-  assert options.warmup_steps(cfg, big) == 1000  # 375M tokens would be 11,445 steps
+  assert options.warmup_steps(cfg, big) == 3000  # 375M tokens would be 11,445 steps
   cfg = train.TrainConfig(model="gpt2-10b", steps=200_000, batch_size=32, seq_len=1024)
   assert options.warmup_steps(cfg, big) == 11_445
   tuned = train.TrainConfig(init_from="somewhere", steps=1000)

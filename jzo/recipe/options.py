@@ -299,11 +299,11 @@ def peak_lr(cfg: TrainConfig, model: models.Model) -> float:
 # Training from scratch, the fewest warm-up steps a run takes unless
 # --warmup says, where the model's published warm-up is longer, even past
 # the run's end: Adam's first updates move every weight by about the
-# learning rate at once, and a large model's loss leaps. gpt2-10b (peak
-# 1e-4) over a 100-step warm-up: 11.6 at step 1, 16.4 after one update at
-# 1e-6, 13.1 at step 9; over 1000 steps never above 11.6, and 6.2 at step
-# 10 (7.0 at step 8 either way).
-WARMUP_FLOOR = 1000
+# learning rate at once, and a large model's loss leaps. gpt2-20b (peak
+# 1e-4) over 1000 steps rose from 11.6 to 12.8 at step 5, after updates of
+# 1e-7 to 3e-7; over 3000, gpt2-10b and gpt2-20b stay under their first
+# loss for 20 steps and reach 4.3 by step 20 (docs/results.md).
+WARMUP_FLOOR = 3000
 # Fine-tuning, the fewest warm-up steps (or half of a shorter run).
 FINETUNE_WARMUP_FLOOR = 20
 
@@ -331,12 +331,25 @@ def warmup_line(cfg: TrainConfig, model: models.Model) -> str:
     start = f"{warmup} warm-up steps to {lr:.2g}" if warmup else f"{lr:.2g} from the first step"
     return f"learning rate: {start}, then a cosine decay to {0.1 * lr:.2g}"
   return (f"learning rate: the run ends inside its {warmup}-step warm-up, at "
-          f"{lr * (cfg.steps - 1) / warmup:.2g} (peak {lr:.2g}; --warmup sets the warm-up)")
+          f"{lr * cfg.steps / warmup:.2g} (peak {lr:.2g}; --warmup sets the warm-up)")
 
 
 def lr_schedule(cfg: TrainConfig, model: models.Model) -> optax.Schedule:
-  """Linear warm-up from 0, then cosine decay to a tenth of the peak at the last step."""
-  lr, warmup = peak_lr(cfg, model), warmup_steps(cfg, model)
-  # A run that ends inside its warm-up never decays.
-  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(cfg.steps, warmup + 1),
-                                            end_value=0.1 * lr)
+  """The learning rate of each update, by its count from 0: a linear warm-up
+  over W steps in which update k (from 1) takes peak * k / W, so that none is
+  spent at a rate of 0, then a cosine decay from the peak at update W to a
+  tenth of it at the run's last update. A run that ends inside its warm-up
+  never decays; with W = 0 the first update takes the peak."""
+  peak, warmup = peak_lr(cfg, model), warmup_steps(cfg, model)
+  end = 0.1 * peak
+  decay_from = max(warmup - 1, 0)  # the count of the first update at the peak
+  decay_steps = max(cfg.steps - 1 - decay_from, 1)
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.float32)
+    warming = peak * (count + 1) / max(warmup, 1)
+    progress = jnp.clip((count - decay_from) / decay_steps, 0.0, 1.0)
+    decaying = end + (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+    return jnp.where(count < decay_from, warming, decaying)
+
+  return schedule
