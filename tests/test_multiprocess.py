@@ -344,6 +344,29 @@ print("no news: the error is this process's own", flush=True)
 """
 
 
+# Process 1's end of a watch whose hub (process 0) stops with `sys.argv[1]`.
+_HEARING_A_STOP = """
+import socket, sys
+from jzo.parallel.peer_watch import PeerWatch
+mine, hub = socket.socketpair()
+watch = PeerWatch(1, {0: mine})
+hub.sendall(f"stop {sys.argv[1]} process 0: the reason\\n".encode())
+watch.await_news(30.0)
+"""
+
+
+@pytest.mark.parametrize("status", [1, 2])
+def test_a_peers_stop_is_named_and_resume_offered_unless_it_was_an_error(status):
+  """A crashed peer (1): --resume is the way on. A peer's error (2: its
+  options, data or disk): its own line says what to do, the other's does not
+  offer a resume that would meet the same error."""
+  result = subprocess.run([sys.executable, "-c", _HEARING_A_STOP, str(status)],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == status, result.stderr
+  then = " (--resume continues from the last complete checkpoint)" if status == 1 else ""
+  assert result.stderr.strip() == f"jzo: process 0: the reason; stopping process 1 too{then}"
+
+
 @pytest.mark.parametrize("hub", ["dies", "lives"])
 def test_an_error_waits_for_news_of_a_peer_that_caused_it(hub):
   result = subprocess.run([sys.executable, "-c", _AWAITING_NEWS, hub], capture_output=True,

@@ -51,6 +51,7 @@ _DRAIN_S = 2.0
 _LAST_OUT_S = 10.0  # at a clean end, how long process 0 waits for the others to exit
 _STOPPING_S = _DRAIN_S + 10.0  # the most a peer's stop takes here, from the news to the exit
 _DIED = 1  # the status of a process whose peer ended without a word
+_ERROR = 2  # the status of a process stopped by an error in its options, data or disk
 
 
 class PeerWatch:
@@ -205,8 +206,10 @@ class PeerWatch:
     if self.me == 0:  # the others hear it from the hub
       self._say_all(f"stop {status} {reason}")
       self._drain()
-    _exit(status, f"jzo: {reason}; stopping process {self.me} too (--resume continues "
-                  "from the last complete checkpoint)")
+    # A peer's error (status 2: its options, data or disk) says itself what
+    # comes next; after a crash or a death, the last checkpoint is the way on.
+    then = "" if status == _ERROR else " (--resume continues from the last complete checkpoint)"
+    _exit(status, f"jzo: {reason}; stopping process {self.me} too{then}")
 
   def _exit_last(self) -> None:
     """Process 0 at exit, after `finished`: enters JAX's shutdown barrier,
