@@ -92,6 +92,9 @@ def test_learning_rate_and_warmup_suit_the_model():
                     options.lr_schedule(short, models.PRESETS["gpt2-20b"]))
   assert [float(schedule(c)) for c in (0, 1, 19)] == pytest.approx(
       [peak / 3000, 2 * peak / 3000, 20 * peak / 3000])  # never decays
+  assert options.warmup_line(short, models.PRESETS["gpt2-20b"]) == (
+      "learning rate: the run ends inside its 3000-step warm-up, at 6.7e-07 (peak 0.0001; "
+      "--warmup sets the warm-up)")  # the rate of its last update
   big = models.PRESETS["gpt2-10b"]
   cfg = train.TrainConfig(model="gpt2-10b", steps=1000, batch_size=32, seq_len=1024)
   assert options.peak_lr(cfg, big) == 1e-4
