@@ -49,7 +49,7 @@ class TrainConfig:
   lr: float | None = None
   """peak learning rate, warm-up then cosine decay to a tenth (None: the model's own)"""
   warmup: int | None = None
-  """warm-up steps, which may outlast the run (None: from scratch the model's published warm-up, at most a tenth of --steps but at least 1000, the tiny demo's a tenth; with --init-from 3% of them, at least 20 or half of a shorter run)"""
+  """warm-up steps W (update k takes k/W of the peak), which may outlast the run (None: from scratch the model's published warm-up, at most a tenth of --steps but at least 3000, the tiny demo's a tenth; with --init-from 3% of them, at least 20 or half of a shorter run)"""
   weight_decay: float = 0.1
   """AdamW weight decay"""
   max_grad_norm: float = 1.0
