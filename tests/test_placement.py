@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -406,6 +407,21 @@ def test_the_device_is_checked_against_the_landing_buffers_the_plan_chose(capsys
   assert out.returncode == 1 and f"needs {peak} GiB per device" in out.stdout, out.stdout
 
 
+def test_a_refused_plan_shows_the_plan_its_numbers_are_of(capsys):
+  """gpt2-20b overlapping its forward with the host update needs a whole set
+  of landing buffers; on a host without room for them the planner tries the
+  streamed update, which does not fit either. The table is that plan's, whose
+  host total is the refusal's need less the chunk the build copies through."""
+  out = estimate_here(capsys, "--model", "gpt2-20b", "--moments", "int8", "--stage", "3",
+                      "--grads-in-params", "--batch-size", "32", "--device-gb", "139",
+                      "--host-gb", "118")
+  assert out.returncode == 1 and "landing (streamed)" in out.stdout, out.stdout
+  total = next(float(line.split()[1]) for line in out.stdout.splitlines()
+               if line.split()[:1] == ["total"] and "(peak)" not in line)
+  need = float(re.search(r"needs ([0-9.]+) GiB of host RAM", out.stdout)[1])
+  assert need == pytest.approx(total + plan_lib.BUILD_CHUNK_BYTES / 2**30, abs=0.011)
+
+
 def test_estimate_cli_help_and_bad_input(capsys):
   out = run_estimate("--help")
   assert out.returncode == 0 and "--device-gb" in out.stdout
@@ -447,7 +463,7 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert not saved.fits and saved.plan.checkpoint_bytes == figure
   assert said in saved.error, saved.error
   assert f"it fits without the {figure / 2**30:.2f} GiB a checkpoint's save takes" in saved.error
-  # The refused plan it shows is the GPUs' plan, not checked: their pools, as where it fits.
+  # The refused plan it shows is the GPUs' plan the check refused: their pools, as where it fits.
   assert saved.plan.pool_overhead() == need.plan.pool_overhead() > 0
   assert saved.plan.draw_floor == need.plan.draw_floor == 0
   on_cpus = plan_lib.make_plan(params, 8, jzo.EngineOptions(offload=True), n_devices=8)

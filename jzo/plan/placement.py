@@ -48,7 +48,12 @@ def save_bytes(state: int) -> int:
 
 
 class PlacementError(MemoryError):
-  """A configuration does not fit the memory there is; the message has the numbers."""
+  """A configuration does not fit the memory there is; the message has the
+  numbers, and `plan` is the plan they are of (None where none was made)."""
+
+  def __init__(self, message: str, plan: Plan | None = None):
+    super().__init__(message)
+    self.plan = plan
 
 
 def place(layouts, offload, *, stage: int, n_devices: int):
@@ -169,7 +174,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"does not fit a device: needs {need / GiB:.2f} GiB per device ({parts} GiB), "
           f"{device_memory / GiB:.2f} GiB available"
           + ("; offload more of the optimizer state (offload=... or 'auto')"
-             if plan.cpu_adam and plan.offloaded_fraction < 1 else ""))
+             if plan.cpu_adam and plan.offloaded_fraction < 1 else ""), plan=plan)
     state = sum(plan.device_bytes().values())
     if state + plan.build_bytes() > device_memory:
       raise PlacementError(
@@ -177,7 +182,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"{(state + plan.build_bytes()) / GiB:.2f} GiB (state {state / GiB:.2f}, the leaves "
           f"drawn {plan.build_bytes() / GiB:.2f}), {device_memory / GiB:.2f} GiB available"
           + ("" if plan.sliced_draws else "; an initializer computes each leaf whole, while "
-             "weights from arrays or files are drawn a slice of layers at a time"))
+             "weights from arrays or files are drawn a slice of layers at a time"), plan=plan)
   if plan.cpu_adam and host_memory is not None:
     # Without a device memory the devices are the host's (CPU): the draw is in host RAM.
     building = plan.build_bytes() if device_memory is None else BUILD_CHUNK_BYTES
@@ -191,7 +196,8 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
           f"{what} need {pinned / GiB:.2f} GiB of pinned host memory{per_device} "
           f"(and {BUILD_CHUNK_BYTES / GiB:.2f} to build the state), XLA's pinned pool "
           f"of a device is capped at {pinned_pool_limit() / GiB:.0f} GiB: set "
-          f"{PINNED_POOL_LIMIT_VAR} higher before JAX starts (jzo.plan.limit_pinned_pool)")
+          f"{PINNED_POOL_LIMIT_VAR} higher before JAX starts (jzo.plan.limit_pinned_pool)",
+          plan=plan)
     need, parts = _total_and_parts({**host, "building": building,
                                     "pinned pool overhead": plan.pool_overhead(),
                                     "runtime": plan.runtime_bytes,
@@ -205,7 +211,7 @@ def check_fits(plan: Plan, *, activations: int, device_memory: int | None,
       raise PlacementError(
           f"offloaded optimizer state needs {need / GiB:.2f} GiB of host RAM "
           f"({plan.host_elements:,} parameters incl. padding: {parts} GiB), "
-          f"{host_memory / GiB:.2f} GiB available{without}")
+          f"{host_memory / GiB:.2f} GiB available{without}", plan=plan)
 
 
 def make_plan(shapes, tx_state_bytes: int, options: EngineOptions, *, n_devices: int,
