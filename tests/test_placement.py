@@ -467,10 +467,11 @@ def test_the_host_check_counts_a_checkpoints_save():
   assert saved.plan.pool_overhead() == need.plan.pool_overhead() > 0
   assert saved.plan.draw_floor == need.plan.draw_floor == 0
   on_cpus = plan_lib.make_plan(params, 8, jzo.EngineOptions(offload=True), n_devices=8)
-  with pytest.raises(jzo.PlacementError, match=said):
+  with pytest.raises(jzo.PlacementError, match=said) as refused:
     jzo.ZeroEngine(loss_fn, init_params, TX(), options=jzo.EngineOptions(offload=True),
                    mesh=mesh_of(8), host_memory=total + on_cpus.build_bytes() + figure // 2,
                    checkpoint_memory=checkpoint.SAVE_HOST_BYTES)
+  assert refused.value.plan.checkpoint_bytes == figure  # the plan refused, with the error
   # A large state's save counts the whole of SAVE_HOST_BYTES.
   large = {"w": jax.ShapeDtypeStruct((2**28,), jnp.float32)}
   assert jzo.estimate(large, offload=True, device_memory=10**9, host_memory=1 << 40,
