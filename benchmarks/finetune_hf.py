@@ -45,7 +45,8 @@ import tempfile
 import time
 
 import numpy as np
-import safetensors
+
+from jzo.models import hf_files
 
 import harness
 import soak
@@ -95,21 +96,22 @@ def planned(log: pathlib.Path) -> tuple[float | None, float | None]:
   return (totals[0] if totals else None), (totals[1] if len(totals) > 1 else None)
 
 
-def shard_of(folder: pathlib.Path, tensor: str) -> pathlib.Path:
-  """The shard of `folder` that holds `tensor` (by its index, or the one file)."""
-  index = folder / "model.safetensors.index.json"
-  if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    if tensor not in weight_map:
-      raise soak.Failed("error", [f"--check-tensor {tensor!r} is not in {index}"])
-    return folder / weight_map[tensor]
-  return folder / "model.safetensors"
+def located(folder: pathlib.Path, tensor: str) -> tuple[hf_files.Tensor, dict]:
+  """Where `tensor` lies in `folder`'s checkpoint, and every tensor of it
+  (hf_files.tensors: each shard's header read, each tensor the index names
+  found in its shard)."""
+  try:
+    found = hf_files.tensors(str(folder))
+  except (OSError, ValueError) as e:
+    raise soak.Failed("error", [str(e)]) from None
+  if tensor not in found:
+    raise soak.Failed("error", [f"--check-tensor {tensor!r} is not in {folder}"])
+  return found[tensor], found
 
 
-def read_tensor(shard: pathlib.Path, name: str) -> np.ndarray:
-  """Tensor `name` of `shard` as float32."""
-  with safetensors.safe_open(str(shard), "np") as f:
-    return np.asarray(f.get_tensor(name)).astype(np.float32)
+def as_float32(t: hf_files.Tensor) -> np.ndarray:
+  """A tensor's values, read from its file, as float32."""
+  return np.memmap(t.file, hf_files.DTYPES[t.code], "r", t.offset, t.shape).astype(np.float32)
 
 
 def drop_shards(folder: pathlib.Path, keep: pathlib.Path) -> int:
@@ -122,30 +124,18 @@ def drop_shards(folder: pathlib.Path, keep: pathlib.Path) -> int:
   return freed
 
 
-def check_export(export: pathlib.Path, source: pathlib.Path, tensor: str, steps: int,
+def check_export(export: pathlib.Path, source: hf_files.Tensor, tensor: str, steps: int,
                  lr: float) -> dict:
   """The export read back: its index's tensors in their shards, and
-  `tensor` against the source's (its shape, how far each element moved)."""
+  `tensor` against the input's `source` (its shape, how far each element moved)."""
   result = {}
   if importlib.util.find_spec("transformers"):
     import transformers
     result["transformers_config"] = type(transformers.AutoConfig.from_pretrained(export)).__name__
-  index = export / "model.safetensors.index.json"
-  if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
-  else:
-    with safetensors.safe_open(str(export / "model.safetensors"), "np") as f:
-      weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-  for shard in sorted(set(weight_map.values())):
-    with safetensors.safe_open(str(export / shard), "np") as f:
-      missing = {n for n, s in weight_map.items() if s == shard} - set(f.keys())
-    if missing:
-      raise soak.Failed("error", [f"{export / shard} lacks {sorted(missing)[:3]}, which the "
-                                  "index names"])
-  result["tensors"] = len(weight_map)
-  result["shards"] = len(set(weight_map.values()))
-  before = read_tensor(shard_of(source, tensor), tensor)
-  after = read_tensor(shard_of(export, tensor), tensor)
+  exported, found = located(export, tensor)
+  result["tensors"] = len(found)
+  result["shards"] = len({t.file for t in found.values()})
+  before, after = as_float32(source), as_float32(exported)
   if before.shape != after.shape:
     raise soak.Failed("error", [f"{tensor}: exported shape {after.shape}, the input's "
                                 f"{before.shape}"])
@@ -173,7 +163,8 @@ def run(args, extra: list[str], work: pathlib.Path) -> dict:
   seq_len, batch = int(option(extra, "--seq-len")), int(option(extra, "--batch-size"))
   if not args.data:
     point["conversations"] = chat_jsonl(data, 2 * (args.steps + 2) * batch * seq_len)
-  keep = shard_of(source, args.check_tensor)
+  checked, _ = located(source, args.check_tensor)
+  keep = pathlib.Path(checked.file)  # what --drop-input leaves
   out, export, log = work / "run", work / "export", work / "run.log"
   cmd = [sys.executable, "-m", "jzo.train", "--init-from", str(source), "--data", str(data),
          *extra, "--steps", str(args.steps), "--log-every", "1", "--checkpoint-every", "0",
@@ -217,7 +208,7 @@ def run(args, extra: list[str], work: pathlib.Path) -> dict:
       import_host_peak_gib=max((s[1] for s in watch.samples if s[0] < first_step), default=0),
       export_s=watch.exited - watch.steps[-1][1] if watch.steps else None)
   lr = max(r["lr"] for r in metrics)
-  point.update(check_export(export, source, args.check_tensor, len(metrics), lr))
+  point.update(check_export(export, checked, args.check_tensor, len(metrics), lr))
   point["status"] = "ok"
   return point
 
