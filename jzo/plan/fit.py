@@ -132,12 +132,6 @@ def estimate(params, *, activations: int = 0, devices: int = 1, stage: int = 2,
     error = None
   except PlacementError as e:
     error, plan = str(e), e.plan  # the plan the numbers are of, to show where memory goes
-    if plan is None:  # else the plan without the checks
-      unchecked = dataclasses.replace(
-          options, offload=1.0 if offload == "auto" else offload,
-          offload_params=True if offload_params == "auto" else offload_params)
-      plan = make_plan(shapes, 2 * moment_dtype.itemsize, unchecked, device_memory=device_memory,
-                       host_memory=host_memory, checked=False, **kw)
   return Estimate(plan, activations, device_memory, host_memory, error)
 
 
